@@ -1,0 +1,50 @@
+import type { Fence } from './fence.js';
+
+/** What `inspect` says about a held lock. */
+export interface LockInfo {
+  readonly name: string;
+  /** The holder label given at acquire, or `null`. */
+  readonly holder: string | null;
+  readonly fence: Fence;
+  /** When the lease was granted, by the server's clock (`null` where the backend does not record it). */
+  readonly acquiredAt: Date | null;
+  /** Time to live left, by the server's clock (`null` where the lock has no TTL, e.g. advisory locks). */
+  readonly remainingMs: number | null;
+}
+
+/** A grant from a backend: the fence, and optionally a signal the backend aborts when it knows the lease is gone. */
+export interface Grant {
+  readonly fence: Fence;
+  readonly lost?: AbortSignal;
+}
+
+/**
+ * The few primitives a lock backend provides; {@link createLockManager}
+ * builds waiting, leases, watchdogs and events on top. Each method is one
+ * round trip and is only called with validated input. Names are already
+ * normalised; tokens are random and unique per grant.
+ */
+export interface LockBackend {
+  /** Short name for messages and events: `redis`, `postgres`, `advisory`. */
+  readonly kind: string;
+  /**
+   * Grants the lock to `token` if it is free or expired, issuing a fence
+   * above every fence this namespace issued before, atomically with the
+   * grant. Returns `null` if someone else holds it. Must be idempotent per
+   * token: a re-sent grant for a token that already holds the lock returns
+   * the same fence.
+   */
+  grant(name: string, token: string, ttlMs: number, holder: string | null): Promise<Grant | null>;
+  /** Resets the TTL if `token` still holds the lock; false if it does not. */
+  extend(name: string, token: string, ttlMs: number): Promise<boolean>;
+  /** Frees the lock if `token` still holds it; false if it did not (it was lost). Never touches another holder's lock. */
+  release(name: string, token: string): Promise<boolean>;
+  inspect(name: string): Promise<LockInfo | null>;
+  /**
+   * Resolves when the lock may have been released (a notification) or after
+   * `ms`, whichever is first, or when `signal` aborts. Never rejects.
+   */
+  waitForRelease(name: string, ms: number, signal: AbortSignal | undefined): Promise<void>;
+  /** Frees what the backend holds (subscriptions, reserved connections). Not the caller's clients. */
+  close(): Promise<void>;
+}

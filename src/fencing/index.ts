@@ -1,0 +1,6 @@
+export type { Grant, LockBackend, LockInfo } from './backend.js';
+export type { LockEvents } from './events.js';
+export { assertFence, type Fence, isFence, MAX_FENCE, toFence } from './fence.js';
+export type { Lease } from './lease.js';
+export { createLockManager, type LockManager } from './lock-manager.js';
+export { type AcquireOptions, checkLockName, checkTtl, MAX_NAME_BYTES, MAX_TTL_MS } from './options.js';

@@ -1,0 +1,175 @@
+import { performance } from 'node:perf_hooks';
+import { LeaseLostError } from '../errors.js';
+import type { LockBackend } from './backend.js';
+import type { Emitter, LockEvents } from './events.js';
+import type { Fence } from './fence.js';
+import { checkTtl } from './options.js';
+
+/**
+ * A granted lock. Holding a lease means "you may write" only until it
+ * expires — which can happen while you are paused. Writes must carry
+ * `fence` to a resource that checks it; `signal` only tells you early.
+ */
+export interface Lease {
+  readonly name: string;
+  /** Random, 128 bits, unique to this grant: release and extend are checked against it. */
+  readonly token: string;
+  readonly fence: Fence;
+  readonly holder: string | null;
+  /**
+   * Aborted (with a `LeaseLostError`) when the lease is known or presumed
+   * lost: an extension found it gone or failed, the local monotonic deadline
+   * passed without a confirmed extension, the backend saw it drop — or it
+   * was released.
+   */
+  readonly signal: AbortSignal;
+  /** Estimate of the expiry on this process's monotonic clock (`performance.now()` ms); the server decides. */
+  readonly expiresAt: number;
+  /**
+   * Resets the TTL (default: the acquire TTL) if this token still holds the
+   * lock. Never re-acquires a lost lease.
+   * @throws {LeaseLostError} if the lease is gone (the signal is aborted too).
+   */
+  extend(ttlMs?: number): Promise<void>;
+  /**
+   * Stops the watchdog and frees the lock if this token still holds it.
+   * Returns `'lost'` (touching nothing) if another holder has it or it
+   * expired. Safe to call more than once.
+   */
+  release(): Promise<'released' | 'lost'>;
+}
+
+/** @internal How the lock manager hands a grant to a lease. */
+export interface LeaseInit {
+  readonly backend: LockBackend;
+  readonly events: Emitter<LockEvents>;
+  readonly name: string;
+  readonly token: string;
+  readonly fence: Fence;
+  readonly holder: string | null;
+  readonly ttlMs: number;
+  /** `performance.now()` just before the grant was sent: the TTL counts from no later than this. */
+  readonly sentAt: number;
+  readonly backendLost: AbortSignal | undefined;
+  readonly autoExtend: boolean;
+  readonly maxHoldMs: number | undefined;
+}
+
+/** @internal */
+export class ActiveLease implements Lease {
+  readonly name: string;
+  readonly token: string;
+  readonly fence: Fence;
+  readonly holder: string | null;
+  readonly #init: LeaseInit;
+  readonly #controller = new AbortController();
+  #expiresAt: number;
+  #deadlineTimer: NodeJS.Timeout | undefined;
+  #watchdog: NodeJS.Timeout | undefined;
+  #released: Promise<'released' | 'lost'> | undefined;
+  #onBackendLost: (() => void) | undefined;
+
+  constructor(init: LeaseInit) {
+    this.#init = init;
+    this.name = init.name;
+    this.token = init.token;
+    this.fence = init.fence;
+    this.holder = init.holder;
+    this.#expiresAt = init.sentAt + init.ttlMs;
+    this.#armDeadline();
+    if (init.backendLost) {
+      this.#onBackendLost = () => this.#lose('the backend lost the lock (connection dropped)');
+      if (init.backendLost.aborted) this.#onBackendLost();
+      else init.backendLost.addEventListener('abort', this.#onBackendLost, { once: true });
+    }
+    if (init.autoExtend) this.#startWatchdog();
+  }
+
+  get signal(): AbortSignal {
+    return this.#controller.signal;
+  }
+
+  get expiresAt(): number {
+    return this.#expiresAt;
+  }
+
+  async extend(ttlMs?: number): Promise<void> {
+    const ttl = ttlMs === undefined ? this.#init.ttlMs : checkTtl(ttlMs);
+    if (this.signal.aborted) throw this.signal.reason;
+    const sentAt = performance.now();
+    let held: boolean;
+    try {
+      held = await this.#init.backend.extend(this.name, this.token, ttl);
+    } catch (err) {
+      // An unconfirmed extension is presumed lost: we cannot know the TTL was reset.
+      this.#lose(`extension failed: ${err instanceof Error ? err.message : String(err)}`);
+      throw this.signal.reason;
+    }
+    if (!held) {
+      this.#lose('an extension found the lock held by someone else or expired');
+      throw this.signal.reason;
+    }
+    if (this.signal.aborted) throw this.signal.reason;
+    this.#expiresAt = sentAt + ttl;
+    this.#armDeadline();
+    this.#init.events.emit('extended', { name: this.name, fence: this.fence, ttlMs: ttl });
+  }
+
+  release(): Promise<'released' | 'lost'> {
+    this.#released ??= this.#release();
+    return this.#released;
+  }
+
+  async #release(): Promise<'released' | 'lost'> {
+    const wasLost = this.signal.aborted;
+    this.#stopTimers();
+    let held = false;
+    try {
+      held = await this.#init.backend.release(this.name, this.token);
+    } finally {
+      this.#abort('released');
+      this.#init.events.emit('released', { name: this.name, fence: this.fence, wasHeld: held && !wasLost });
+    }
+    return held ? 'released' : 'lost';
+  }
+
+  #armDeadline(): void {
+    clearTimeout(this.#deadlineTimer);
+    const ms = Math.max(0, this.#expiresAt - performance.now());
+    this.#deadlineTimer = setTimeout(() => this.#lose('the TTL ran out without a confirmed extension'), ms);
+    this.#deadlineTimer.unref();
+  }
+
+  #startWatchdog(): void {
+    const every = Math.max(1, Math.floor(this.#init.ttlMs / 3));
+    const stopAt =
+      this.#init.maxHoldMs === undefined ? Number.POSITIVE_INFINITY : performance.now() + this.#init.maxHoldMs;
+    const tick = async () => {
+      if (this.signal.aborted || performance.now() >= stopAt) return;
+      try {
+        await this.extend();
+      } catch {
+        return; // extend() has aborted the signal; never re-acquire.
+      }
+      if (!this.signal.aborted) this.#watchdog = setTimeout(tick, every).unref();
+    };
+    this.#watchdog = setTimeout(tick, every).unref();
+  }
+
+  #lose(reason: string): void {
+    if (this.signal.aborted) return;
+    this.#stopTimers();
+    this.#abort(reason);
+    this.#init.events.emit('lost', { name: this.name, fence: this.fence, reason });
+  }
+
+  #abort(reason: string): void {
+    if (!this.signal.aborted) this.#controller.abort(new LeaseLostError(this.name, this.fence, reason));
+  }
+
+  #stopTimers(): void {
+    clearTimeout(this.#deadlineTimer);
+    clearTimeout(this.#watchdog);
+    if (this.#onBackendLost) this.#init.backendLost?.removeEventListener('abort', this.#onBackendLost);
+  }
+}

@@ -1,0 +1,88 @@
+/**
+ * Validation of what callers pass to a lock manager, done before any round
+ * trip so bad input never reaches Redis or Postgres.
+ */
+import { InvalidArgumentError } from '../errors.js';
+
+/** Longest lock name, in UTF-8 bytes. */
+export const MAX_NAME_BYTES = 1024;
+/** Longest lease: one day. A TTL is mandatory and bounded (`PX 1e17` would never expire). */
+export const MAX_TTL_MS = 86_400_000;
+/** Longest bounded wait: one day. */
+export const MAX_WAIT_MS = 86_400_000;
+const MAX_HOLDER_LENGTH = 256;
+
+/** Options of `acquire`, `tryAcquire`, `using` and `acquireAll`. */
+export interface AcquireOptions {
+  /** Lease time to live, an integer in 1 … 86,400,000 ms. Expiry is decided by the server's clock. */
+  readonly ttlMs: number;
+  /** How long `acquire` may wait for the lock (default 10,000 ms; `tryAcquire` never waits). */
+  readonly waitMs?: number;
+  /** Aborts the wait (`LockUnavailableError` with reason `aborted`). Does not release a held lease. */
+  readonly signal?: AbortSignal;
+  /** A label for whoever holds the lease (host, pid, job id), shown by `inspect`. */
+  readonly holder?: string;
+  /** Extend the lease every ttl/3 while it is held (a watchdog). */
+  readonly autoExtend?: boolean;
+  /** With `autoExtend`: stop extending this many ms after the grant, so a stuck holder cannot keep the lock forever. */
+  readonly maxHoldMs?: number;
+}
+
+/** Options after validation, with defaults applied. */
+export interface CheckedOptions {
+  readonly ttlMs: number;
+  readonly waitMs: number;
+  readonly signal: AbortSignal | undefined;
+  readonly holder: string | null;
+  readonly autoExtend: boolean;
+  readonly maxHoldMs: number | undefined;
+}
+
+/**
+ * Checks a lock name and returns it in Unicode NFC, so the composed and
+ * decomposed spellings of one name are one lock.
+ * @throws {InvalidArgumentError} empty, NUL, lone surrogates, or over 1,024 UTF-8 bytes.
+ */
+export function checkLockName(name: unknown): string {
+  if (typeof name !== 'string' || name.length === 0)
+    throw new InvalidArgumentError('lock name must be a non-empty string');
+  if (!name.isWellFormed())
+    throw new InvalidArgumentError('lock name must be well-formed Unicode (no lone surrogates)');
+  if (name.includes('\u0000')) throw new InvalidArgumentError('lock name must not contain NUL');
+  const normal = name.normalize('NFC');
+  if (Buffer.byteLength(normal, 'utf8') > MAX_NAME_BYTES) {
+    throw new InvalidArgumentError(`lock name must be at most ${MAX_NAME_BYTES} UTF-8 bytes`);
+  }
+  return normal;
+}
+
+/** @throws {InvalidArgumentError} unless `ttlMs` is an integer in 1 … 86,400,000. */
+export function checkTtl(ttlMs: unknown, what = 'ttlMs'): number {
+  if (typeof ttlMs !== 'number' || !Number.isInteger(ttlMs) || ttlMs < 1 || ttlMs > MAX_TTL_MS) {
+    throw new InvalidArgumentError(`${what} must be an integer in 1 … ${MAX_TTL_MS}`);
+  }
+  return ttlMs;
+}
+
+/** Validates acquire options and applies defaults. */
+export function checkOptions(options: AcquireOptions | undefined, defaultWaitMs: number): CheckedOptions {
+  if (options === null || typeof options !== 'object')
+    throw new InvalidArgumentError('lock options are required (ttlMs at least)');
+  const ttlMs = checkTtl(options.ttlMs);
+  const waitMs = options.waitMs ?? defaultWaitMs;
+  if (typeof waitMs !== 'number' || !Number.isFinite(waitMs) || waitMs < 0 || waitMs > MAX_WAIT_MS) {
+    throw new InvalidArgumentError(`waitMs must be a number in 0 … ${MAX_WAIT_MS}`);
+  }
+  if (options.signal !== undefined && !(options.signal instanceof AbortSignal)) {
+    throw new InvalidArgumentError('signal must be an AbortSignal');
+  }
+  const holder = options.holder ?? null;
+  if (holder !== null && (typeof holder !== 'string' || holder.length > MAX_HOLDER_LENGTH || !holder.isWellFormed())) {
+    throw new InvalidArgumentError(`holder must be a well-formed string of at most ${MAX_HOLDER_LENGTH} characters`);
+  }
+  const maxHoldMs = options.maxHoldMs;
+  if (maxHoldMs !== undefined && (typeof maxHoldMs !== 'number' || !Number.isInteger(maxHoldMs) || maxHoldMs < 1)) {
+    throw new InvalidArgumentError('maxHoldMs must be a positive integer');
+  }
+  return { ttlMs, waitMs, signal: options.signal, holder, autoExtend: options.autoExtend === true, maxHoldMs };
+}

@@ -1,0 +1,20 @@
+/**
+ * palisade: fencing-aware data access on Postgres. A lock grants a fence;
+ * every write through a fenced repository is conditional on it, so the
+ * database itself refuses a write from a holder whose lease has expired.
+ */
+export { type Database, DatabaseError } from './driver.js';
+export {
+  FenceSourceError,
+  InvalidArgumentError,
+  LeaseLostError,
+  LockUnavailableError,
+  PalisadeError,
+  RetryableWriteError,
+  RowMissingError,
+  StaleFenceError,
+} from './errors.js';
+export * from './fencing/index.js';
+export { type MigrateOptions, migrate, PALISADE_MIGRATIONS } from './migrate.js';
+export * from './repo/index.js';
+export * from './schema/index.js';

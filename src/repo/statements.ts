@@ -1,0 +1,201 @@
+/**
+ * The SQL of every fenced write. Each is ONE statement: the write itself
+ * plus a sibling CTE that reads the row as it was before the statement, so
+ * the same round trip says why a write did not apply (data-modifying CTEs
+ * and their siblings share the statement's snapshot).
+ *
+ * Plain values become placeholders, so a statement's text depends only on
+ * its shape (which columns, which of them are SQL expressions) and can be
+ * compiled once and reused; see `statementKey`.
+ */
+import { is, Param, SQL, sql } from 'drizzle-orm';
+import type { PgColumn } from 'drizzle-orm/pg-core';
+import type { TableInfo } from './table.js';
+
+/** `reject`: a fence writes a row at most once (`<`). `allow`: `<=`, for several writes per grant. */
+export type SameFence = 'reject' | 'allow';
+
+/** A statement ready to compile, with the values for its placeholders. */
+export interface Statement {
+  /** Identifies the statement's text; `undefined` when an SQL value makes it one-off. */
+  readonly key: string | undefined;
+  readonly build: () => SQL;
+  readonly values: Record<string, unknown>;
+}
+
+type Entries = readonly (readonly [string, unknown])[];
+
+// Result columns. Prefixed so they cannot collide with a user's column names.
+export const APPLIED = 'palisade_applied';
+export const PREV_FENCE = 'palisade_prev_fence';
+export const PREV_DELETED = 'palisade_prev_deleted';
+
+const fenceParam = (info: TableInfo) => new Param(sql.placeholder('fence'), info.table.lastFence);
+const cmp = (same: SameFence) => sql.raw(same === 'allow' ? '<=' : '<');
+const bare = (column: PgColumn) => sql.identifier(column.name);
+
+/** A placeholder encoded by `column`, or the SQL expression itself. */
+function bind(values: Record<string, unknown>, name: string, value: unknown, column: PgColumn): SQL | Param {
+  if (is(value, SQL)) return value;
+  values[name] = value;
+  return new Param(sql.placeholder(name), column);
+}
+
+function shape(method: string, info: TableInfo, same: SameFence, entries: Entries): string | undefined {
+  if (entries.some(([, v]) => is(v, SQL))) return undefined;
+  return `${info.label}|${Object.keys(info.columns).join(',')}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
+}
+
+function keyCondition(info: TableInfo, key: Entries, values: Record<string, unknown>): SQL {
+  return sql.join(
+    key.map(([name, value], i) => {
+      const column = info.columns[name] as PgColumn;
+      return sql`${column} = ${bind(values, `k${i}`, value, column)}`;
+    }),
+    sql` and `,
+  );
+}
+
+function sets(info: TableInfo, patch: Entries, values: Record<string, unknown>): SQL[] {
+  return patch.map(([name, value], i) => {
+    const column = info.columns[name] as PgColumn;
+    return sql`${bare(column)} = ${bind(values, `v${i}`, value, column)}`;
+  });
+}
+
+/** Reads the row before the write and joins the write's RETURNING onto it: always exactly one result row. */
+function withPrevious(info: TableInfo, where: SQL, write: SQL): SQL {
+  const t = info.table;
+  return sql`with prev as (select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${where}),
+w as (${write})
+select w.*, (select fence from prev) as ${sql.identifier(PREV_FENCE)}, (select deleted from prev) as ${sql.identifier(PREV_DELETED)}
+from (select 1) as palisade_one left join w on true`;
+}
+
+const returning = sql.raw(`returning *, true as ${APPLIED}`);
+
+/**
+ * `UPDATE … SET patch, last_fence = $fence WHERE key AND live AND last_fence < $fence`.
+ * A second CTE raises a tombstone's fence, so a lower fence cannot later
+ * resurrect a row that a higher fence found deleted.
+ */
+export function updateStatement(
+  info: TableInfo,
+  key: Entries,
+  patch: Entries,
+  fence: bigint,
+  same: SameFence,
+): Statement {
+  const values: Record<string, unknown> = { fence };
+  const t = info.table;
+  const build = () => {
+    const where = keyCondition(info, key, values);
+    const assignments = [...sets(info, patch, values), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
+    return withPrevious(
+      info,
+      where,
+      sql`update ${t} set ${sql.join(assignments, sql`, `)}
+  where ${where} and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}),
+tomb as (update ${t} set ${bare(t.lastFence)} = ${fenceParam(info)}
+  where ${where} and ${t.deletedAt} is not null and ${t.lastFence} < ${fenceParam(info)} returning 1`,
+    );
+  };
+  const statement = { key: shape('update', info, same, patch), build, values };
+  fillValues(statement, key, patch);
+  return statement;
+}
+
+/**
+ * `INSERT … ON CONFLICT (key) DO UPDATE SET … WHERE last_fence < excluded.last_fence`.
+ * Clears a tombstone only for a fence above the one that deleted the row.
+ */
+export function upsertStatement(
+  info: TableInfo,
+  key: Entries,
+  row: Entries,
+  fence: bigint,
+  same: SameFence,
+): Statement {
+  const values: Record<string, unknown> = { fence };
+  const t = info.table;
+  const build = () => {
+    const where = keyCondition(info, key, values);
+    const columns = row.map(([name]) => info.columns[name] as PgColumn);
+    const inserted = row.map(([name, value], i) => bind(values, `v${i}`, value, info.columns[name] as PgColumn));
+    const keyColumns = info.keyNames.map((name) => bare(info.columns[name] as PgColumn));
+    const updates = columns
+      .filter((c) => !info.keyNames.some((k) => info.columns[k] === c))
+      .map((c) => sql`${bare(c)} = excluded.${bare(c)}`);
+    updates.push(sql`${bare(t.lastFence)} = excluded.${bare(t.lastFence)}`, sql`${bare(t.deletedAt)} = null`);
+    return withPrevious(
+      info,
+      where,
+      sql`insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bare(t.deletedAt)], sql`, `)})
+  values (${sql.join([...inserted, fenceParam(info), sql`null`], sql`, `)})
+  on conflict (${sql.join(keyColumns, sql`, `)}) do update set ${sql.join(updates, sql`, `)}
+  where ${t.lastFence} ${cmp(same)} excluded.${bare(t.lastFence)} ${returning}`,
+    );
+  };
+  const statement = { key: shape('upsert', info, same, row), build, values };
+  fillValues(statement, key, row);
+  return statement;
+}
+
+/** Marks the row deleted (a tombstone that keeps the fence); on a tombstone, only raises its fence. */
+export function deleteStatement(info: TableInfo, key: Entries, fence: bigint, same: SameFence): Statement {
+  const values: Record<string, unknown> = { fence };
+  const t = info.table;
+  const build = () => {
+    const where = keyCondition(info, key, values);
+    return withPrevious(
+      info,
+      where,
+      sql`update ${t} set ${bare(t.deletedAt)} = coalesce(${t.deletedAt}, now()), ${bare(t.lastFence)} = ${fenceParam(info)}
+  where ${where} and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}`,
+    );
+  };
+  const statement = { key: shape('delete', info, same, []), build, values };
+  fillValues(statement, key, []);
+  return statement;
+}
+
+/**
+ * Fenced update of every live row matching `where`, counting rows matched
+ * and applied. With `allOrNothing` the matching rows are locked first and
+ * nothing is written if any of them is at or above the fence.
+ */
+export function updateWhereStatement(
+  info: TableInfo,
+  where: SQL,
+  patch: Entries,
+  fence: bigint,
+  same: SameFence,
+  allOrNothing: boolean,
+): Statement {
+  const values: Record<string, unknown> = { fence };
+  const t = info.table;
+  const keyColumns = info.keyNames.map((name) => info.columns[name] as PgColumn);
+  const assignments = [...sets(info, patch, values), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
+  const guard = allOrNothing
+    ? sql` and not exists (select 1 from target where not (target.fence ${cmp(same)} ${fenceParam(info)}))`
+    : sql``;
+  const query = sql`with target as (select ${sql.join(keyColumns, sql`, `)}, ${t.lastFence} as fence from ${t}
+  where (${where}) and ${t.deletedAt} is null${allOrNothing ? sql` for update` : sql``}),
+w as (update ${t} set ${sql.join(assignments, sql`, `)}
+  where (${sql.join(keyColumns, sql`, `)}) in (select ${sql.join(keyColumns.map(bare), sql`, `)} from target)
+  and ${t.lastFence} ${cmp(same)} ${fenceParam(info)}${guard} returning 1)
+select (select count(*) from w) as applied, (select count(*) from target) as matched`;
+  // `where` is caller SQL with its own inline parameters: never cached.
+  return { key: undefined, build: () => query, values };
+}
+
+// Placeholder values must exist even when the cached text is reused and
+// `build` (which records them) does not run.
+function fillValues(statement: Statement, key: Entries, patch: Entries): void {
+  key.forEach(([, value], i) => {
+    statement.values[`k${i}`] = value;
+  });
+  patch.forEach(([, value], i) => {
+    if (!is(value, SQL)) statement.values[`v${i}`] = value;
+  });
+}

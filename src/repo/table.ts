@@ -1,0 +1,118 @@
+/**
+ * What a repository needs to know about a fenced table, worked out once:
+ * its primary-key columns, how to turn a driver row into a drizzle row, and
+ * what a valid key or patch looks like. The generic "any table" types stop
+ * here (drizzle issues #4207, #4367): everything above sees `FencedTable`.
+ */
+import { getTableColumns, is, SQL } from 'drizzle-orm';
+import { getTableConfig, type PgColumn, type PgTable } from 'drizzle-orm/pg-core';
+import type { RawRow } from '../driver.js';
+import { InvalidArgumentError } from '../errors.js';
+
+/** A drizzle `pgTable` that spreads `fenceColumns()`. */
+export type FencedTable = PgTable & { lastFence: PgColumn; deletedAt: PgColumn };
+
+/** A row as drizzle selects it. */
+export type RowOf<T extends FencedTable> = T['$inferSelect'];
+
+/** A primary key: the key columns (by their TypeScript names) and their values. */
+export type KeyOf<T extends FencedTable> = Partial<T['$inferSelect']>;
+
+type Writable<T extends FencedTable> = Omit<T['$inferInsert'], 'lastFence' | 'deletedAt'>;
+
+/** Columns to change, each a value or an SQL expression (`sql\`${t.n} + 1\``). The fence columns are palisade's. */
+export type PatchOf<T extends FencedTable> = { [K in keyof Writable<T>]?: Writable<T>[K] | SQL };
+
+/** Values for an upsert: a full insert row (fence columns excluded), values or SQL. */
+export type ValuesOf<T extends FencedTable> = { [K in keyof Writable<T>]: Writable<T>[K] | SQL };
+
+/** The table facts a repository uses on every call. */
+export interface TableInfo {
+  readonly table: FencedTable;
+  /** `schema.name` or `name`, for messages and statement cache keys. */
+  readonly label: string;
+  /** TypeScript key → column, every column. */
+  readonly columns: Readonly<Record<string, PgColumn>>;
+  /** TypeScript keys of the primary key, in declaration order. */
+  readonly keyNames: readonly string[];
+}
+
+const FENCE_KEYS = new Set(['lastFence', 'deletedAt']);
+
+/**
+ * Inspects `table` and checks it is fenced and has a primary key.
+ * @throws {InvalidArgumentError} when it is not a fenced table with a primary key.
+ */
+export function describeTable(table: FencedTable): TableInfo {
+  const config = getTableConfig(table);
+  const label = config.schema ? `${config.schema}.${config.name}` : config.name;
+  const columns = getTableColumns(table) as Record<string, PgColumn>;
+  if (columns.lastFence?.name !== 'last_fence' || columns.deletedAt?.name !== 'deleted_at') {
+    throw new InvalidArgumentError(`table ${label} is not fenced: spread fenceColumns() into it`);
+  }
+  const byColumn = new Map(Object.entries(columns).map(([key, col]) => [col, key]));
+  const composite = config.primaryKeys[0]?.columns;
+  const keyColumns = composite ?? Object.values(columns).filter((c) => c.primary);
+  if (keyColumns.length === 0) throw new InvalidArgumentError(`table ${label} has no primary key`);
+  const keyNames = keyColumns.map((c) => {
+    const name = byColumn.get(c as PgColumn);
+    if (!name) throw new InvalidArgumentError(`table ${label}: primary-key column ${c.name} not found`);
+    return name;
+  });
+  return { table, label, columns, keyNames };
+}
+
+/**
+ * Checks that `key` names exactly the primary-key columns, each with a
+ * non-null value, and returns its entries in key order.
+ */
+export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
+  if (key === null || typeof key !== 'object' || Array.isArray(key)) {
+    throw new InvalidArgumentError(`key for ${info.label} must be an object of its primary-key columns`);
+  }
+  const given = Object.keys(key);
+  const extra = given.filter((k) => !info.keyNames.includes(k));
+  if (extra.length > 0) {
+    throw new InvalidArgumentError(`key for ${info.label} has non-key columns: ${extra.join(', ')}`);
+  }
+  return info.keyNames.map((name) => {
+    const value = (key as Record<string, unknown>)[name];
+    if (value === undefined || value === null) {
+      throw new InvalidArgumentError(`key for ${info.label} is missing ${name}`);
+    }
+    return [name, value];
+  });
+}
+
+/**
+ * Checks a patch (or upsert values) and returns its entries, undefined values
+ * dropped. The fence columns are refused always; key columns unless
+ * `allowKey` (an upsert must name its key).
+ */
+export function patchEntries(info: TableInfo, patch: unknown, allowKey: boolean): [string, unknown][] {
+  if (patch === null || typeof patch !== 'object' || Array.isArray(patch) || is(patch, SQL)) {
+    throw new InvalidArgumentError(`patch for ${info.label} must be an object of column values`);
+  }
+  const entries: [string, unknown][] = [];
+  for (const [name, value] of Object.entries(patch)) {
+    if (FENCE_KEYS.has(name) || name === 'last_fence' || name === 'deleted_at') {
+      throw new InvalidArgumentError(`patch for ${info.label} may not set ${name}: palisade writes the fence columns`);
+    }
+    if (!(name in info.columns)) throw new InvalidArgumentError(`${info.label} has no column ${name}`);
+    if (!allowKey && info.keyNames.includes(name)) {
+      throw new InvalidArgumentError(`patch for ${info.label} may not change key column ${name}`);
+    }
+    if (value !== undefined) entries.push([name, value]);
+  }
+  return entries;
+}
+
+/** Turns a driver row (database column names, raw values) into a drizzle row. */
+export function mapRow(info: TableInfo, raw: RawRow): Record<string, unknown> {
+  const row: Record<string, unknown> = {};
+  for (const [key, column] of Object.entries(info.columns)) {
+    const value = raw[column.name];
+    row[key] = value === null || value === undefined ? null : column.mapFromDriverValue(value);
+  }
+  return row;
+}

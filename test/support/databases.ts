@@ -1,0 +1,57 @@
+import { randomBytes } from 'node:crypto';
+import { PGlite } from '@electric-sql/pglite';
+import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
+import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
+import type { Database } from '../../src/driver.js';
+import { services } from './services.js';
+
+/** A database of a test's own: dropped (or discarded) by `close()`. */
+export interface TestDatabase {
+  readonly driver: 'pglite' | 'postgres';
+  readonly db: Database;
+  /** For the real Postgres: a URL of this test's own database, for child processes. */
+  readonly url?: string;
+  close(): Promise<void>;
+}
+
+/** An in-memory PGlite: one per test file (each takes seconds and hundreds of MB). */
+export async function pgliteDatabase(): Promise<TestDatabase> {
+  const client = new PGlite();
+  const db = drizzlePglite(client) as unknown as Database;
+  return { driver: 'pglite', db, close: () => client.close() };
+}
+
+/** A fresh database on the real Postgres (`DATABASE_URL`), so tests run in parallel and twice in a row. */
+export async function postgresDatabase(): Promise<TestDatabase> {
+  const base = services.postgres.url;
+  if (!base) throw new Error('DATABASE_URL is not set');
+  const name = `palisade_t_${randomBytes(6).toString('hex')}`;
+  const admin = postgres(base, { max: 1, onnotice: () => {} });
+  await admin.unsafe(`create database ${name}`);
+  const url = withDatabase(base, name);
+  const client = postgres(url, { max: 20, onnotice: () => {} });
+  const db = drizzlePostgres(client) as unknown as Database;
+  return {
+    driver: 'postgres',
+    db,
+    url,
+    async close() {
+      await client.end({ timeout: 5 });
+      await admin.unsafe(`drop database if exists ${name} with (force)`);
+      await admin.end({ timeout: 5 });
+    },
+  };
+}
+
+export function withDatabase(url: string, name: string): string {
+  const u = new URL(url);
+  u.pathname = `/${name}`;
+  return u.toString();
+}
+
+/** The drivers a repository suite runs on: PGlite always, the real Postgres when configured. */
+export const drivers: { name: 'pglite' | 'postgres'; open: () => Promise<TestDatabase> }[] = [
+  { name: 'pglite', open: pgliteDatabase },
+  ...(services.postgres.url ? [{ name: 'postgres' as const, open: postgresDatabase }] : []),
+];

@@ -1,0 +1,32 @@
+import { readdirSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { services } from './services.js';
+
+// Suites mark what they need with `needs('DATABASE_URL')` / `needs('REDIS_URL')`.
+function suitesNeeding(variable: string): string[] {
+  const found: string[] = [];
+  const walk = (dir: string) => {
+    for (const entry of readdirSync(dir, { withFileTypes: true })) {
+      const path = join(dir, entry.name);
+      if (entry.isDirectory()) walk(path);
+      else if (entry.name.endsWith('.test.ts') && readFileSync(path, 'utf8').includes(`needs('${variable}')`))
+        found.push(path);
+    }
+  };
+  walk('test');
+  return found.sort();
+}
+
+/** In CI every service must be configured; elsewhere, name each suite that will skip. */
+export default function setup(): void {
+  for (const service of Object.values(services)) {
+    if (service.url) continue;
+    if (process.env.CI) {
+      throw new Error(`CI=true but ${service.variable} is not set: .ci/run must start the service and export it`);
+    }
+    const suites = suitesNeeding(service.variable);
+    if (suites.length > 0) {
+      console.warn(`skipped (set ${service.variable} to run them): ${suites.join(', ')}`);
+    }
+  }
+}
