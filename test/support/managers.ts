@@ -1,0 +1,46 @@
+/**
+ * Opens a lock manager of any backend from plain configuration, the same
+ * way in a test and in a worker process. Each backend's case lives here so
+ * that suites and workers are written once for all backends.
+ */
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
+import type { Database } from '../../src/driver.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+
+export type BackendKind = 'redis' | 'postgres' | 'advisory';
+
+export interface ManagerConfig {
+  readonly kind: BackendKind;
+  readonly namespace: string;
+  /** A database of the test's own on the real Postgres (palisade migrated). */
+  readonly databaseUrl: string;
+  readonly redisUrl?: string;
+}
+
+export interface OpenManager {
+  readonly manager: LockManager;
+  /** A drizzle database on `databaseUrl`, for fenced repositories. */
+  readonly db: Database;
+  close(): Promise<void>;
+}
+
+export async function openManager(config: ManagerConfig): Promise<OpenManager> {
+  const client = postgres(config.databaseUrl, { max: 4, onnotice: () => {} });
+  const db = drizzle(client) as unknown as Database;
+  const closers: (() => Promise<unknown>)[] = [];
+  let manager: LockManager;
+  switch (config.kind) {
+    default:
+      throw new Error(`backend ${config.kind} is not wired into test/support/managers.ts yet`);
+  }
+  return {
+    manager,
+    db,
+    async close() {
+      await manager.close();
+      for (const close of closers) await close();
+      await client.end({ timeout: 5 });
+    },
+  };
+}

@@ -1,0 +1,24 @@
+import { randomBytes } from 'node:crypto';
+import { sql } from 'drizzle-orm';
+import { migrate } from '../../src/migrate.js';
+import { postgresDatabase, type TestDatabase } from './databases.js';
+
+/**
+ * A fresh real-Postgres database for a multi-process scenario: palisade
+ * migrated, the seed's `resource` row (id 1, fence 0) and an `occupancy`
+ * counter that workers raise while inside a critical section.
+ */
+export async function scenarioDatabase(): Promise<TestDatabase> {
+  const test = await postgresDatabase();
+  await migrate(test.db);
+  await test.db.execute(sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`);
+  await test.db.execute(sql`insert into resource (id, value) values (1, 'initial')`);
+  await test.db.execute(sql`create table occupancy (id int primary key, inside int not null)`);
+  await test.db.execute(sql`insert into occupancy values (1, 0)`);
+  return test;
+}
+
+/** A namespace (or key prefix) no other test uses. */
+export function uniqueNamespace(prefix = 't'): string {
+  return `${prefix}-${randomBytes(5).toString('hex')}`;
+}

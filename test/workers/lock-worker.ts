@@ -1,0 +1,102 @@
+/**
+ * A lock holder in its own OS process, driven by the parent over stdin (one
+ * JSON command a line) and reporting on stdout (one JSON message a line).
+ * argv[2]: JSON { kind, namespace, databaseUrl, redisUrl, lock, ttlMs, waitMs, autoExtend, holder }.
+ */
+import { createInterface } from 'node:readline';
+import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import type { Lease } from '../../src/fencing/lease.js';
+import { openManager, type ManagerConfig } from '../support/managers.js';
+
+/** The row the seed's writers fight over; the parent creates it. */
+export const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+export const occupancy = pgTable('occupancy', { id: integer('id').primaryKey(), inside: integer('inside').notNull() });
+
+const args = JSON.parse(process.argv[2] ?? '{}') as ManagerConfig & {
+  lock: string;
+  ttlMs: number;
+  waitMs?: number;
+  autoExtend?: boolean;
+  holder?: string;
+};
+const say = (event: string, data: Record<string, unknown> = {}) =>
+  process.stdout.write(`${JSON.stringify({ event, pid: process.pid, ...data }, (_k, v) => (typeof v === 'bigint' ? v.toString() : v))}\n`);
+
+const { manager, db, close } = await openManager(args);
+const repo = fencedRepository(db, resource);
+const options = { ttlMs: args.ttlMs, waitMs: args.waitMs ?? 10_000, autoExtend: args.autoExtend ?? false, holder: args.holder ?? `pid ${process.pid}` };
+let lease: Lease | undefined;
+
+const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = {
+  async acquire() {
+    try {
+      lease = await manager.acquire(args.lock, options);
+      lease.signal.addEventListener('abort', () => say('lost', { reason: String(lease?.signal.reason) }));
+      say('acquired', { fence: lease.fence });
+    } catch (err) {
+      say('unavailable', { code: (err as { code?: string }).code });
+    }
+  },
+  async write(c) {
+    if (!lease) throw new Error('write before acquire');
+    // Straight to the database with the lease's fence: the database, not the lease, decides.
+    const result = await repo.update({ id: 1 }, lease.fence, { value: String(c.value) });
+    say('write', { status: result.status, currentFence: result.status === 'stale' ? result.currentFence : null });
+  },
+  async release() {
+    if (!lease) throw new Error('release before acquire');
+    say('released', { result: await lease.release() });
+  },
+  async using(c) {
+    // Mutual exclusion, observed by the database: `inside` must never exceed 1.
+    let maxInside = 0;
+    const rounds = Number(c.rounds ?? 5);
+    for (let i = 0; i < rounds; i++) {
+      await manager.using(args.lock, options, async () => {
+        const [row] = await db.update(occupancy).set({ inside: sql`${occupancy.inside} + 1` }).where(sql`${occupancy.id} = 1`).returning();
+        maxInside = Math.max(maxInside, row?.inside ?? 0);
+        await new Promise((r) => setTimeout(r, Number(c.holdMs ?? 20)));
+        await db.update(occupancy).set({ inside: sql`${occupancy.inside} - 1` }).where(sql`${occupancy.id} = 1`);
+      });
+    }
+    say('used', { rounds, maxInside });
+  },
+  async grants(c) {
+    const fences: string[] = [];
+    for (let i = 0; i < Number(c.count ?? 10); i++) {
+      const l = await manager.acquire(args.lock, options);
+      fences.push(l.fence.toString());
+      await l.release();
+    }
+    say('grants', { fences });
+  },
+  async inspect() {
+    say('inspect', { info: await manager.inspect(args.lock) });
+  },
+  async hold(c) {
+    // Stay alive (bounded) so the parent can kill or pause us while we hold.
+    await new Promise((r) => setTimeout(r, Number(c.ms ?? 30_000)));
+    say('held');
+  },
+  async exit() {
+    await close();
+    process.exit(0);
+  },
+};
+
+say('ready');
+const queue = createInterface({ input: process.stdin });
+for await (const line of queue) {
+  const command = JSON.parse(line) as Record<string, unknown>;
+  const run = commands[String(command.cmd)];
+  try {
+    if (!run) throw new Error(`unknown command ${String(command.cmd)}`);
+    await run(command);
+  } catch (err) {
+    say('error', { message: err instanceof Error ? err.message : String(err) });
+  }
+}
+await close();
