@@ -1,0 +1,160 @@
+import type { HistoryEvent } from './history.js';
+
+/**
+ * One accepted write as the database recorded it: an audit row inserted in
+ * the same transaction as the fenced write, *after* it — the fenced write
+ * holds the row lock, so audit ids of one key follow commit order.
+ */
+export interface AuditRow {
+  /** Increasing in insertion order (a bigserial). */
+  readonly id: bigint | number | string;
+  readonly key: string;
+  readonly fence: bigint | number | string;
+  readonly process: string;
+}
+
+/** What the checker is given besides the history. */
+export interface CheckInput {
+  readonly history: readonly HistoryEvent[];
+  readonly audit: readonly AuditRow[];
+  /** Final value of each counter row, by key. */
+  readonly counters: Readonly<Record<string, number>>;
+}
+
+/** The checker's findings. `anomalies` empty means "no anomalies found" — not "proven safe". */
+export interface Report {
+  readonly ops: { ok: number; fail: number; unknown: number };
+  readonly staleWrites: { attempted: number; rejected: number; accepted: number };
+  /** Pairs of "I believe I hold it" intervals on one lock that overlapped in time: > 0 shows the faults bit. */
+  readonly overlappingHolds: number;
+  readonly fencesIssued: number;
+  readonly anomalies: readonly string[];
+}
+
+/**
+ * Checks a history of fenced counter increments against the audit trail:
+ *
+ * - per key, accepted fences strictly increase in commit order, so no write
+ *   was accepted after a higher fence had been;
+ * - every accepted fence was issued (by an `acquire ok`) to the process that
+ *   used it, and no fence was issued twice;
+ * - each counter equals its acknowledged increments, within ok … ok + unknown,
+ *   and equals its number of audit rows;
+ * - after the faults stopped, a `probe` acquire (the runner bounds its wait
+ *   by one TTL) succeeded.
+ *
+ * Like Jepsen's checkers it can find anomalies, not prove their absence.
+ */
+export function checkHistory(input: CheckInput): Report {
+  const anomalies: string[] = [];
+  const completions = input.history.filter((e) => e.type !== 'invoke');
+  const ops = {
+    ok: completions.filter((e) => e.type === 'ok').length,
+    fail: completions.filter((e) => e.type === 'fail').length,
+    unknown: completions.filter((e) => e.type === 'unknown').length,
+  };
+
+  // Fences issued, and to whom.
+  const issuedTo = new Map<string, string>();
+  for (const e of input.history) {
+    if (e.op !== 'acquire' || e.type !== 'ok' || e.fence === undefined) continue;
+    const owner = issuedTo.get(e.fence);
+    if (owner !== undefined) anomalies.push(`fence ${e.fence} issued twice (to ${owner} and ${e.process})`);
+    else issuedTo.set(e.fence, e.process);
+  }
+
+  // Commit order per key.
+  const byKey = new Map<string, AuditRow[]>();
+  for (const row of [...input.audit].sort((a, b) => compare(BigInt(a.id), BigInt(b.id)))) {
+    const rows = byKey.get(row.key) ?? [];
+    rows.push(row);
+    byKey.set(row.key, rows);
+  }
+  let acceptedStale = 0;
+  for (const [key, rows] of byKey) {
+    let highest: bigint | undefined;
+    for (const row of rows) {
+      const fence = BigInt(row.fence);
+      if (highest !== undefined && fence <= highest) {
+        acceptedStale++;
+        anomalies.push(`key ${key}: fence ${fence} accepted after fence ${highest} (audit id ${row.id})`);
+      }
+      if (highest === undefined || fence > highest) highest = fence;
+      const owner = issuedTo.get(fence.toString());
+      if (owner === undefined) anomalies.push(`key ${key}: accepted fence ${fence} was never issued`);
+      else if (owner !== row.process)
+        anomalies.push(`key ${key}: fence ${fence} issued to ${owner} but used by ${row.process}`);
+    }
+  }
+
+  // Counters against acknowledged increments.
+  for (const [key, value] of Object.entries(input.counters)) {
+    const incs = input.history.filter((e) => e.op === 'increment' && e.key === key);
+    const ok = incs.filter((e) => e.type === 'ok').length;
+    const unknown = incs.filter((e) => e.type === 'unknown').length;
+    if (value < ok || value > ok + unknown) {
+      anomalies.push(`key ${key}: counter ${value} outside acknowledged increments ${ok} … ${ok + unknown}`);
+    }
+    const audited = byKey.get(key)?.length ?? 0;
+    if (audited !== value) anomalies.push(`key ${key}: counter ${value} but ${audited} audited writes`);
+  }
+
+  // Nothing wedged: a probe acquire after the faults, whose waitMs the runner bounds by one TTL.
+  const probe = input.history.find((e) => e.op === 'probe' && e.type !== 'invoke');
+  if (probe?.type !== 'ok')
+    anomalies.push('no successful probe acquire (waiting at most one TTL) after the faults stopped');
+
+  const rejected = input.history.filter(
+    (e) => e.op === 'increment' && e.type === 'fail' && e.reason === 'stale',
+  ).length;
+  return {
+    ops,
+    staleWrites: { attempted: rejected + acceptedStale, rejected, accepted: acceptedStale },
+    overlappingHolds: countOverlaps(input.history),
+    fencesIssued: issuedTo.size,
+    anomalies,
+  };
+}
+
+/** Hold intervals: from `acquire ok` to the holder's next `release` invoke, lease loss or end of its history. */
+function countOverlaps(history: readonly HistoryEvent[]): number {
+  const intervals: { lock: string; process: string; from: number; to: number }[] = [];
+  const open = new Map<string, { lock: string; from: number }>();
+  const last = history.at(-1)?.time ?? 0;
+  for (const e of history) {
+    if (e.op === 'acquire' && e.type === 'ok' && e.lock) open.set(e.process, { lock: e.lock, from: e.time });
+    const ends = (e.op === 'release' && e.type === 'invoke') || e.op === 'lost' || e.op === 'start';
+    const held = open.get(e.process);
+    if (ends && held) {
+      intervals.push({ lock: held.lock, process: e.process, from: held.from, to: e.time });
+      open.delete(e.process);
+    }
+  }
+  for (const [process, held] of open) intervals.push({ lock: held.lock, process, from: held.from, to: last });
+  let overlaps = 0;
+  for (let i = 0; i < intervals.length; i++) {
+    for (let j = i + 1; j < intervals.length; j++) {
+      const a = intervals[i] as (typeof intervals)[number];
+      const b = intervals[j] as (typeof intervals)[number];
+      if (a.lock === b.lock && a.process !== b.process && a.from < b.to && b.from < a.to) overlaps++;
+    }
+  }
+  return overlaps;
+}
+
+/** A report as text, worded like Jepsen's: "no anomalies found", never "proven safe". */
+export function formatReport(report: Report): string {
+  const lines = [
+    `operations: ${report.ops.ok} ok, ${report.ops.fail} failed, ${report.ops.unknown} unknown`,
+    `fences issued: ${report.fencesIssued}`,
+    `stale writes: ${report.staleWrites.attempted} attempted, ${report.staleWrites.rejected} rejected, ${report.staleWrites.accepted} accepted`,
+    `overlapping "I hold it" intervals: ${report.overlappingHolds}`,
+    report.anomalies.length === 0 ? 'no anomalies found' : `${report.anomalies.length} anomalies found:`,
+    ...report.anomalies.slice(0, 50).map((a) => `  - ${a}`),
+  ];
+  return lines.join('\n');
+}
+
+function compare(a: bigint, b: bigint): number {
+  return a < b ? -1 : a > b ? 1 : 0;
+}

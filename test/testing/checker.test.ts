@@ -1,0 +1,89 @@
+import { describe, expect, it } from 'vitest';
+import { type AuditRow, checkHistory, formatReport, type HistoryEvent } from '../../src/testing/index.js';
+
+let clock = 0;
+const ev = (
+  process: string,
+  type: HistoryEvent['type'],
+  op: string,
+  extra: Partial<HistoryEvent> = {},
+): HistoryEvent => ({
+  process,
+  type,
+  op,
+  time: ++clock,
+  ...extra,
+});
+
+/** Two workers on lock L: w1 gets fence 1, pauses; w2 gets fence 2 and increments; w1's late write is refused. */
+function cleanRun(): { history: HistoryEvent[]; audit: AuditRow[] } {
+  const history = [
+    ev('w1', 'invoke', 'acquire', { lock: 'L' }),
+    ev('w1', 'ok', 'acquire', { lock: 'L', fence: '1' }),
+    ev('w2', 'invoke', 'acquire', { lock: 'L' }),
+    ev('w2', 'ok', 'acquire', { lock: 'L', fence: '2' }),
+    ev('w2', 'invoke', 'increment', { key: 'c', fence: '2' }),
+    ev('w2', 'ok', 'increment', { key: 'c', fence: '2' }),
+    ev('w1', 'invoke', 'increment', { key: 'c', fence: '1' }),
+    ev('w1', 'fail', 'increment', { key: 'c', fence: '1', reason: 'stale' }),
+    ev('w2', 'invoke', 'release', { lock: 'L' }),
+    ev('w2', 'ok', 'release', { lock: 'L' }),
+    ev('w1', 'invoke', 'release', { lock: 'L' }),
+    ev('w1', 'ok', 'release', { lock: 'L' }),
+    ev('probe', 'invoke', 'probe', { lock: 'L' }),
+    ev('probe', 'ok', 'probe', { lock: 'L', fence: '3' }),
+  ];
+  return { history, audit: [{ id: 1, key: 'c', fence: '2', process: 'w2' }] };
+}
+
+describe('checkHistory', () => {
+  it('finds no anomalies in a run where the stale write was refused, and sees the overlap', () => {
+    const report = checkHistory({ ...cleanRun(), counters: { c: 1 } });
+    expect(report.anomalies).toEqual([]);
+    expect(report.staleWrites).toEqual({ attempted: 1, rejected: 1, accepted: 0 });
+    expect(report.overlappingHolds).toBe(1);
+    expect(report.fencesIssued).toBe(2);
+    expect(formatReport(report)).toContain('no anomalies found');
+  });
+
+  it('reports a lower fence accepted after a higher one', () => {
+    const run = cleanRun();
+    const audit = [...run.audit, { id: 2, key: 'c', fence: '1', process: 'w1' }];
+    const report = checkHistory({ history: run.history, audit, counters: { c: 2 } });
+    expect(report.staleWrites.accepted).toBe(1);
+    expect(report.anomalies.join('\n')).toMatch(/fence 1 accepted after fence 2/);
+  });
+
+  it('reports a fence issued twice and a fence used by a process it was not issued to', () => {
+    const run = cleanRun();
+    const history = [...run.history, ev('w3', 'ok', 'acquire', { lock: 'L', fence: '2' })];
+    const audit = [{ id: 1, key: 'c', fence: '2', process: 'w1' }];
+    const anomalies = checkHistory({ history, audit, counters: { c: 1 } }).anomalies.join('\n');
+    expect(anomalies).toMatch(/fence 2 issued twice/);
+    expect(anomalies).toMatch(/issued to w2 but used by w1/);
+  });
+
+  it('reports a counter outside the acknowledged increments, and an unaudited change', () => {
+    const report = checkHistory({ ...cleanRun(), counters: { c: 3 } });
+    expect(report.anomalies.join('\n')).toMatch(/counter 3 outside acknowledged increments 1 … 1/);
+    expect(report.anomalies.join('\n')).toMatch(/counter 3 but 1 audited writes/);
+  });
+
+  it('accepts a counter within ok … ok + unknown', () => {
+    const run = cleanRun();
+    const history = [
+      ...run.history,
+      ev('w2', 'invoke', 'increment', { key: 'c', fence: '2' }),
+      ev('w2', 'unknown', 'increment', { key: 'c' }),
+    ];
+    expect(checkHistory({ history, audit: run.audit, counters: { c: 1 } }).anomalies).toEqual([]);
+  });
+
+  it('reports a wedged lock: no successful probe', () => {
+    const run = cleanRun();
+    const history = run.history.filter((e) => e.op !== 'probe');
+    expect(checkHistory({ history, audit: run.audit, counters: { c: 1 } }).anomalies).toContain(
+      'no successful probe acquire (waiting at most one TTL) after the faults stopped',
+    );
+  });
+});
