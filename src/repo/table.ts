@@ -50,12 +50,13 @@ export function describeTable(table: FencedTable): TableInfo {
   if (columns.lastFence?.name !== 'last_fence' || columns.deletedAt?.name !== 'deleted_at') {
     throw new InvalidArgumentError(`table ${label} is not fenced: spread fenceColumns() into it`);
   }
-  const byColumn = new Map(Object.entries(columns).map(([key, col]) => [col, key]));
+  // By database name: `primaryKey({ columns })` holds copies made for the extra config, not these columns.
+  const byName = new Map(Object.entries(columns).map(([key, col]) => [col.name, key]));
   const composite = config.primaryKeys[0]?.columns;
   const keyColumns = composite ?? Object.values(columns).filter((c) => c.primary);
   if (keyColumns.length === 0) throw new InvalidArgumentError(`table ${label} has no primary key`);
   const keyNames = keyColumns.map((c) => {
-    const name = byColumn.get(c as PgColumn);
+    const name = byName.get(c.name);
     if (!name) throw new InvalidArgumentError(`table ${label}: primary-key column ${c.name} not found`);
     return name;
   });
