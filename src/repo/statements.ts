@@ -8,7 +8,7 @@
  * its shape (which columns, which of them are SQL expressions) and can be
  * compiled once and reused; see `statementKey`.
  */
-import { is, Param, SQL, sql } from 'drizzle-orm';
+import { type DriverValueEncoder, is, Param, SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import type { TableInfo } from './table.js';
 
@@ -38,8 +38,14 @@ const bare = (column: PgColumn) => sql.identifier(column.name);
 function bind(values: Record<string, unknown>, name: string, value: unknown, column: PgColumn): SQL | Param {
   if (is(value, SQL)) return value;
   values[name] = value;
-  return new Param(sql.placeholder(name), column);
+  return new Param(sql.placeholder(name), nullable(column));
 }
+
+// drizzle passes a placeholder's value to the column's encoder even when it
+// is null: a timestamp's would throw, a json column's would store JSON `null`.
+const nullable = (column: PgColumn): DriverValueEncoder<unknown, unknown> => ({
+  mapToDriverValue: (value) => (value === null ? null : column.mapToDriverValue(value)),
+});
 
 function shape(method: string, info: TableInfo, same: SameFence, entries: Entries): string | undefined {
   if (entries.some(([, v]) => is(v, SQL))) return undefined;
