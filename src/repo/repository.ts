@@ -73,7 +73,7 @@ export interface FencedRepository<T extends FencedTable> {
   /**
    * Fenced insert-or-update in one statement. A row deleted with a fence ≥
    * `fence` stays deleted (`stale`). Columns not in `values` keep their
-   * current values on update.
+   * current values on update; a resurrected row takes their defaults.
    */
   upsert(values: ValuesOf<T>, fence: Fence): Promise<WriteResult<RowOf<T>>>;
   /** Fenced delete that leaves a tombstone carrying the fence; `row` is the row as it was deleted. */

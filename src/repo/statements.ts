@@ -114,6 +114,8 @@ tomb as (update ${t} set ${bare(t.lastFence)} = ${fenceParam(info)}
 /**
  * `INSERT … ON CONFLICT (key) DO UPDATE SET … WHERE last_fence < excluded.last_fence`.
  * Clears a tombstone only for a fence above the one that deleted the row.
+ * Columns not in `row` keep their values on a live row and take their
+ * defaults on a resurrected one.
  */
 export function upsertStatement(
   info: TableInfo,
@@ -132,6 +134,12 @@ export function upsertStatement(
     const updates = columns
       .filter((c) => !info.keyNames.some((k) => info.columns[k] === c))
       .map((c) => sql`${bare(c)} = excluded.${bare(c)}`);
+    // A resurrected tombstone is a new row: columns not given take their defaults, not the deleted values.
+    const given = new Set(row.map(([name]) => name));
+    for (const [name, c] of Object.entries(info.columns)) {
+      if (given.has(name) || c === t.lastFence || c === t.deletedAt || c.generated || c.generatedIdentity) continue;
+      updates.push(sql`${bare(c)} = case when ${t.deletedAt} is null then ${c} else excluded.${bare(c)} end`);
+    }
     updates.push(sql`${bare(t.lastFence)} = excluded.${bare(t.lastFence)}`, sql`${bare(t.deletedAt)} = null`);
     return withPrevious(
       info,
