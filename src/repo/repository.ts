@@ -266,8 +266,7 @@ export function fencedRepository<T extends FencedTable>(
       const patch = patchEntries(info, patchIn, false);
       const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
       const [row] = await run(db, statement);
-      const applied = count(row?.applied);
-      return { applied, stale: count(row?.matched) - applied };
+      return { applied: count(row?.applied), stale: count(row?.stale) };
     },
 
     async purgeTombstones(olderThan, opts = {}) {

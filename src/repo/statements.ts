@@ -174,8 +174,8 @@ export function deleteStatement(info: TableInfo, key: Entries, fence: bigint, sa
 }
 
 /**
- * Fenced update of every live row matching `where`, counting rows matched
- * and applied. With `allOrNothing` the matching rows are locked first and
+ * Fenced update of every live row matching `where`, counting rows applied
+ * and refused. With `allOrNothing` the matching rows are locked first and
  * nothing is written if any of them is at or above the fence.
  */
 export function updateWhereStatement(
@@ -193,12 +193,17 @@ export function updateWhereStatement(
   const guard = allOrNothing
     ? sql` and not exists (select 1 from target where not (target.fence ${cmp(same)} ${fenceParam(info)}))`
     : sql``;
+  // Locked, the targets' fences are current: count those that stopped the batch. Unlocked, a row
+  // a concurrent writer raised is refused though its fence looked lower: count what did not apply.
+  const stale = allOrNothing
+    ? sql`(select count(*) from target where not (target.fence ${cmp(same)} ${fenceParam(info)}))`
+    : sql`(select count(*) from target) - (select count(*) from w)`;
   const query = sql`with target as (select ${sql.join(keyColumns, sql`, `)}, ${t.lastFence} as fence from ${t}
   where (${where}) and ${t.deletedAt} is null${allOrNothing ? sql` for update` : sql``}),
 w as (update ${t} set ${sql.join(assignments, sql`, `)}
   where (${sql.join(keyColumns, sql`, `)}) in (select ${sql.join(keyColumns.map(bare), sql`, `)} from target)
   and ${t.lastFence} ${cmp(same)} ${fenceParam(info)}${guard} returning 1)
-select (select count(*) from w) as applied, (select count(*) from target) as matched`;
+select (select count(*) from w) as applied, ${stale} as stale`;
   // `where` is caller SQL with its own inline parameters: never cached.
   return { key: undefined, build: () => query, values };
 }
