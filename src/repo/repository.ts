@@ -24,7 +24,6 @@ import {
   type PatchOf,
   patchEntries,
   type RowOf,
-  type TableInfo,
   type ValuesOf,
 } from './table.js';
 
@@ -228,7 +227,8 @@ export function fencedRepository<T extends FencedTable>(
         .where(where ? and(where, live) : live)) as RowOf<T>[];
     },
 
-    update: (key, fence, patch) => update(db, key, fence, patch),
+    // async: bad input rejects the promise, like every other method, rather than throwing.
+    update: async (key, fence, patch) => update(db, key, fence, patch),
 
     async upsert(valuesIn, fenceIn) {
       const fence = assertFence(fenceIn);
