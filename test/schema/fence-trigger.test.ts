@@ -1,0 +1,200 @@
+/**
+ * The fence trigger: writers that bypass palisade (a plain UPDATE from psql
+ * or another service) are refused by Postgres itself, while every write of a
+ * fenced repository — updates, upserts, tombstone deletes, purges — passes.
+ */
+import { sql } from 'drizzle-orm';
+import { integer, pgTable } from 'drizzle-orm/pg-core';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { type Database, DatabaseError, execute, int8 } from '../../src/driver.js';
+import { toFence } from '../../src/fencing/fence.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import {
+  dropFenceTriggerStatements,
+  FENCE_TRIGGER_SQLSTATE,
+  fenceTriggerSql,
+  fenceTriggerStatements,
+  installFenceTrigger,
+} from '../../src/schema/fence-trigger.js';
+import { pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { needs } from '../support/services.js';
+
+const f = (n: number) => toFence(n);
+let tableCount = 0;
+
+/** A fresh fenced table of this test's own (one PGlite serves the whole file). */
+async function freshTable(db: Database) {
+  const name = `gadgets_${++tableCount}`;
+  await execute(
+    db,
+    sql.raw(
+      `create table ${name} (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
+    ),
+  );
+  const table = pgTable(name, { id: integer('id').primaryKey(), stock: integer('stock').notNull(), ...fenceColumns() });
+  return { name, table };
+}
+
+async function refusal(db: Database, query: string): Promise<DatabaseError> {
+  const error = await execute(db, sql.raw(query)).then(
+    () => undefined,
+    (e: unknown) => e,
+  );
+  expect(error).toBeInstanceOf(DatabaseError);
+  expect((error as DatabaseError).sqlState).toBe(FENCE_TRIGGER_SQLSTATE);
+  return error as DatabaseError;
+}
+
+async function row(db: Database, name: string, id = 1) {
+  const [r] = await execute(
+    db,
+    sql.raw(`select stock, last_fence, deleted_at is not null as deleted from ${name} where id = ${id}`),
+  );
+  return r ? { stock: Number(r.stock), fence: int8(r.last_fence), deleted: r.deleted === true } : undefined;
+}
+
+const suites = [
+  { name: 'pglite', open: pgliteDatabase, enabled: true },
+  { name: 'postgres', open: postgresDatabase, enabled: needs('DATABASE_URL') },
+];
+
+for (const suite of suites) {
+  describe.runIf(suite.enabled)(`fence trigger (${suite.name})`, () => {
+    let test: TestDatabase;
+    beforeAll(async () => {
+      test = await suite.open();
+    });
+    afterAll(async () => {
+      await test?.close();
+    });
+
+    it('without the trigger a plain UPDATE lands (the hole it closes)', async () => {
+      const { name } = await freshTable(test.db);
+      await execute(test.db, sql.raw(`insert into ${name} (id, stock, last_fence) values (1, 5, 7)`));
+      await execute(test.db, sql.raw(`update ${name} set stock = 1`));
+      expect(await row(test.db, name)).toEqual({ stock: 1, fence: 7n, deleted: false });
+    });
+
+    it('refuses UPDATEs that keep or lower last_fence, from any writer', async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      await installFenceTrigger(test.db, table); // idempotent
+      const repo = fencedRepository(test.db, table);
+      expect((await repo.upsert({ id: 1, stock: 5 }, f(3))).status).toBe('applied');
+
+      const error = await refusal(test.db, `update ${name} set stock = 1`);
+      expect(error.message).toMatch(
+        new RegExp(`unfenced update of public\\.${name} refused: last_fence must rise above 3`),
+      );
+      await refusal(test.db, `update ${name} set stock = 1, last_fence = 2`);
+      await refusal(test.db, `update ${name} set deleted_at = now()`);
+      expect(await row(test.db, name)).toEqual({ stock: 5, fence: 3n, deleted: false });
+
+      // Documented non-guarantee: a writer that raises the fence itself passes.
+      await execute(test.db, sql.raw(`update ${name} set stock = 6, last_fence = last_fence + 1`));
+      expect(await row(test.db, name)).toEqual({ stock: 6, fence: 4n, deleted: false });
+    });
+
+    it("lets every fenced repository write through, and still reports stale writes as 'stale'", async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      expect((await repo.upsert({ id: 1, stock: 5 }, f(1))).status).toBe('applied');
+      expect((await repo.upsert({ id: 1, stock: 6 }, f(2))).status).toBe('applied'); // ON CONFLICT DO UPDATE
+      expect((await repo.update({ id: 1 }, f(5), { stock: 7 })).status).toBe('applied');
+      expect(await repo.update({ id: 1 }, f(4), { stock: 99 })).toEqual({ status: 'stale', currentFence: 5n });
+      expect(await repo.update({ id: 1 }, f(5), { stock: 99 })).toEqual({ status: 'duplicate' });
+      expect((await repo.modify({ id: 1 }, f(6), (r) => ({ stock: r.stock + 1 }))).status).toBe('applied');
+      expect(await repo.updateWhere(sql`true`, f(7), { stock: sql`${table.stock} + 1` })).toEqual({
+        applied: 1,
+        stale: 0,
+      });
+      expect(await row(test.db, name)).toEqual({ stock: 9, fence: 7n, deleted: false });
+
+      // Deletes leave a tombstone: allowed; the tombstone's fence rises; a stale upsert cannot resurrect it.
+      expect((await repo.delete({ id: 1 }, f(8))).status).toBe('applied');
+      expect(await repo.update({ id: 1 }, f(9), { stock: 1 })).toEqual({ status: 'missing' });
+      expect(await row(test.db, name)).toEqual({ stock: 9, fence: 9n, deleted: true });
+      expect(await repo.upsert({ id: 1, stock: 1 }, f(8))).toEqual({ status: 'stale', currentFence: 9n });
+      expect((await repo.upsert({ id: 1, stock: 2 }, f(10))).status).toBe('applied');
+      expect(await row(test.db, name)).toEqual({ stock: 2, fence: 10n, deleted: false });
+    });
+
+    it('refuses a DELETE of a live row but lets tombstones be purged', async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(1));
+      await repo.upsert({ id: 2, stock: 5 }, f(1));
+      const error = await refusal(test.db, `delete from ${name} where id = 1`);
+      expect(error.message).toMatch(/delete of a live row of .* refused/);
+      expect(await row(test.db, name)).toEqual({ stock: 5, fence: 1n, deleted: false });
+
+      expect((await repo.delete({ id: 1 }, f(2))).status).toBe('applied');
+      expect(await repo.purgeTombstones(new Date(Date.now() + 3_600_000))).toBe(1);
+      expect(await row(test.db, name, 1)).toBeUndefined();
+      expect(await row(test.db, name, 2)).toEqual({ stock: 5, fence: 1n, deleted: false });
+    });
+
+    it("sameFence 'allow' accepts an equal fence; guardDeletes false leaves DELETE alone", async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table, { sameFence: 'allow', guardDeletes: false });
+      const repo = fencedRepository(test.db, table, { sameFence: 'allow' });
+      await repo.upsert({ id: 1, stock: 5 }, f(4));
+      expect((await repo.update({ id: 1 }, f(4), { stock: 6 })).status).toBe('applied');
+      expect((await repo.update({ id: 1 }, f(4), { stock: 7 })).status).toBe('applied');
+      await refusal(test.db, `update ${name} set stock = 1, last_fence = 3`);
+      await execute(test.db, sql.raw(`update ${name} set stock = 8`)); // equal fence: allowed by this option
+      expect(await row(test.db, name)).toEqual({ stock: 8, fence: 4n, deleted: false });
+      await execute(test.db, sql.raw(`delete from ${name} where id = 1`));
+      expect(await row(test.db, name)).toBeUndefined();
+    });
+
+    it('dropFenceTriggerStatements removes the guard', async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      await execute(test.db, sql.raw(`insert into ${name} (id, stock) values (1, 5)`));
+      await refusal(test.db, `update ${name} set stock = 1`);
+      for (const s of dropFenceTriggerStatements(table)) await execute(test.db, sql.raw(s));
+      await execute(test.db, sql.raw(`update ${name} set stock = 1`));
+      expect((await row(test.db, name))?.stock).toBe(1);
+    });
+
+    it('works for a table in another schema, named by string', async () => {
+      await execute(test.db, sql`create schema if not exists "Inventory ""Q"""`);
+      await execute(
+        test.db,
+        sql.raw(
+          `create table "Inventory ""Q"""."Stock Items" (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
+        ),
+      );
+      await installFenceTrigger(test.db, { schema: 'Inventory "Q"', name: 'Stock Items' });
+      await execute(test.db, sql.raw(`insert into "Inventory ""Q"""."Stock Items" (id, stock) values (1, 5)`));
+      await refusal(test.db, `update "Inventory ""Q"""."Stock Items" set stock = 1`);
+    });
+  });
+}
+
+describe('fenceTriggerSql', () => {
+  it('is a drizzle-kit migration: statements separated by breakpoints, function before triggers', () => {
+    const table = pgTable('accounts', { id: integer('id').primaryKey(), ...fenceColumns() });
+    const text = fenceTriggerSql(table);
+    const parts = text.split('--> statement-breakpoint');
+    expect(parts.map((p) => p.trim())).toEqual(fenceTriggerStatements(table));
+    expect(parts).toHaveLength(5);
+    expect(parts[0]).toMatch(/^CREATE OR REPLACE FUNCTION "palisade_fence_guard"\(\)/);
+    expect(parts[3]).toMatch(
+      /BEFORE UPDATE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\('reject'\)/,
+    );
+    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(4);
+  });
+
+  it('refuses a table without fence columns, and bad options', () => {
+    const plain = pgTable('plain', { id: integer('id').primaryKey() });
+    expect(() => fenceTriggerSql(plain)).toThrow(/not fenced: spread fenceColumns\(\)/);
+    expect(() => fenceTriggerSql({ name: '' })).toThrow(/drizzle table or/);
+    const table = pgTable('t', { id: integer('id').primaryKey(), ...fenceColumns() });
+    expect(() => fenceTriggerSql(table, { sameFence: 'maybe' as never })).toThrow(/sameFence/);
+  });
+});
