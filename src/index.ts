@@ -15,6 +15,15 @@ export {
   StaleFenceError,
 } from './errors.js';
 export * from './fencing/index.js';
-export { type MigrateOptions, migrate, PALISADE_MIGRATIONS } from './migrate.js';
+export {
+  MIGRATE_LOCK_KEY,
+  MIGRATE_LOCK_NAME,
+  type MigrateEvent,
+  type MigrateOptions,
+  type MigrateResult,
+  type MigrationInfo,
+  migrate,
+  PALISADE_MIGRATIONS,
+} from './migrate.js';
 export * from './repo/index.js';
 export * from './schema/index.js';

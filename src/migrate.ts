@@ -1,13 +1,26 @@
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
-import { type Database, execute, transaction } from './driver.js';
+import { type Database, execute, sqlStateOf, transaction } from './driver.js';
+import { InvalidArgumentError, LockUnavailableError } from './errors.js';
 
 /** Where palisade's own drizzle-kit migrations ship: `drizzle/` at the package root. */
 export const PALISADE_MIGRATIONS = fileURLToPath(new URL('../drizzle', import.meta.url));
 
-// A fixed 64-bit advisory-lock key: the first 8 bytes of sha256('palisade:migrate').
-const MIGRATE_LOCK_KEY = -2388068382059084358n;
+/**
+ * The 64-bit advisory-lock key every `migrate()` takes (the first 8 bytes of
+ * sha256('palisade:migrate')). In `pg_locks` it shows as
+ * `classid = 3738951797, objid = 2215036346, objsubid = 1`.
+ */
+export const MIGRATE_LOCK_KEY = -2388068382059084358n;
+
+/** The name `LockUnavailableError` carries when the migration lock was not obtained in time. */
+export const MIGRATE_LOCK_NAME = 'palisade:migrate';
+
+const DEFAULT_LOCK_TIMEOUT_MS = 600_000;
+const MAX_LOCK_TIMEOUT_MS = 86_400_000;
 
 /** Options of {@link migrate}. */
 export interface MigrateOptions {
@@ -16,6 +29,39 @@ export interface MigrateOptions {
   /** Where the application's applied migrations are recorded (drizzle's default: `drizzle.__drizzle_migrations`). */
   readonly migrationsTable?: string;
   readonly migrationsSchema?: string;
+  /**
+   * How long to wait for another migrator to finish (default 600,000 ms = 10
+   * minutes; an integer in 1 … 86,400,000). Enforced by Postgres
+   * (`lock_timeout`) while waiting for the lock only.
+   */
+  readonly lockTimeoutMs?: number;
+  /** Called synchronously as the migration progresses (errors thrown by it are ignored). */
+  readonly onProgress?: (event: MigrateEvent) => void;
+}
+
+/** What {@link migrate} reports while it works. */
+export type MigrateEvent =
+  | { readonly type: 'waiting' }
+  | { readonly type: 'locked'; readonly waited: boolean }
+  | { readonly type: 'applying'; readonly folder: 'palisade' | 'app'; readonly tag: string }
+  | { readonly type: 'applied'; readonly folder: 'palisade' | 'app'; readonly tag: string };
+
+/** One migration as {@link migrate} saw it. */
+export interface MigrationInfo {
+  readonly folder: 'palisade' | 'app';
+  /** The journal's tag (`0001_fence_widgets`), or the timestamp when the journal has none. */
+  readonly tag: string;
+  readonly hash: string;
+}
+
+/** What one {@link migrate} call did. */
+export interface MigrateResult {
+  /** Migrations this call applied, in order. Empty when another replica had applied them all. */
+  readonly applied: readonly MigrationInfo[];
+  /** Migrations already recorded as applied, which this call skipped. */
+  readonly skipped: readonly MigrationInfo[];
+  /** Whether this call had to wait for another migrator first. */
+  readonly waited: boolean;
 }
 
 /**
@@ -23,36 +69,84 @@ export interface MigrateOptions {
  * lease table) and, if given, the application's drizzle-kit folder.
  *
  * Safe for many replicas starting at once: everything runs in one
- * transaction that first takes a transaction-scoped advisory lock, so the
- * others wait, then see the migrations as applied and skip them (drizzle's
- * own migrator takes no lock; drizzle-orm issue #874). Each folder is
- * tracked in its own table, because drizzle decides what is pending by
- * comparing timestamps.
+ * transaction that first takes a transaction-scoped advisory lock
+ * ({@link MIGRATE_LOCK_KEY}), so the others wait, then see the migrations as
+ * applied and skip them (drizzle's own migrator takes no lock; drizzle-orm
+ * issue #874). Each folder is tracked in its own table, because drizzle
+ * decides what is pending by comparing timestamps. On a postgres.js pool the
+ * transaction holds one connection; a dedicated `max: 1` client is enough.
  *
- * Does not: roll back a migration that fails half-way outside Postgres'
- * transactional DDL, or coordinate with migrators that do not take the lock.
+ * Guarantees: each migration is applied at most once per database and
+ * recorded in the same transaction as its statements; if any statement
+ * fails, nothing of this call is kept. The wait for the lock is bounded
+ * (`lockTimeoutMs`).
+ *
+ * Does not: coordinate with migrators that do not take the lock (drizzle-kit
+ * `migrate`, another tool); undo what a migration did outside Postgres'
+ * transactional DDL (e.g. `CREATE INDEX CONCURRENTLY` cannot run here at
+ * all); block on PGlite, whose advisory locks never wait (one process owns it).
+ *
+ * @throws {LockUnavailableError} (lock name {@link MIGRATE_LOCK_NAME}) if another migrator held the lock past `lockTimeoutMs`.
+ * @throws {InvalidArgumentError} for a bad `lockTimeoutMs`; drizzle's error for an unreadable folder.
  */
-export async function migrate(db: Database, options: MigrateOptions = {}): Promise<void> {
-  await transaction(db, async (tx) => {
-    await tx.execute(sql`select pg_advisory_xact_lock(${MIGRATE_LOCK_KEY})`);
-    await applyFolder(tx, { migrationsFolder: PALISADE_MIGRATIONS, migrationsTable: '__palisade_migrations' });
-    if (options.migrationsFolder) {
-      await applyFolder(tx, {
-        migrationsFolder: options.migrationsFolder,
-        ...(options.migrationsTable ? { migrationsTable: options.migrationsTable } : {}),
-        ...(options.migrationsSchema ? { migrationsSchema: options.migrationsSchema } : {}),
-      });
+export async function migrate(db: Database, options: MigrateOptions = {}): Promise<MigrateResult> {
+  const lockTimeoutMs = options.lockTimeoutMs ?? DEFAULT_LOCK_TIMEOUT_MS;
+  if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_LOCK_TIMEOUT_MS) {
+    throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_LOCK_TIMEOUT_MS}`);
+  }
+  const report = (event: MigrateEvent) => {
+    try {
+      options.onProgress?.(event);
+    } catch {
+      // Progress reporting must not change what the migration does.
     }
+  };
+  const applied: MigrationInfo[] = [];
+  const skipped: MigrationInfo[] = [];
+  let waited = false;
+  await transaction(db, async (tx) => {
+    const [free] = await execute(tx, sql`select pg_try_advisory_xact_lock(${MIGRATE_LOCK_KEY}) as locked`);
+    if (free?.locked !== true) {
+      waited = true;
+      report({ type: 'waiting' });
+      const [previous] = await execute(tx, sql`select current_setting('lock_timeout') as value`);
+      await execute(tx, sql`select set_config('lock_timeout', ${`${lockTimeoutMs}ms`}, true)`);
+      try {
+        await tx.execute(sql`select pg_advisory_xact_lock(${MIGRATE_LOCK_KEY})`);
+      } catch (err) {
+        if (sqlStateOf(err) === '55P03') throw new LockUnavailableError(MIGRATE_LOCK_NAME, 'timeout');
+        throw err;
+      }
+      await execute(tx, sql`select set_config('lock_timeout', ${String(previous?.value ?? '0')}, true)`);
+    }
+    report({ type: 'locked', waited });
+    const folders = [
+      { folder: 'palisade' as const, migrationsFolder: PALISADE_MIGRATIONS, migrationsTable: '__palisade_migrations' },
+      ...(options.migrationsFolder
+        ? [
+            {
+              folder: 'app' as const,
+              migrationsFolder: options.migrationsFolder,
+              ...(options.migrationsTable ? { migrationsTable: options.migrationsTable } : {}),
+              ...(options.migrationsSchema ? { migrationsSchema: options.migrationsSchema } : {}),
+            },
+          ]
+        : []),
+    ];
+    for (const config of folders) await applyFolder(tx, config, { applied, skipped, report });
   });
+  return { applied, skipped, waited };
 }
 
 // drizzle's own loop (PgDialect.migrate), on our transaction: it would open
 // a transaction of its own, which a transaction's session cannot do.
 async function applyFolder(
   tx: Database,
-  config: { migrationsFolder: string; migrationsTable?: string; migrationsSchema?: string },
+  config: { folder: 'palisade' | 'app'; migrationsFolder: string; migrationsTable?: string; migrationsSchema?: string },
+  out: { applied: MigrationInfo[]; skipped: MigrationInfo[]; report: (event: MigrateEvent) => void },
 ) {
   const migrations = readMigrationFiles(config);
+  const tags = journalTags(config.migrationsFolder);
   const table = sql`${sql.identifier(config.migrationsSchema ?? 'drizzle')}.${sql.identifier(config.migrationsTable ?? '__drizzle_migrations')}`;
   await tx.execute(sql`create schema if not exists ${sql.identifier(config.migrationsSchema ?? 'drizzle')}`);
   await tx.execute(
@@ -61,10 +155,33 @@ async function applyFolder(
   const [last] = await execute(tx, sql`select created_at from ${table} order by created_at desc limit 1`);
   const lastMillis = last ? Number(last.created_at) : Number.NEGATIVE_INFINITY;
   for (const migration of migrations) {
-    if (migration.folderMillis <= lastMillis) continue;
+    const info = {
+      folder: config.folder,
+      tag: tags.get(migration.folderMillis) ?? String(migration.folderMillis),
+      hash: migration.hash,
+    };
+    if (migration.folderMillis <= lastMillis) {
+      out.skipped.push(info);
+      continue;
+    }
+    out.report({ type: 'applying', folder: info.folder, tag: info.tag });
     for (const statement of migration.sql) await tx.execute(sql.raw(statement));
     await tx.execute(
       sql`insert into ${table} (hash, created_at) values (${migration.hash}, ${migration.folderMillis})`,
     );
+    out.applied.push(info);
+    out.report({ type: 'applied', folder: info.folder, tag: info.tag });
+  }
+}
+
+// readMigrationFiles has already validated the journal; here it only names the migrations.
+function journalTags(folder: string): Map<number, string> {
+  try {
+    const journal = JSON.parse(readFileSync(join(folder, 'meta', '_journal.json'), 'utf8')) as {
+      entries?: { when?: number; tag?: string }[];
+    };
+    return new Map((journal.entries ?? []).map((e) => [Number(e.when), String(e.tag)]));
+  } catch {
+    return new Map();
   }
 }

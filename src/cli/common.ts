@@ -1,0 +1,151 @@
+/**
+ * What every `palisade` subcommand shares: argument parsing with one-line
+ * usage errors, output streams, and connecting to `DATABASE_URL`.
+ */
+import { parseArgs } from 'node:util';
+import postgres from 'postgres';
+
+/** A failure to report as one line on stderr, with an exit code (1: failed, 2: bad usage). */
+export class CliError extends Error {
+  constructor(
+    message: string,
+    readonly exitCode = 1,
+  ) {
+    super(message);
+    this.name = 'CliError';
+  }
+}
+
+/** Where a command writes: data on `out`, progress and diagnostics on `err`. */
+export interface Io {
+  out(text: string): void;
+  err(text: string): void;
+  readonly env: NodeJS.ProcessEnv;
+}
+
+/** One subcommand: its summary for `palisade --help`, its full help, and what it does. */
+export interface Command {
+  readonly summary: string;
+  readonly help: string;
+  run(argv: string[], io: Io): Promise<number>;
+}
+
+type OptionSpec = NonNullable<Parameters<typeof parseArgs>[0]>['options'];
+
+/**
+ * `parseArgs` in strict mode, with `--help` / `-h` added; an unknown or
+ * malformed option becomes a {@link CliError} (exit code 2) naming the
+ * command's `--help`.
+ */
+export function parse<O extends OptionSpec>(command: string, argv: string[], options: O, allowPositionals = false) {
+  try {
+    return parseArgs({
+      args: argv,
+      options: { ...options, help: { type: 'boolean', short: 'h' } } as O & { help: { type: 'boolean'; short: 'h' } },
+      allowPositionals,
+      strict: true,
+    });
+  } catch (err) {
+    const message = err instanceof Error ? err.message.split('\n')[0] : String(err);
+    throw new CliError(`${message} (see: palisade ${command} --help)`, 2);
+  }
+}
+
+/** The value of `DATABASE_URL`, or a {@link CliError} saying what to set. */
+export function requireDatabaseUrl(io: Io, why: string): string {
+  const url = io.env.DATABASE_URL;
+  if (!url) {
+    throw new CliError(`DATABASE_URL is not set: ${why} (e.g. DATABASE_URL=postgres://user@127.0.0.1:5432/app)`);
+  }
+  try {
+    new URL(url);
+  } catch {
+    throw new CliError('DATABASE_URL is not a valid URL (expected postgres://user@host:port/database)');
+  }
+  return url;
+}
+
+/** `host:port/database` of a Postgres URL: never the user or password. */
+export function describeUrl(url: string): string {
+  try {
+    const u = new URL(url);
+    return `${u.hostname}${u.port ? `:${u.port}` : ''}${u.pathname}`;
+  } catch {
+    return '(unparsable URL)';
+  }
+}
+
+/** A postgres.js client for one CLI run: one connection, bounded connect time, notices silenced. */
+export function connect(url: string): postgres.Sql {
+  return postgres(url, {
+    max: 1,
+    connect_timeout: 10,
+    onnotice: () => {},
+    connection: { application_name: 'palisade-cli' },
+  });
+}
+
+/**
+ * Turns a connection failure into a one-line {@link CliError} that names
+ * the server (never the credentials); other errors pass through.
+ */
+export function connectionError(err: unknown, url: string): unknown {
+  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
+    const code = (e as { code?: unknown }).code;
+    if (typeof code === 'string' && CONNECTION_CODES.has(code)) {
+      const reason = e instanceof Error ? e.message : String(e);
+      return new CliError(`cannot connect to ${describeUrl(url)}: ${reason}`);
+    }
+  }
+  return err;
+}
+
+// Network failures (Node, postgres.js) and the server refusing the login or the database.
+const CONNECTION_CODES = new Set([
+  'ECONNREFUSED',
+  'ENOTFOUND',
+  'EHOSTUNREACH',
+  'ECONNRESET',
+  'ENOENT',
+  'CONNECT_TIMEOUT',
+  'CONNECTION_CLOSED',
+  'CONNECTION_ENDED',
+  'CONNECTION_DESTROYED',
+  '28P01',
+  '28000',
+  '3D000',
+]);
+
+/** `1.2s`, `3m04s`, `2h05m`: a duration for people. */
+export function formatDuration(ms: number): string {
+  if (!Number.isFinite(ms)) return '-';
+  const negative = ms < 0;
+  const abs = Math.abs(ms);
+  let text: string;
+  if (abs < 1000) text = `${Math.round(abs)}ms`;
+  else if (abs < 60_000) text = `${(abs / 1000).toFixed(1)}s`;
+  else if (abs < 3_600_000) {
+    const s = Math.floor(abs / 1000);
+    text = `${Math.floor(s / 60)}m${String(s % 60).padStart(2, '0')}s`;
+  } else {
+    const m = Math.floor(abs / 60_000);
+    text = `${Math.floor(m / 60)}h${String(m % 60).padStart(2, '0')}m`;
+  }
+  return negative ? `-${text}` : text;
+}
+
+/** Left-aligned columns, two spaces apart. */
+export function table(header: readonly string[], rows: readonly (readonly string[])[]): string {
+  const widths = header.map((h, i) => Math.max(h.length, ...rows.map((r) => (r[i] ?? '').length)));
+  const line = (cells: readonly string[]) =>
+    cells
+      .map((c, i) => (i === cells.length - 1 ? c : c.padEnd(widths[i] ?? 0)))
+      .join('  ')
+      .trimEnd();
+  return [line(header), ...rows.map(line)].join('\n');
+}
+
+/** JSON with bigints as decimal strings (fences exceed 2^53). */
+export function toJson(value: unknown): string {
+  return JSON.stringify(value, (_key, v) => (typeof v === 'bigint' ? v.toString() : v), 2);
+}

@@ -1,0 +1,192 @@
+/**
+ * Lock-safe migrations: many replicas run `palisade migrate` at start-up and
+ * every migration — palisade's own and the application's drizzle-kit folder
+ * (test/fixtures/app) — is applied exactly once, and every replica exits 0.
+ */
+import { readFileSync } from 'node:fs';
+import { type SQL, sql } from 'drizzle-orm';
+import { readMigrationFiles } from 'drizzle-orm/migrator';
+import postgres from 'postgres';
+import { afterEach, describe, expect, it } from 'vitest';
+import { count, execute } from '../../src/driver.js';
+import { LockUnavailableError } from '../../src/errors.js';
+import { MIGRATE_LOCK_KEY, migrate, PALISADE_MIGRATIONS } from '../../src/migrate.js';
+import { killAllCli, runCli, startCli } from '../support/cli.js';
+import { pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { needs } from '../support/services.js';
+
+const APP_MIGRATIONS = 'test/fixtures/app/drizzle';
+const palisadeCount = readMigrationFiles({ migrationsFolder: PALISADE_MIGRATIONS }).length;
+const appCount = readMigrationFiles({ migrationsFolder: APP_MIGRATIONS }).length;
+const REPLICAS = 8;
+
+afterEach(killAllCli);
+
+interface Summary {
+  applied: { folder: string; tag: string }[];
+  skipped: unknown[];
+  waited: boolean;
+}
+
+async function objectCounts(db: TestDatabase['db']) {
+  const one = async (query: SQL) => count((await execute(db, query))[0]?.n);
+  return {
+    palisadeRecorded: await one(sql`select count(*) as n from drizzle.__palisade_migrations`),
+    palisadeDistinct: await one(sql`select count(distinct hash) as n from drizzle.__palisade_migrations`),
+    appRecorded: await one(sql`select count(*) as n from drizzle.__drizzle_migrations`),
+    appDistinct: await one(sql`select count(distinct hash) as n from drizzle.__drizzle_migrations`),
+    fenceColumns: await one(
+      sql`select count(*) as n from information_schema.columns where table_name = 'widgets' and column_name in ('last_fence', 'deleted_at')`,
+    ),
+    triggers: await one(
+      sql`select count(*) as n from pg_trigger where tgrelid = 'widgets'::regclass and tgname like 'palisade_fence_guard%'`,
+    ),
+    leaseTables: await one(
+      sql`select count(*) as n from information_schema.tables where table_schema = 'palisade' and table_name = 'leases'`,
+    ),
+  };
+}
+
+describe('migrate() with an application folder (PGlite)', () => {
+  it('applies palisade then the app folder once, and a rerun applies nothing', async () => {
+    const test = await pgliteDatabase();
+    try {
+      const first = await migrate(test.db, { migrationsFolder: APP_MIGRATIONS });
+      expect(first.applied.map((m) => m.folder)).toEqual([
+        ...Array(palisadeCount).fill('palisade'),
+        ...Array(appCount).fill('app'),
+      ]);
+      expect(first.applied.filter((m) => m.folder === 'app').map((m) => m.tag)).toEqual([
+        '0000_create_widgets',
+        '0001_fence_widgets',
+        '0002_widgets_fence_trigger',
+      ]);
+      const again = await migrate(test.db, { migrationsFolder: APP_MIGRATIONS });
+      expect(again.applied).toEqual([]);
+      expect(again.skipped).toHaveLength(palisadeCount + appCount);
+      expect(await objectCounts(test.db)).toEqual({
+        palisadeRecorded: palisadeCount,
+        palisadeDistinct: palisadeCount,
+        appRecorded: appCount,
+        appDistinct: appCount,
+        fenceColumns: 2,
+        triggers: 2,
+        leaseTables: 1,
+      });
+    } finally {
+      await test.close();
+    }
+  });
+});
+
+describe.runIf(needs('DATABASE_URL'))('palisade migrate from 8 processes at once (real Postgres)', () => {
+  it('the fixture cannot be applied twice: a double apply would fail a replica', async () => {
+    const test = await postgresDatabase();
+    try {
+      await migrate(test.db, { migrationsFolder: APP_MIGRATIONS });
+      const first = readFileSync(`${APP_MIGRATIONS}/0000_create_widgets.sql`, 'utf8');
+      await expect(test.db.execute(sql.raw(first))).rejects.toMatchObject({ cause: { code: '42P07' } });
+    } finally {
+      await test.close();
+    }
+  });
+
+  it('all 8 exit 0 and each migration is applied exactly once', async () => {
+    const test = await postgresDatabase();
+    // The gate holds the migration lock while the replicas start, so all 8
+    // are provably inside migrate() and queued on the lock when it opens.
+    const gate = postgres(test.url as string, { max: 1, onnotice: () => {} });
+    try {
+      await gate`select pg_advisory_lock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
+      const replicas = Array.from({ length: REPLICAS }, () =>
+        startCli(['migrate', '--migrations-folder', APP_MIGRATIONS, '--json'], { DATABASE_URL: test.url }),
+      );
+      let exitedEarly = false;
+      for (const r of replicas) r.done.then(() => (exitedEarly = true)).catch(() => (exitedEarly = true));
+      let waiting = 0;
+      // Bounded: at most 600 polls of 100 ms (a minute on a slow machine).
+      for (let i = 0; i < 600 && waiting < REPLICAS && !exitedEarly; i++) {
+        const [row] = await gate`
+          select count(*)::int as n from pg_locks
+          where locktype = 'advisory' and not granted
+            and database = (select oid from pg_database where datname = current_database())`;
+        waiting = Number(row?.n);
+        if (waiting < REPLICAS) await new Promise((r) => setTimeout(r, 100));
+      }
+      expect(exitedEarly).toBe(false);
+      expect(waiting).toBe(REPLICAS);
+      await gate`select pg_advisory_unlock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
+
+      const runs = await Promise.all(replicas.map((r) => r.done));
+      for (const run of runs) expect({ code: run.code, stderr: run.stderr }).toMatchObject({ code: 0 });
+      const summaries = runs.map((run) => JSON.parse(run.stdout) as Summary);
+      // Every replica waited on the gate; exactly one applied everything, the others nothing.
+      expect(summaries.every((s) => s.waited)).toBe(true);
+      const appliers = summaries.filter((s) => s.applied.length > 0);
+      expect(appliers).toHaveLength(1);
+      expect(appliers[0]?.applied).toHaveLength(palisadeCount + appCount);
+      for (const s of summaries.filter((x) => x.applied.length === 0)) {
+        expect(s.skipped).toHaveLength(palisadeCount + appCount);
+      }
+      expect(await objectCounts(test.db)).toEqual({
+        palisadeRecorded: palisadeCount,
+        palisadeDistinct: palisadeCount,
+        appRecorded: appCount,
+        appDistinct: appCount,
+        fenceColumns: 2,
+        triggers: 2,
+        leaseTables: 1,
+      });
+
+      const rerun = await runCli(['migrate', '--migrations-folder', APP_MIGRATIONS], { DATABASE_URL: test.url });
+      expect(rerun.code).toBe(0);
+      expect(rerun.stdout).toContain(`up to date: ${palisadeCount + appCount} migrations already applied`);
+    } finally {
+      await gate.end({ timeout: 5 });
+      await test.close();
+    }
+  });
+
+  it('gives up with a clear error when another migrator holds the lock past lockTimeoutMs', async () => {
+    const test = await postgresDatabase();
+    const gate = postgres(test.url as string, { max: 1, onnotice: () => {} });
+    try {
+      await gate`select pg_advisory_lock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
+      const progress: string[] = [];
+      const error = await migrate(test.db, { lockTimeoutMs: 300, onProgress: (e) => progress.push(e.type) }).catch(
+        (e: unknown) => e,
+      );
+      expect(error).toBeInstanceOf(LockUnavailableError);
+      expect(progress).toEqual(['waiting']);
+      const cli = await runCli(['migrate', '--lock-timeout', '0.3'], { DATABASE_URL: test.url });
+      expect(cli.code).toBe(1);
+      expect(cli.stderr.trim().split('\n').at(-1)).toMatch(
+        /^palisade migrate: migration failed, nothing applied: lock "palisade:migrate" not acquired \(timeout\)/,
+      );
+      // Nothing of the refused runs was kept.
+      const [row] =
+        await gate`select count(*)::int as n from information_schema.schemata where schema_name = 'palisade'`;
+      expect(row?.n).toBe(0);
+    } finally {
+      await gate.end({ timeout: 5 });
+      await test.close();
+    }
+  });
+});
+
+describe('palisade migrate: usage errors', () => {
+  it('says clearly that DATABASE_URL is needed, in one line, exit 1', async () => {
+    const run = await runCli(['migrate'], { DATABASE_URL: undefined });
+    expect(run.code).toBe(1);
+    expect(run.stderr.trim().split('\n')).toHaveLength(1);
+    expect(run.stderr).toMatch(/^palisade migrate: DATABASE_URL is not set/);
+  });
+
+  it('refuses a folder that is not a drizzle-kit folder, exit 2', async () => {
+    const run = await runCli(['migrate', '--migrations-folder', 'test/fixtures'], {
+      DATABASE_URL: 'postgres://127.0.0.1:1/none',
+    });
+    expect(run.code).toBe(2);
+    expect(run.stderr).toMatch(/is not a drizzle-kit migrations folder/);
+  });
+});
