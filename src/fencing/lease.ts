@@ -127,6 +127,8 @@ export class ActiveLease implements Lease {
     try {
       held = await this.#init.backend.release(this.name, this.token);
     } finally {
+      // An extension in flight when release began may have re-armed the deadline or the watchdog meanwhile.
+      this.#stopTimers();
       this.#abort('released');
       this.#init.events.emit('released', { name: this.name, fence: this.fence, wasHeld: held && !wasLost });
     }
