@@ -4,9 +4,11 @@
  * that suites and workers are written once for all backends.
  */
 import { drizzle } from 'drizzle-orm/postgres-js';
+import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { redisLockManager } from '../../src/fencing/redis.js';
 
 export type BackendKind = 'redis' | 'postgres' | 'advisory';
 
@@ -31,6 +33,14 @@ export async function openManager(config: ManagerConfig): Promise<OpenManager> {
   const closers: (() => Promise<unknown>)[] = [];
   let manager: LockManager;
   switch (config.kind) {
+    case 'redis': {
+      if (!config.redisUrl) throw new Error('the redis backend needs redisUrl');
+      const redis = new Redis(config.redisUrl, { commandTimeout: 2_000, maxRetriesPerRequest: 1 });
+      redis.on('error', () => {}); // reconnects by itself; commands fail (bounded) meanwhile
+      closers.push(async () => redis.disconnect());
+      manager = redisLockManager({ redis, namespace: config.namespace, epochs: db, commandTimeoutMs: 3_000 });
+      break;
+    }
     default:
       throw new Error(`backend ${config.kind} is not wired into test/support/managers.ts yet`);
   }

@@ -1,0 +1,626 @@
+/**
+ * The Redis lock backend: `SET key token NX PX ttl` and the fence counter in
+ * one Lua script, on one ioredis client, with fences that never go down even
+ * when Redis forgets its counter.
+ *
+ * ## Keys
+ *
+ * Every key of a namespace carries the hash tag `{palisade:<namespace>}`, so
+ * a script's keys share one Redis Cluster slot (no CROSSSLOT):
+ *
+ * - `{palisade:<ns>}:lock:<name>` — the lock: a string holding the owner token, with the TTL.
+ * - `{palisade:<ns>}:grant:<name>` — what `inspect` shows: token, fence, holder, grant time (same TTL).
+ * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, server identity.
+ * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here.
+ *
+ * The namespace is restricted to `[A-Za-z0-9_.-]`, so it cannot close the
+ * hash tag early; the lock name only ever follows a fixed `:lock:` or
+ * `:grant:` prefix after the closing `}`, so a name with `{`, `}` or `:`
+ * neither moves the hash tag nor collides with a key of another type.
+ *
+ * ## Fences
+ *
+ * A fence is `epoch << 39 | counter`: a 24-bit epoch (1 … 16,777,215) above a
+ * 39-bit counter (1 … 549,755,813,887), so every fence fits in 2^63 − 1 and
+ * fences compare by (epoch, counter). The grant script increments the
+ * counter and returns epoch and counter as strings (Lua numbers are doubles);
+ * the client joins them as a bigint.
+ *
+ * The counter can vanish or go back: a restart without persistence, a
+ * restart from an older RDB/AOF, `FLUSHDB`/`FLUSHALL`, eviction, a failover
+ * to a replica that lagged. The fence state therefore records the identity of
+ * the server that runs it (`run_id` and `master_replid` from `INFO`, read by
+ * the script itself — never a client's cached value). The grant script
+ * refuses to issue a fence when the state is missing, belongs to another
+ * server identity (restart, failover, promotion) or the counter is used up.
+ * The client then takes a new epoch from Postgres (`nextval` of
+ * `palisade.epoch_seq`) and installs it in three steps:
+ *
+ * 1. *install* it as `pending` (only over a missing, foreign-identity or
+ *    used-up state, or a lower pending one; never over a healthy one, never
+ *    with an epoch at or below the one present; the pending state expires);
+ * 2. *confirm* in Postgres that no higher epoch was handed out meanwhile
+ *    (`last_value` of the sequence is still ours) — an epoch taken before a
+ *    flush by a client that then paused must never be installed after fences
+ *    of a later epoch were issued;
+ * 3. *activate* it, only if the very pending state it installed (same nonce,
+ *    same server identity) is still there.
+ *
+ * Grants only ever use an active state, so every fence issued under a new
+ * epoch is above every fence issued before it. Concurrent clients that find
+ * the state missing race through these steps; the highest confirmed epoch
+ * wins and the epoch never goes down.
+ */
+import { randomBytes } from 'node:crypto';
+import { performance } from 'node:perf_hooks';
+import { sql } from 'drizzle-orm';
+import type { Redis } from 'ioredis';
+import { type Database, execute, int8 } from '../driver.js';
+import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../errors.js';
+import type { Grant, LockBackend, LockInfo } from './backend.js';
+import { type Fence, toFence } from './fence.js';
+import { createLockManager, type LockManager } from './lock-manager.js';
+
+/** Bits of a Redis fence below the epoch. */
+export const REDIS_COUNTER_BITS = 39;
+/** The highest epoch a Redis fence can carry: 2^24 − 1. */
+export const REDIS_MAX_EPOCH = (1n << 24n) - 1n;
+/** The highest counter within one epoch: 2^39 − 1; the next grant takes a new epoch. */
+export const REDIS_MAX_COUNTER = (1n << BigInt(REDIS_COUNTER_BITS)) - 1n;
+
+const DEFAULT_COMMAND_TIMEOUT_MS = 5_000;
+const MAX_GRANT_ROUNDS = 200;
+const MAX_EPOCH_ATTEMPTS = 25;
+const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
+
+/** Any ioredis client, whatever its `replyMapping` (the scripts only reply with strings). */
+export type RedisClient = Redis<'legacy'> | Redis<'resp3'>;
+
+/** Options of {@link redisLockManager}. */
+export interface RedisLockManagerOptions {
+  /**
+   * The caller's ioredis client; palisade defines its scripts on it
+   * (`defineCommand`, names starting with `palisade`) and never closes it.
+   * Recommended: `new Redis(url, { commandTimeout: 2000, maxRetriesPerRequest: 1,
+   * enableOfflineQueue: false })` so that nothing queues while Redis is away.
+   */
+  readonly redis: RedisClient;
+  /** Separates lock sets (and fence counters): 1–100 characters of `[A-Za-z0-9_.-]`. */
+  readonly namespace: string;
+  /**
+   * A drizzle Postgres database where palisade is migrated: the durable floor
+   * for fences. When the Redis counter is lost, a new epoch is taken from
+   * `palisade.epoch_seq`. Strongly recommended; see {@link allowFreshCounter}.
+   */
+  readonly epochs?: Database;
+  /**
+   * Only without `epochs`. `false` (the default): when the counter is missing
+   * (a flush, an eviction, a restart without persistence — indistinguishable
+   * from the first use of a namespace) or belongs to another server identity
+   * (a restart, a failover), grants fail with `FenceSourceError` — nothing
+   * in Redis alone can prove the next fence would be above the last.
+   * `true`: start a missing counter at epoch 1 and move a foreign one to the
+   * next epoch. **Unsafe after a reset**: fences can then go *down*, and a
+   * stale holder's write would win. For tests and efficiency-only locks.
+   */
+  readonly allowFreshCounter?: boolean;
+  /**
+   * Upper bound for each Redis command and Postgres statement, whatever the
+   * client's own `commandTimeout` (default 5,000 ms). A command that times
+   * out may still run on the server later: a grant that timed out is
+   * released (best effort) and otherwise expires with its TTL.
+   */
+  readonly commandTimeoutMs?: number;
+}
+
+/** A Redis command or Postgres statement did not answer within `commandTimeoutMs`. */
+export class CommandTimeoutError extends PalisadeError {
+  constructor(what: string, ms: number) {
+    super('command_timeout', `${what} did not answer within ${ms} ms (it may still run)`);
+  }
+}
+
+/** The Redis keys and channel of one namespace (for operators and tests). */
+export interface RedisKeyNames {
+  /** The fence state hash. */
+  readonly fence: string;
+  /** The channel the release script publishes released lock names on. */
+  readonly channel: string;
+  /** The lock key of a (validated, NFC) lock name. */
+  lock(name: string): string;
+  /** The grant record (what `inspect` shows) of a lock name. */
+  grant(name: string): string;
+}
+
+/**
+ * The keys palisade uses for `namespace` in Redis.
+ * @throws {InvalidArgumentError} for a namespace outside `[A-Za-z0-9_.-]{1,100}`.
+ */
+export function redisKeyNames(namespace: string): RedisKeyNames {
+  if (typeof namespace !== 'string' || !NAMESPACE.test(namespace)) {
+    throw new InvalidArgumentError('namespace must be 1–100 characters of A–Z, a–z, 0–9, _ . -');
+  }
+  const tag = `{palisade:${namespace}}`;
+  return {
+    fence: `${tag}:fence`,
+    channel: `${tag}:released`,
+    lock: (name) => `${tag}:lock:${name}`,
+    grant: (name) => `${tag}:grant:${name}`,
+  };
+}
+
+/** Splits a fence issued by the Redis backend into its epoch and counter. */
+export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint } {
+  return { epoch: fence >> BigInt(REDIS_COUNTER_BITS), counter: fence & REDIS_MAX_COUNTER };
+}
+
+/**
+ * A lock manager on Redis (ioredis). Each grant is one Lua script: `SET key
+ * token NX PX ttl`, the fence counter increment and the grant record, atomic.
+ *
+ * Guarantees:
+ * - fences of a namespace strictly increase across all its lock names, and
+ *   — with `epochs` — across losses of the Redis counter (restart without
+ *   persistence, flush, eviction, failover, restart from an older snapshot);
+ * - the grant is idempotent per token (a re-sent grant returns the same
+ *   fence); release and extend act only for the token that holds the lock;
+ * - no Redis command or Postgres statement waits longer than
+ *   `commandTimeoutMs`; waiters wake on a release (pub/sub), else poll.
+ *
+ * Does not guarantee:
+ * - mutual exclusion. A lease can expire while its holder is paused; a
+ *   flush or failover drops lock keys so two holders can overlap. Only the
+ *   fence, checked by the resource (a fenced repository), refuses the
+ *   stale holder's write;
+ * - monotonic fences when the Postgres epoch sequence itself goes back
+ *   (restored from an old backup), when managers of one namespace use
+ *   different Redis servers or different Postgres databases, when someone
+ *   edits palisade's keys by hand, or without `epochs` and with
+ *   `allowFreshCounter` (see there);
+ * - a wake-up on expiry (Redis does not publish it): waiters then poll.
+ *
+ * @throws {InvalidArgumentError} for bad options.
+ */
+export function redisLockManager(options: RedisLockManagerOptions): LockManager {
+  return createLockManager(redisLockBackend(options));
+}
+
+type Reply = string[];
+type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
+
+interface Scripts {
+  palisadeGrantV1: ScriptFn;
+  palisadeExtendV1: ScriptFn;
+  palisadeReleaseV1: ScriptFn;
+  palisadeInspectV1: ScriptFn;
+  palisadeInstallEpochV1: ScriptFn;
+  palisadeActivateEpochV1: ScriptFn;
+  palisadeBumpEpochV1: ScriptFn;
+}
+
+// The server's identity as the script sees it: a restart changes run_id, a
+// promotion or failover changes master_replid.
+const IDENTITY = `
+local function identity()
+  local s = redis.call('INFO', 'server')
+  local r = redis.call('INFO', 'replication')
+  return (string.match(s, 'run_id:(%x+)') or '-') .. '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
+end
+`;
+
+// KEYS: lock, grant record, fence state. ARGV: token, ttl ms, holder, has holder ('1'/'0'), max counter.
+// Replies: {'OK', epoch, counter} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}.
+const GRANT = `${IDENTITY}
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then
+  local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
+  if g[1] == ARGV[1] then return {'OK', g[2], g[3]} end
+elseif current then
+  return {'BUSY'}
+end
+local st = redis.call('HMGET', KEYS[3], 'state', 'epoch', 'counter', 'id')
+if not st[1] then return {'NOEPOCH', 'missing', ''} end
+if st[1] ~= 'active' then return {'NOEPOCH', 'pending', st[2] or ''} end
+if st[4] ~= identity() then return {'NOEPOCH', 'server', st[2]} end
+if tonumber(st[3]) >= tonumber(ARGV[5]) then return {'NOEPOCH', 'exhausted', st[2]} end
+if current then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {'BUSY'}
+end
+redis.call('HINCRBY', KEYS[3], 'counter', 1)
+local counter = redis.call('HGET', KEYS[3], 'counter')
+local t = redis.call('TIME')
+local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at)
+if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return {'OK', st[2], counter}
+`;
+
+// KEYS: lock, grant record. ARGV: token, ttl ms.
+const EXTEND = `
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return 'HELD'
+end
+return 'LOST'
+`;
+
+// KEYS: lock, grant record. ARGV: token, channel, lock name.
+const RELEASE = `
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+  return 'RELEASED'
+end
+return 'LOST'
+`;
+
+// KEYS: lock, grant record. Replies: {'FREE'} | {'HELD', epoch, counter, holder, has holder, at ms, pttl} | {'NORECORD'}.
+const INSPECT = `
+local token = redis.call('GET', KEYS[1])
+if not token then return {'FREE'} end
+local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter', 'holder', 'at')
+if g[1] ~= token then return {'NORECORD'} end
+local pttl = redis.call('PTTL', KEYS[1])
+return {'HELD', g[2], g[3], g[4] or '', g[4] and '1' or '0', g[5], tostring(pttl)}
+`;
+
+// KEYS: fence state. ARGV: epoch, nonce, pending ttl ms, max counter.
+// Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (a higher pending install) | BEHIND (an epoch ≥ ours is there).
+const INSTALL_EPOCH = `${IDENTITY}
+local id = identity()
+local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id', 'nonce')
+if st[1] then
+  if st[1] == 'active' and st[4] == id and tonumber(st[3]) < tonumber(ARGV[4]) then return 'ACTIVE' end
+  if st[1] == 'pending' and st[5] == ARGV[2] then return 'INSTALLED' end
+  if tonumber(st[2]) >= tonumber(ARGV[1]) then
+    if st[1] == 'pending' and st[4] == id then return 'WAIT' end
+    return 'BEHIND'
+  end
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'state', 'pending', 'epoch', ARGV[1], 'counter', '0', 'id', id, 'nonce', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 'INSTALLED'
+`;
+
+// KEYS: fence state. ARGV: epoch, nonce. Replies: ACTIVE | GONE.
+const ACTIVATE_EPOCH = `${IDENTITY}
+local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'id', 'nonce')
+if st[2] == ARGV[1] and st[4] == ARGV[2] and st[3] == identity() then
+  if st[1] == 'pending' then
+    redis.call('HSET', KEYS[1], 'state', 'active', 'counter', '0')
+    redis.call('PERSIST', KEYS[1])
+  end
+  return 'ACTIVE'
+end
+return 'GONE'
+`;
+
+// Without a durable floor. KEYS: fence state. ARGV: observed epoch ('' = was missing), max counter, max epoch.
+// Replies: ACTIVE | RETRY (the state changed meanwhile) | EXHAUSTED.
+const BUMP_EPOCH = `${IDENTITY}
+local id = identity()
+local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id')
+local epoch
+if ARGV[1] == '' then
+  if st[1] then return 'RETRY' end
+  epoch = 1
+else
+  if st[2] ~= ARGV[1] then return 'RETRY' end
+  if st[1] == 'active' and st[4] == id and tonumber(st[3]) < tonumber(ARGV[2]) then return 'RETRY' end
+  epoch = tonumber(st[2]) + 1
+  if epoch > tonumber(ARGV[3]) then return 'EXHAUSTED' end
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', string.format('%d', epoch), 'counter', '0', 'id', id)
+return 'ACTIVE'
+`;
+
+const DEFINITIONS: Record<keyof Scripts, { lua: string; numberOfKeys: number; readOnly?: boolean }> = {
+  palisadeGrantV1: { lua: GRANT, numberOfKeys: 3 },
+  palisadeExtendV1: { lua: EXTEND, numberOfKeys: 2 },
+  palisadeReleaseV1: { lua: RELEASE, numberOfKeys: 2 },
+  palisadeInspectV1: { lua: INSPECT, numberOfKeys: 2, readOnly: true },
+  palisadeInstallEpochV1: { lua: INSTALL_EPOCH, numberOfKeys: 1 },
+  palisadeActivateEpochV1: { lua: ACTIVATE_EPOCH, numberOfKeys: 1 },
+  palisadeBumpEpochV1: { lua: BUMP_EPOCH, numberOfKeys: 1 },
+};
+
+/**
+ * The Redis {@link LockBackend} behind {@link redisLockManager}, for callers
+ * that compose their own manager (and for tests of the backend's contract).
+ * Same options, guarantees and limits as {@link redisLockManager}.
+ */
+export function redisLockBackend(options: RedisLockManagerOptions): LockBackend {
+  if (options === null || typeof options !== 'object') throw new InvalidArgumentError('options are required');
+  const { redis, epochs } = options;
+  if (!redis || typeof (redis as { defineCommand?: unknown }).defineCommand !== 'function') {
+    throw new InvalidArgumentError('redis must be an ioredis client');
+  }
+  if (epochs !== undefined && (epochs === null || typeof epochs.execute !== 'function')) {
+    throw new InvalidArgumentError('epochs must be a drizzle Postgres database');
+  }
+  const keys = redisKeyNames(options.namespace);
+  const timeoutMs = options.commandTimeoutMs ?? DEFAULT_COMMAND_TIMEOUT_MS;
+  if (!Number.isInteger(timeoutMs) || timeoutMs < 1 || timeoutMs > 600_000) {
+    throw new InvalidArgumentError('commandTimeoutMs must be an integer in 1 … 600,000');
+  }
+  const allowFresh = options.allowFreshCounter === true;
+  if (allowFresh && epochs) throw new InvalidArgumentError('allowFreshCounter only applies without epochs');
+  // A pending epoch install that its client abandoned (crash, pause) expires after this.
+  const pendingTtlMs = Math.min(10_000, Math.max(1_000, 2 * timeoutMs));
+  // Grants wait at most this long for a new epoch to settle before giving up.
+  const recoveryBudgetMs = Math.max(5_000, 3 * pendingTtlMs);
+
+  for (const [name, definition] of Object.entries(DEFINITIONS)) redis.defineCommand(name, definition);
+  const scripts = redis as unknown as Scripts;
+  const notifier = new ReleaseNotifier(redis, keys.channel);
+  let sequenceChecked = false;
+
+  function bounded<T>(what: string, run: () => Promise<T>): Promise<T> {
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new CommandTimeoutError(what, timeoutMs)), timeoutMs);
+    });
+    return Promise.race([run(), timeout]).finally(() => clearTimeout(timer));
+  }
+
+  async function script(name: keyof Scripts, ...args: (string | number)[]): Promise<unknown> {
+    return bounded(`Redis script ${name}`, () => scripts[name](...args));
+  }
+
+  async function postgres(what: string, query: ReturnType<typeof sql>): Promise<Record<string, unknown>[]> {
+    if (!epochs) throw new FenceSourceError('no epochs database configured');
+    return bounded(`Postgres ${what}`, () => execute(epochs, query));
+  }
+
+  async function checkSequence(): Promise<void> {
+    if (sequenceChecked) return;
+    let rows: Record<string, unknown>[];
+    try {
+      rows = await postgres(
+        'epoch sequence check',
+        sql`select s.seqcache, s.seqcycle, c.relpersistence
+              from pg_catalog.pg_sequence s join pg_catalog.pg_class c on c.oid = s.seqrelid
+             where s.seqrelid = to_regclass('palisade.epoch_seq')`,
+      );
+    } catch (err) {
+      if (err instanceof CommandTimeoutError) throw err;
+      throw new FenceSourceError(`cannot read palisade.epoch_seq: ${(err as Error).message}`);
+    }
+    const row = rows[0];
+    if (!row) throw new FenceSourceError('palisade.epoch_seq does not exist: run migrate(db) on the epochs database');
+    if (int8(row.seqcache) !== 1n || row.seqcycle !== false || row.relpersistence !== 'p') {
+      throw new FenceSourceError('palisade.epoch_seq must be CACHE 1, NO CYCLE and logged');
+    }
+    sequenceChecked = true;
+  }
+
+  function fenceOf(epoch: unknown, counter: unknown): Fence {
+    if (
+      typeof epoch !== 'string' ||
+      typeof counter !== 'string' ||
+      !/^\d{1,20}$/.test(epoch) ||
+      !/^\d{1,20}$/.test(counter)
+    ) {
+      throw new FenceSourceError(`Redis returned a malformed fence (${String(epoch)}, ${String(counter)})`);
+    }
+    const e = BigInt(epoch);
+    const c = BigInt(counter);
+    if (e < 1n || e > REDIS_MAX_EPOCH || c < 1n || c > REDIS_MAX_COUNTER) {
+      throw new FenceSourceError(`Redis returned a fence out of range (epoch ${e}, counter ${c})`);
+    }
+    return toFence((e << BigInt(REDIS_COUNTER_BITS)) | c);
+  }
+
+  /** Takes a new epoch from Postgres and installs it (install, confirm, activate). Returns when the grant may be retried. */
+  async function newEpochFromPostgres(deadline: number): Promise<void> {
+    await checkSequence();
+    for (let attempt = 0; attempt < MAX_EPOCH_ATTEMPTS && performance.now() < deadline; attempt++) {
+      const [next] = await postgres('nextval', sql`select nextval('palisade.epoch_seq') as epoch`);
+      const epoch = int8(next?.epoch);
+      if (epoch === null || epoch < 1n) throw new FenceSourceError('nextval of palisade.epoch_seq returned nothing');
+      if (epoch > REDIS_MAX_EPOCH) {
+        throw new FenceSourceError(`palisade.epoch_seq passed ${REDIS_MAX_EPOCH}: Redis fences have no epochs left`);
+      }
+      const nonce = randomBytes(16).toString('hex');
+      const installed = await script(
+        'palisadeInstallEpochV1',
+        keys.fence,
+        epoch.toString(),
+        nonce,
+        pendingTtlMs,
+        REDIS_MAX_COUNTER.toString(),
+      );
+      if (installed === 'ACTIVE') return;
+      if (installed === 'WAIT') return sleep(jitter(5, 30));
+      if (installed === 'BEHIND') continue; // an epoch at or above ours is there: take a newer one
+      if (installed !== 'INSTALLED')
+        throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
+      // Was a higher epoch handed out since ours? Then ours may be older than fences already issued: retry.
+      const [seq] = await postgres('epoch confirm', sql`select last_value from palisade.epoch_seq`);
+      if (int8(seq?.last_value) !== epoch) {
+        await sleep(jitter(0, 20));
+        continue;
+      }
+      await script('palisadeActivateEpochV1', keys.fence, epoch.toString(), nonce);
+      return; // ACTIVE, or GONE (replaced meanwhile): the grant retries either way
+    }
+    throw new FenceSourceError(
+      'could not install a new fence epoch in Redis (too much contention, or epoch_seq is behind)',
+    );
+  }
+
+  async function newEpochInRedis(observed: string): Promise<void> {
+    const bumped = await script(
+      'palisadeBumpEpochV1',
+      keys.fence,
+      observed,
+      REDIS_MAX_COUNTER.toString(),
+      REDIS_MAX_EPOCH.toString(),
+    );
+    if (bumped === 'EXHAUSTED') throw new FenceSourceError('the Redis fence counter has no epochs left');
+  }
+
+  async function recover(reason: string, observed: string, deadline: number): Promise<void> {
+    if (reason === 'pending') return sleep(jitter(5, 30));
+    if (epochs) return newEpochFromPostgres(deadline);
+    if (reason === 'exhausted') return newEpochInRedis(observed); // the state is intact: the next epoch is above it
+    if (!allowFresh) {
+      throw new FenceSourceError(
+        reason === 'missing'
+          ? `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} is missing (flushed, evicted, restarted without persistence, or never used) and no epochs database is configured: refusing to start fences again`
+          : `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} was written by another server (restart or failover) and no epochs database is configured: it may be behind fences already issued`,
+      );
+    }
+    return newEpochInRedis(reason === 'missing' ? '' : observed);
+  }
+
+  async function grantOnce(name: string, token: string, ttlMs: number, holder: string | null): Promise<Grant | null> {
+    const deadline = performance.now() + recoveryBudgetMs;
+    for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
+      const reply = (await script(
+        'palisadeGrantV1',
+        keys.lock(name),
+        keys.grant(name),
+        keys.fence,
+        token,
+        ttlMs,
+        holder ?? '',
+        holder === null ? '0' : '1',
+        REDIS_MAX_COUNTER.toString(),
+      )) as Reply;
+      if (reply[0] === 'OK') return { fence: fenceOf(reply[1], reply[2]) };
+      if (reply[0] === 'BUSY') return null;
+      if (reply[0] !== 'NOEPOCH') {
+        throw new FenceSourceError(`unexpected reply to the grant script: ${JSON.stringify(reply)}`);
+      }
+      if (performance.now() >= deadline) break;
+      await recover(String(reply[1]), String(reply[2] ?? ''), deadline);
+    }
+    throw new FenceSourceError('the Redis fence counter did not settle on a new epoch in time');
+  }
+
+  return {
+    kind: 'redis',
+
+    async grant(name, token, ttlMs, holder) {
+      try {
+        return await grantOnce(name, token, ttlMs, holder);
+      } catch (err) {
+        // The script may still have run (a timeout, a dropped connection): free what it may have taken.
+        if (!(err instanceof FenceSourceError)) {
+          script('palisadeReleaseV1', keys.lock(name), keys.grant(name), token, keys.channel, name).catch(() => {});
+        }
+        throw err;
+      }
+    },
+
+    async extend(name, token, ttlMs) {
+      return (await script('palisadeExtendV1', keys.lock(name), keys.grant(name), token, ttlMs)) === 'HELD';
+    },
+
+    async release(name, token) {
+      const reply = await script('palisadeReleaseV1', keys.lock(name), keys.grant(name), token, keys.channel, name);
+      return reply === 'RELEASED';
+    },
+
+    async inspect(name): Promise<LockInfo | null> {
+      const reply = (await script('palisadeInspectV1', keys.lock(name), keys.grant(name))) as Reply;
+      if (reply[0] === 'FREE') return null;
+      if (reply[0] !== 'HELD') {
+        throw new FenceSourceError(`lock ${JSON.stringify(name)} is held but its grant record is missing (evicted?)`);
+      }
+      const [, epoch, counter, holder, hasHolder, at, pttl] = reply;
+      const remaining = Number(pttl);
+      return {
+        name,
+        holder: hasHolder === '1' ? (holder ?? '') : null,
+        fence: fenceOf(epoch, counter),
+        acquiredAt: at && /^\d+$/.test(at) ? new Date(Number(at)) : null,
+        remainingMs: Number.isFinite(remaining) && remaining >= 0 ? remaining : null,
+      };
+    },
+
+    waitForRelease: (name, ms, signal) => notifier.wait(name, ms, signal),
+
+    close: () => notifier.close(),
+  };
+}
+
+/**
+ * Wakes waiters when the release script publishes a lock name. One
+ * subscriber connection per manager (`redis.duplicate()`), opened on the
+ * first wait and closed by `close()`. Never needed for correctness: every
+ * wait also ends at its timeout.
+ */
+class ReleaseNotifier {
+  readonly #redis: RedisClient;
+  readonly #channel: string;
+  readonly #waiters = new Map<string, Set<() => void>>();
+  #subscriber: RedisClient | undefined;
+  #closed = false;
+
+  constructor(redis: RedisClient, channel: string) {
+    this.#redis = redis;
+    this.#channel = channel;
+  }
+
+  wait(name: string, ms: number, signal: AbortSignal | undefined): Promise<void> {
+    if (this.#closed || ms <= 0 || signal?.aborted) return Promise.resolve();
+    this.#subscribe();
+    return new Promise((resolve) => {
+      let set = this.#waiters.get(name);
+      if (!set) {
+        set = new Set();
+        this.#waiters.set(name, set);
+      }
+      const waiters = set;
+      const done = () => {
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', done);
+        waiters.delete(done);
+        if (waiters.size === 0 && this.#waiters.get(name) === waiters) this.#waiters.delete(name);
+        resolve();
+      };
+      const timer = setTimeout(done, ms);
+      signal?.addEventListener('abort', done, { once: true });
+      waiters.add(done);
+    });
+  }
+
+  async close(): Promise<void> {
+    this.#closed = true;
+    for (const set of [...this.#waiters.values()]) for (const wake of [...set]) wake();
+    const subscriber = this.#subscriber;
+    this.#subscriber = undefined;
+    subscriber?.disconnect();
+  }
+
+  #subscribe(): void {
+    if (this.#subscriber) return;
+    // Its own connection: a subscribed connection can run nothing else. An
+    // offline queue here is harmless (nothing awaits it; disconnect() flushes it).
+    const subscriber = this.#redis.duplicate({ enableOfflineQueue: true, autoResubscribe: true, lazyConnect: false });
+    this.#subscriber = subscriber;
+    subscriber.on('error', () => {}); // reconnects by itself; waits fall back to their timeouts meanwhile
+    subscriber.on('message', (channel: string, name: string) => {
+      if (channel !== this.#channel) return;
+      for (const wake of [...(this.#waiters.get(name) ?? [])]) wake();
+    });
+    subscriber.subscribe(this.#channel).catch(() => {});
+  }
+}
+
+function sleep(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+function jitter(min: number, max: number): number {
+  return min + Math.random() * (max - min);
+}

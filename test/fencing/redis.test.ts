@@ -1,0 +1,407 @@
+/**
+ * The Redis lock manager, in one process, against the real Redis
+ * (REDIS_URL) and the real Postgres (DATABASE_URL): grants, fences, token
+ * checks, inspect, waiting, watchdog, validation, and the epoch protocol
+ * that keeps fences above everything issued before.
+ */
+import { randomBytes } from 'node:crypto';
+import { sql } from 'drizzle-orm';
+import { PgDialect } from 'drizzle-orm/pg-core';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import type { Database } from '../../src/driver.js';
+import { FenceSourceError, InvalidArgumentError, LeaseLostError, LockUnavailableError } from '../../src/errors.js';
+import type { Lease } from '../../src/fencing/lease.js';
+import {
+  REDIS_COUNTER_BITS,
+  REDIS_MAX_COUNTER,
+  redisLockBackend,
+  redisLockManager,
+  splitRedisFence,
+} from '../../src/fencing/redis.js';
+import { connect, hashTag, namespaceKeys, redisScenario, trackTimers } from '../support/redis.js';
+import { needs } from '../support/services.js';
+
+const REDIS_URL = process.env.REDIS_URL ?? '';
+
+/** Resolves when `signal` aborts (bounded by the test's timeout). */
+function aborted(signal: AbortSignal): Promise<unknown> {
+  return new Promise((resolve) => {
+    if (signal.aborted) resolve(signal.reason);
+    else signal.addEventListener('abort', () => resolve(signal.reason), { once: true });
+  });
+}
+
+describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager', () => {
+  it('grants a lease with a fence, and inspect shows holder, fence, grant time and TTL left', async () => {
+    const { manager } = await redisScenario(REDIS_URL);
+    const lease = await manager.acquire('report', { ttlMs: 30_000, holder: 'worker 1' });
+
+    const info = await manager.inspect('report');
+    expect(info).not.toBeNull();
+    expect(info?.holder).toBe('worker 1');
+    expect(info?.fence).toBe(lease.fence);
+    expect(info?.acquiredAt).toBeInstanceOf(Date);
+    expect(info?.remainingMs).toBeGreaterThan(0);
+    expect(info?.remainingMs).toBeLessThanOrEqual(30_000);
+
+    expect(await manager.tryAcquire('report', { ttlMs: 30_000 })).toBeNull();
+    expect(await lease.release()).toBe('released');
+    expect(await manager.inspect('report')).toBeNull();
+    const next = await manager.tryAcquire('report', { ttlMs: 30_000 });
+    expect(next?.fence).toBeGreaterThan(lease.fence);
+    expect((await manager.inspect('report'))?.holder).toBeNull();
+    await next?.release();
+  });
+
+  it('issues one increasing fence sequence per namespace, whatever the lock name', async () => {
+    const { manager } = await redisScenario(REDIS_URL);
+    const fences: bigint[] = [];
+    for (const name of ['a', 'b', 'a', 'c', 'b']) {
+      const lease = await manager.acquire(name, { ttlMs: 5_000 });
+      fences.push(lease.fence);
+      await lease.release();
+    }
+    expect(fences).toEqual([...fences].sort((x, y) => (x < y ? -1 : 1)));
+    expect(new Set(fences).size).toBe(fences.length);
+  });
+
+  it('checks the token on release and extend: another token never frees or extends the lock', async () => {
+    const { manager, namespace, test } = await redisScenario(REDIS_URL);
+    const other = redisLockBackend({ redis: connect(REDIS_URL), namespace, epochs: test.db });
+    const lease = await manager.acquire('job', { ttlMs: 30_000 });
+
+    expect(await other.release('job', randomBytes(16).toString('hex'))).toBe(false);
+    expect(await other.extend('job', randomBytes(16).toString('hex'), 60_000)).toBe(false);
+    expect((await manager.inspect('job'))?.fence).toBe(lease.fence);
+    expect((await manager.inspect('job'))?.remainingMs).toBeLessThanOrEqual(30_000);
+
+    expect(await other.extend('job', lease.token, 60_000)).toBe(true);
+    expect((await manager.inspect('job'))?.remainingMs).toBeGreaterThan(30_000);
+    expect(await other.release('job', lease.token)).toBe(true);
+    expect(await manager.inspect('job')).toBeNull();
+    expect(await lease.release()).toBe('lost');
+    await other.close();
+  });
+
+  it('a late release reports the lease lost and leaves the next holder alone', async () => {
+    const { manager, open } = await redisScenario(REDIS_URL);
+    const first = await manager.acquire('slot', { ttlMs: 200 });
+    expect(await aborted(first.signal)).toBeInstanceOf(LeaseLostError); // the local deadline passed
+    const second = await open().acquire('slot', { ttlMs: 30_000, waitMs: 5_000, holder: 'second' });
+
+    await expect(first.extend()).rejects.toBeInstanceOf(LeaseLostError);
+    expect(await first.release()).toBe('lost');
+    const info = await manager.inspect('slot');
+    expect(info?.holder).toBe('second');
+    expect(info?.fence).toBe(second.fence);
+    expect(second.fence).toBeGreaterThan(first.fence);
+    expect(await second.release()).toBe('released');
+  });
+
+  it('a grant is idempotent per token: a re-sent grant returns the same fence', async () => {
+    const { namespace, test, redis } = await redisScenario(REDIS_URL);
+    const backend = redisLockBackend({ redis, namespace, epochs: test.db });
+    const token = randomBytes(16).toString('hex');
+
+    const first = await backend.grant('once', token, 30_000, 'me');
+    const again = await backend.grant('once', token, 30_000, 'me');
+    expect(first?.fence).toBeDefined();
+    expect(again?.fence).toBe(first?.fence);
+    expect(await backend.grant('once', randomBytes(16).toString('hex'), 30_000, null)).toBeNull();
+    expect(await backend.release('once', token)).toBe(true);
+    await backend.close();
+  });
+
+  it('keeps lock names apart from each other and from the namespace keys, all in one hash slot', async () => {
+    const { manager, redis, namespace, keys } = await redisScenario(REDIS_URL);
+    const names = ['a', 'a}', '{a}', '}:lock:a', ':fence', 'fence', 'grant:a', 'lock:a', 'naïve ☃ 🔒', '{', '}'];
+    const leases: Lease[] = [];
+    for (const name of names) {
+      const lease = await manager.tryAcquire(name, { ttlMs: 30_000 });
+      expect(lease, name).not.toBeNull();
+      if (lease) leases.push(lease);
+    }
+    const stored = await namespaceKeys(redis, namespace);
+    expect(stored).toEqual([keys.fence, ...names.flatMap((n) => [keys.lock(n), keys.grant(n)])].sort());
+    for (const key of stored) expect(hashTag(key)).toBe(`palisade:${namespace}`);
+    for (const lease of leases) expect((await manager.inspect(lease.name))?.fence).toBe(lease.fence);
+    // The composed and decomposed spellings of one name are one lock.
+    const composed = await manager.acquire('caf\u00e9', { ttlMs: 30_000 });
+    expect(await manager.tryAcquire('cafe\u0301', { ttlMs: 30_000 })).toBeNull();
+    for (const lease of [...leases, composed]) expect(await lease.release()).toBe('released');
+  });
+
+  it('returns fences above 2^53 exactly', async () => {
+    const { manager, test, redis, keys } = await redisScenario(REDIS_URL);
+    // This database's epoch sequence is far along: the first grant of the namespace takes the next epoch.
+    await test.db.execute(sql`select setval('palisade.epoch_seq', ${2 ** 20})`);
+    const lease = await manager.acquire('big', { ttlMs: 5_000 });
+
+    const expected = ((2n ** 20n + 1n) << BigInt(REDIS_COUNTER_BITS)) + 1n;
+    expect(expected).toBeGreaterThan(2n ** 53n);
+    expect(lease.fence).toBe(expected);
+    expect((await manager.inspect('big'))?.fence).toBe(expected);
+    expect(splitRedisFence(lease.fence)).toEqual({ epoch: 2n ** 20n + 1n, counter: 1n });
+    expect(await redis.hget(keys.fence, 'epoch')).toBe(String(2 ** 20 + 1));
+    await lease.release();
+  });
+
+  it('takes a new epoch when the counter of an epoch is used up', async () => {
+    const { manager, redis, keys } = await redisScenario(REDIS_URL);
+    const first = await manager.acquire('n', { ttlMs: 5_000 });
+    await first.release();
+    await redis.hset(keys.fence, 'counter', (REDIS_MAX_COUNTER - 1n).toString());
+
+    const last = await manager.acquire('n', { ttlMs: 5_000 });
+    await last.release();
+    const next = await manager.acquire('n', { ttlMs: 5_000 });
+    await next.release();
+    expect(splitRedisFence(last.fence)).toEqual({
+      epoch: splitRedisFence(first.fence).epoch,
+      counter: REDIS_MAX_COUNTER,
+    });
+    expect(next.fence).toBeGreaterThan(last.fence);
+    expect(splitRedisFence(next.fence).epoch).toBeGreaterThan(splitRedisFence(last.fence).epoch);
+    expect(splitRedisFence(next.fence).counter).toBe(1n);
+  });
+
+  it('takes a new epoch when the counter is lost or was written by another server', async () => {
+    const { manager, redis, keys } = await redisScenario(REDIS_URL);
+    const before = await manager.acquire('x', { ttlMs: 5_000 });
+    await before.release();
+
+    await redis.del(keys.fence); // as FLUSHDB or an eviction would
+    const afterLoss = await manager.acquire('x', { ttlMs: 5_000 });
+    await afterLoss.release();
+    expect(afterLoss.fence).toBeGreaterThan(before.fence);
+
+    // As after a failover or a restart from a snapshot: the state is there, but another server wrote it.
+    await redis.hset(keys.fence, 'id', 'another-run/another-replid');
+    const afterMove = await manager.acquire('x', { ttlMs: 5_000 });
+    await afterMove.release();
+    expect(afterMove.fence).toBeGreaterThan(afterLoss.fence);
+    expect(splitRedisFence(afterMove.fence).epoch).toBeGreaterThan(splitRedisFence(afterLoss.fence).epoch);
+  });
+
+  it('never installs an epoch taken before a flush, even from a client that paused in between', async () => {
+    const { manager, open, redis, keys, test } = await redisScenario(REDIS_URL);
+    // The paused client's Postgres answers nextval, then the client stops until we let it go on.
+    const gate = pauseAfterFirstNextval(test.db);
+    const paused = open({ epochs: gate.db });
+    const pausedLease = paused.acquire('p', { ttlMs: 5_000 });
+    const staleEpoch = await gate.reached;
+
+    const issued: bigint[] = [];
+    for (let i = 0; i < 3; i++) {
+      const lease = await manager.acquire('q', { ttlMs: 5_000 });
+      issued.push(lease.fence);
+      await lease.release();
+    }
+    expect(splitRedisFence(issued[0] as never).epoch).toBeGreaterThan(staleEpoch);
+    await redis.del(keys.fence); // the counter is lost while the client is paused
+    gate.open();
+
+    const lease = await pausedLease;
+    expect(lease.fence).toBeGreaterThan(issued[2] as bigint);
+    expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(splitRedisFence(issued[2] as never).epoch);
+    await lease.release();
+  });
+
+  it('without an epochs database, refuses a missing counter unless told it may start fresh', async () => {
+    const { namespace, redis, keys } = await redisScenario(REDIS_URL);
+    const strict = redisLockManager({ redis, namespace });
+    const error = await strict.acquire('x', { ttlMs: 5_000 }).catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(FenceSourceError);
+    expect((error as FenceSourceError).code).toBe('fence_source');
+    expect(await strict.inspect('x')).toBeNull(); // nothing was taken
+
+    const fresh = redisLockManager({ redis, namespace, allowFreshCounter: true });
+    const lease = await fresh.acquire('x', { ttlMs: 5_000 });
+    expect(splitRedisFence(lease.fence)).toEqual({ epoch: 1n, counter: 1n });
+    await lease.release();
+    const second = await strict.acquire('x', { ttlMs: 5_000 }); // the counter exists now
+    expect(second.fence).toBeGreaterThan(lease.fence);
+    await second.release();
+
+    await redis.hset(keys.fence, 'id', 'another-run/another-replid');
+    await expect(strict.acquire('x', { ttlMs: 5_000 })).rejects.toBeInstanceOf(FenceSourceError);
+    await strict.close();
+    await fresh.close();
+  });
+
+  it('throws InvalidArgumentError for bad input before sending any command', async () => {
+    const { manager, redis, namespace } = await redisScenario(REDIS_URL);
+    const monitor = await redis.duplicate().monitor();
+    const seen: string[][] = [];
+    monitor.on('monitor', (_time: string, args: string[]) => {
+      if (args.some((a) => a.includes(namespace))) seen.push(args);
+    });
+    const rejectsInvalid = async (call: () => unknown) =>
+      expect(Promise.resolve().then(call)).rejects.toBeInstanceOf(InvalidArgumentError);
+
+    const badNames = ['', 'é'.repeat(513), 'lone \uD800 surrogate', 'nul \u0000 inside'];
+    for (const name of badNames) {
+      await rejectsInvalid(() => manager.acquire(name, { ttlMs: 1_000 }));
+      await rejectsInvalid(() => manager.tryAcquire(name, { ttlMs: 1_000 }));
+      await rejectsInvalid(() => manager.using(name, { ttlMs: 1_000 }, () => 1));
+      await rejectsInvalid(() => manager.inspect(name));
+      await rejectsInvalid(() => manager.acquireAll(['fine', name], { ttlMs: 1_000 }));
+    }
+    for (const ttlMs of [0, -1, 1.5, Number.NaN, 86_400_001]) {
+      await rejectsInvalid(() => manager.acquire('fine', { ttlMs }));
+      await rejectsInvalid(() => manager.tryAcquire('fine', { ttlMs }));
+      await rejectsInvalid(() => manager.using('fine', { ttlMs }, () => 1));
+      await rejectsInvalid(() => manager.acquireAll(['fine'], { ttlMs }));
+    }
+    await rejectsInvalid(() => manager.acquire('fine', { ttlMs: 1_000, waitMs: -1 }));
+    await rejectsInvalid(() => manager.acquireAll(['fine'], { ttlMs: 1_000, waitMs: -1 }));
+    expect(() => redisLockManager({ redis, namespace: 'bad}namespace' })).toThrow(InvalidArgumentError);
+
+    // The monitor does see this namespace's commands: a valid call shows up, and only its commands are there.
+    const valid = `valid-${'x'.repeat(1000)}`;
+    const lease = await manager.acquire(valid, { ttlMs: 1_000 });
+    await expect(lease.extend(0)).rejects.toBeInstanceOf(InvalidArgumentError);
+    await lease.release();
+    for (let i = 0; i < 100 && !seen.some((args) => args[0]?.toUpperCase() === 'PUBLISH'); i++) {
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    monitor.disconnect();
+    expect(seen.length).toBeGreaterThan(0);
+    const fenceKey = `{palisade:${namespace}}:fence`;
+    expect(seen.filter((args) => !args.some((a) => a.includes(valid) || a === fenceKey))).toEqual([]);
+  });
+
+  it('a waiter wakes on a release notification, not only when its wait runs out', async () => {
+    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
+    const waiter = redisLockBackend({ redis: connect(REDIS_URL), namespace, epochs: test.db });
+    const lease = await manager.acquire('door', { ttlMs: 30_000 });
+
+    const woken = waiter.waitForRelease('door', 3_600_000, undefined); // an hour: only a notification ends it in time
+    for (let i = 0; i < 200; i++) {
+      const [, subscribers] = (await redis.pubsub('NUMSUB', keys.channel)) as [string, number];
+      if (Number(subscribers) > 0) break;
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    await lease.release();
+    await woken;
+
+    // close() ends waits still pending and the subscriber connection.
+    const pending = waiter.waitForRelease('door', 3_600_000, undefined);
+    await waiter.close();
+    await pending;
+    for (let i = 0; i < 200; i++) {
+      const [, subscribers] = (await redis.pubsub('NUMSUB', keys.channel)) as [string, number];
+      if (Number(subscribers) === 0) break;
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    expect((await redis.pubsub('NUMSUB', keys.channel))[1]).toBe(0);
+  });
+
+  it('aborts the lease signal with LeaseLostError when an extension finds the lock gone', async () => {
+    const { manager, redis, keys } = await redisScenario(REDIS_URL);
+    const lease = await manager.acquire('gone', { ttlMs: 30_000 });
+    await redis.del(keys.lock('gone'));
+    await expect(lease.extend()).rejects.toBeInstanceOf(LeaseLostError);
+    expect(lease.signal.aborted).toBe(true);
+    expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
+
+    // The watchdog finds it too (it extends every ttl/3; the TTL is far off).
+    const watched = await manager.acquire('gone', { ttlMs: 9_000, autoExtend: true });
+    await redis.del(keys.lock('gone'));
+    const reason = await aborted(watched.signal);
+    expect(reason).toBeInstanceOf(LeaseLostError);
+    expect(String((reason as Error).message)).toMatch(/extension/);
+    expect(await watched.release()).toBe('lost');
+  });
+
+  it('the watchdog keeps a short lease alive and leaves no timer behind after release', async () => {
+    const { manager } = await redisScenario(REDIS_URL);
+    await (await manager.acquire('warm-up', { ttlMs: 1_000 })).release(); // connections are open
+    const timers = trackTimers();
+    onTestFinished(() => timers.stop());
+
+    const lease = await manager.acquire('long', { ttlMs: 300, autoExtend: true });
+    let extensions = 0;
+    const off = manager.events.on('extended', () => extensions++);
+    for (let i = 0; i < 300 && extensions < 3; i++) await new Promise((r) => setTimeout(r, 20));
+    off();
+    expect(extensions).toBeGreaterThanOrEqual(3);
+    expect(lease.signal.aborted).toBe(false);
+    expect(await timers.live()).toBeGreaterThan(0); // the deadline and the watchdog
+    expect(await lease.release()).toBe('released');
+    expect(await timers.live()).toBe(0);
+
+    // A release racing an extension in flight leaves nothing behind either.
+    for (let i = 0; i < 5; i++) {
+      const raced = await manager.acquire('long', { ttlMs: 60_000, autoExtend: true });
+      const extension = raced.extend();
+      expect(await raced.release()).toBe('released');
+      await extension.catch(() => {});
+      expect(await timers.live()).toBe(0);
+    }
+  });
+
+  it('acquireAll takes every lock or none', async () => {
+    const { manager, open } = await redisScenario(REDIS_URL);
+    const leases = await manager.acquireAll(['b', 'a', 'c', 'a'], { ttlMs: 30_000 });
+    expect(leases.map((l) => l.name)).toEqual(['a', 'b', 'c']);
+    for (const lease of leases) await lease.release();
+
+    const other = open();
+    const held = await other.acquire('b', { ttlMs: 30_000 });
+    await expect(manager.acquireAll(['a', 'b'], { ttlMs: 30_000, waitMs: 100 })).rejects.toBeInstanceOf(
+      LockUnavailableError,
+    );
+    expect(await manager.inspect('a')).toBeNull();
+    await held.release();
+  });
+
+  it('using() releases whether the function returns or throws', async () => {
+    const { manager } = await redisScenario(REDIS_URL);
+    expect(await manager.using('u', { ttlMs: 5_000 }, (lease) => lease.fence)).toBeTypeOf('bigint');
+    expect(await manager.inspect('u')).toBeNull();
+    await expect(
+      manager.using('u', { ttlMs: 5_000 }, () => {
+        throw new Error('job failed');
+      }),
+    ).rejects.toThrow('job failed');
+    expect(await manager.inspect('u')).toBeNull();
+  });
+});
+
+/**
+ * The epochs database of a client that pauses right after its first
+ * `nextval` (as a GC pause or SIGSTOP would), until `open()`.
+ */
+function pauseAfterFirstNextval(db: Database): {
+  db: Database;
+  reached: Promise<bigint>;
+  open: () => void;
+} {
+  const dialect = new PgDialect();
+  let reached!: (epoch: bigint) => void;
+  let open!: () => void;
+  const atGate = new Promise<bigint>((resolve) => {
+    reached = resolve;
+  });
+  const gate = new Promise<void>((resolve) => {
+    open = resolve;
+  });
+  let paused = false;
+  const gated = new Proxy(db, {
+    get(target, property, receiver) {
+      if (property !== 'execute') return Reflect.get(target, property, receiver);
+      return async (query: Parameters<Database['execute']>[0]) => {
+        const result = await target.execute(query);
+        if (!paused && dialect.sqlToQuery(query as never).sql.includes('nextval')) {
+          paused = true;
+          const rows = (Array.isArray(result) ? result : (result as { rows: unknown[] }).rows) as { epoch: unknown }[];
+          reached(BigInt(String(rows[0]?.epoch)));
+          await gate;
+        }
+        return result;
+      };
+    },
+  });
+  return { db: gated, reached: atGate, open };
+}

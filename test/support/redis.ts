@@ -1,0 +1,131 @@
+/**
+ * What the Redis lock-manager suites share: a scenario (a database, a
+ * namespace, a client and managers of the test's own, all cleaned up when
+ * the test ends) and the worker configuration for child processes.
+ */
+import { createHook } from 'node:async_hooks';
+import { Redis } from 'ioredis';
+import { onTestFinished } from 'vitest';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { type RedisLockManagerOptions, redisKeyNames, redisLockManager } from '../../src/fencing/redis.js';
+import type { TestDatabase } from './databases.js';
+import { scenarioDatabase, uniqueNamespace } from './scenario.js';
+
+export interface RedisScenario {
+  readonly test: TestDatabase;
+  /** This test's own database URL (for workers). */
+  readonly databaseUrl: string;
+  readonly redisUrl: string;
+  readonly namespace: string;
+  readonly keys: ReturnType<typeof redisKeyNames>;
+  /** A client of the test's own (commandTimeout 2 s, one retry). */
+  readonly redis: Redis;
+  /** A manager with epochs from the test's database. */
+  readonly manager: LockManager;
+  /** Another manager on this namespace (its own Redis client), with options overridden. */
+  open(options?: Partial<Omit<RedisLockManagerOptions, 'namespace'>>): LockManager;
+  /** Arguments of test/workers/lock-worker.ts for this scenario. */
+  worker(lock: string, extra?: Record<string, unknown>): Record<string, unknown>;
+}
+
+export function connect(url: string, db?: number): Redis {
+  const redis = new Redis(url, { commandTimeout: 2_000, maxRetriesPerRequest: 1, ...(db === undefined ? {} : { db }) });
+  redis.on('error', () => {}); // reconnects by itself; commands fail (bounded) meanwhile
+  return redis;
+}
+
+/** A scenario for one test; everything is closed, and the namespace's keys deleted, when the test finishes. */
+export async function redisScenario(redisUrl: string): Promise<RedisScenario> {
+  const test = await scenarioDatabase();
+  const namespace = uniqueNamespace();
+  const keys = redisKeyNames(namespace);
+  const redis = connect(redisUrl);
+  const clients: Redis[] = [redis];
+  const managers: LockManager[] = [];
+  const open = (options: Partial<Omit<RedisLockManagerOptions, 'namespace'>> = {}) => {
+    const client = options.redis ?? connect(redisUrl);
+    if (!options.redis) clients.push(client as Redis);
+    const manager = redisLockManager({ redis: client, namespace, epochs: test.db, ...options });
+    managers.push(manager);
+    return manager;
+  };
+  const manager = open({ redis });
+  onTestFinished(async () => {
+    for (const m of managers) await m.close();
+    if (redis.status === 'ready') await deleteNamespace(redis, namespace).catch(() => {});
+    for (const client of clients) client.disconnect();
+    await test.close();
+  });
+  return {
+    test,
+    databaseUrl: test.url ?? '',
+    redisUrl,
+    namespace,
+    keys,
+    redis,
+    manager,
+    open,
+    worker: (lock, extra = {}) => ({
+      kind: 'redis',
+      namespace,
+      databaseUrl: test.url,
+      redisUrl,
+      lock,
+      ttlMs: 5_000,
+      waitMs: 10_000,
+      ...extra,
+    }),
+  };
+}
+
+/** Every key of a namespace (SCAN, bounded). */
+export async function namespaceKeys(redis: Redis, namespace: string): Promise<string[]> {
+  const found: string[] = [];
+  let cursor = '0';
+  for (let i = 0; i < 10_000; i++) {
+    const [next, batch] = await redis.scan(cursor, 'MATCH', `{palisade:${namespace}}*`, 'COUNT', 1000);
+    found.push(...batch);
+    cursor = next;
+    if (cursor === '0') break;
+  }
+  return found.sort();
+}
+
+async function deleteNamespace(redis: Redis, namespace: string): Promise<void> {
+  const keys = await namespaceKeys(redis, namespace);
+  if (keys.length > 0) await redis.del(...keys);
+}
+
+/** The Redis Cluster hash tag of a key: what is between the first `{` and the next `}`, if non-empty. */
+export function hashTag(key: string): string {
+  const open = key.indexOf('{');
+  if (open === -1) return key;
+  const close = key.indexOf('}', open + 1);
+  if (close === -1 || close === open + 1) return key;
+  return key.slice(open + 1, close);
+}
+
+/**
+ * Follows every timer created from now on, ref'd or not (the lease's timers
+ * are unref'd, so `process.getActiveResourcesInfo()` does not list them):
+ * `live()` counts those neither fired nor cleared yet.
+ */
+export function trackTimers(): { live(): Promise<number>; stop(): void } {
+  const live = new Set<number>();
+  const hook = createHook({
+    init(asyncId, type) {
+      if (type === 'Timeout') live.add(asyncId);
+    },
+    destroy(asyncId) {
+      live.delete(asyncId);
+    },
+  }).enable();
+  return {
+    async live() {
+      // Destroy hooks run asynchronously after a timer is cleared.
+      for (let i = 0; i < 3; i++) await new Promise((r) => setImmediate(r));
+      return live.size;
+    },
+    stop: () => hook.disable(),
+  };
+}
