@@ -74,7 +74,10 @@ export function prepared(
   }
   let query = key === undefined ? undefined : cache.get(key);
   if (!query) {
-    query = session.prepareQuery(dialect.sqlToQuery(build()), undefined, undefined, false) as PgPreparedQuery<never>;
+    // A name makes drizzle's postgres-js driver send a named (server-side
+    // prepared) statement; without one it sends an unnamed statement that
+    // postgres.js parses and describes in an extra round trip on every call.
+    query = session.prepareQuery(dialect.sqlToQuery(build()), undefined, key, false) as PgPreparedQuery<never>;
     if (key !== undefined) cache.set(key, query);
   }
   const q = query;
@@ -158,4 +161,46 @@ function originalError(err: unknown): unknown {
 function driverMessage(err: unknown): string {
   const e = originalError(err);
   return e instanceof Error ? e.message : String(e);
+}
+
+/** A client that can LISTEN: a postgres.js `Sql` or a PGlite instance. */
+export interface ListenClient {
+  // biome-ignore lint/suspicious/noExplicitAny: the two drivers declare different signatures.
+  listen(channel: string, onPayload: (payload: string) => void): Promise<any>;
+}
+
+/** The client under a drizzle database, if it can LISTEN (a drizzle transaction cannot). */
+export function listenClientOf(db: Database): ListenClient | undefined {
+  const client = (db as { $client?: unknown }).$client;
+  return isListenClient(client) ? client : undefined;
+}
+
+/** True for a postgres.js `Sql` or a PGlite instance (anything with a `listen` method). */
+export function isListenClient(value: unknown): value is ListenClient {
+  return (
+    (typeof value === 'function' || (typeof value === 'object' && value !== null)) &&
+    typeof (value as { listen?: unknown }).listen === 'function'
+  );
+}
+
+/**
+ * LISTENs on `channel` and returns the function that stops listening.
+ * postgres.js resolves to `{ unlisten }` (on a connection of its own, which
+ * it keeps until the client ends), PGlite to the unsubscribe function itself.
+ */
+export async function listen(
+  client: ListenClient,
+  channel: string,
+  onPayload: (payload: string) => void,
+): Promise<() => Promise<void>> {
+  let result: unknown;
+  try {
+    result = await client.listen(channel, (payload) => onPayload(String(payload)));
+  } catch (err) {
+    throw translateError(err);
+  }
+  if (typeof result === 'function') return async () => void (await result());
+  const unlisten = (result as { unlisten?: unknown } | null)?.unlisten;
+  if (typeof unlisten === 'function') return async () => void (await unlisten.call(result));
+  throw new PalisadeError('driver', 'unrecognised result from the driver’s listen()');
 }

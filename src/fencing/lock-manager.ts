@@ -94,13 +94,13 @@ export function createLockManager(backend: LockBackend): LockManager {
     kind: backend.kind,
     events,
 
-    acquire(name, options) {
+    async acquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, DEFAULT_WAIT_MS);
       return acquireUntil(checked, opts, performance.now() + opts.waitMs);
     },
 
-    tryAcquire(name, options) {
+    async tryAcquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
       return attempt(checked, opts, performance.now());
@@ -116,7 +116,7 @@ export function createLockManager(backend: LockBackend): LockManager {
       }
     },
 
-    inspect(name) {
+    async inspect(name) {
       return backend.inspect(checkLockName(name));
     },
 

@@ -1,0 +1,109 @@
+/**
+ * What the two Postgres backends share: the namespace check, and waking
+ * waiters early when a lock is released (LISTEN/NOTIFY).
+ */
+import { InvalidArgumentError } from '../errors.js';
+
+/** The channel both Postgres backends NOTIFY on release; the payload is `namespace:name`. */
+export const RELEASE_CHANNEL = 'palisade_release';
+
+const MAX_NAMESPACE_BYTES = 256;
+
+/**
+ * @internal Checks a lock-manager namespace: a non-empty, well-formed string
+ * of at most 256 UTF-8 bytes without NUL.
+ * @throws {InvalidArgumentError}
+ */
+export function checkNamespace(namespace: unknown): string {
+  if (
+    typeof namespace !== 'string' ||
+    namespace.length === 0 ||
+    !namespace.isWellFormed() ||
+    namespace.includes('\u0000') ||
+    Buffer.byteLength(namespace, 'utf8') > MAX_NAMESPACE_BYTES
+  ) {
+    throw new InvalidArgumentError(
+      `namespace must be a non-empty, well-formed string without NUL of at most ${MAX_NAMESPACE_BYTES} UTF-8 bytes`,
+    );
+  }
+  return namespace;
+}
+
+/**
+ * @internal The NOTIFY payload for a release. Notifications are only hints
+ * (a waiter re-tries the grant), so the rare ambiguity of a `:` inside the
+ * namespace costs at most a spurious wake-up.
+ */
+export function releasePayload(namespace: string, name: string): string {
+  return `${namespace}:${name}`;
+}
+
+/**
+ * @internal One LISTEN per lock manager, opened at the first wait, shared by
+ * all waiters, closed by {@link ReleaseListener.close}. If LISTEN cannot be
+ * opened (no client given, a transaction, a pooler that forbids it), waits
+ * are plain timeouts: waiting still works, by polling.
+ */
+export class ReleaseListener {
+  readonly #subscribe: ((onPayload: (payload: string) => void) => Promise<() => Promise<void>>) | undefined;
+  readonly #waiters = new Map<string, Set<() => void>>();
+  #opening: Promise<void> | undefined;
+  #unlisten: (() => Promise<void>) | undefined;
+  #closed = false;
+
+  constructor(subscribe: ((onPayload: (payload: string) => void) => Promise<() => Promise<void>>) | undefined) {
+    this.#subscribe = subscribe;
+  }
+
+  /** Resolves on a release notification for `payload`, after `ms`, or when `signal` aborts. Never rejects. */
+  wait(payload: string, ms: number, signal: AbortSignal | undefined): Promise<void> {
+    if (this.#closed || signal?.aborted || !(ms > 0)) return Promise.resolve();
+    this.#open();
+    return new Promise<void>((resolve) => {
+      let set = this.#waiters.get(payload);
+      if (!set) {
+        set = new Set();
+        this.#waiters.set(payload, set);
+      }
+      const waiters = set;
+      const done = () => {
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', done);
+        waiters.delete(done);
+        if (waiters.size === 0 && this.#waiters.get(payload) === waiters) this.#waiters.delete(payload);
+        resolve();
+      };
+      const timer = setTimeout(done, ms);
+      signal?.addEventListener('abort', done, { once: true });
+      waiters.add(done);
+    });
+  }
+
+  /** Wakes every waiter and stops listening. Safe to call more than once. */
+  async close(): Promise<void> {
+    this.#closed = true;
+    for (const set of [...this.#waiters.values()]) for (const done of [...set]) done();
+    await this.#opening;
+    const unlisten = this.#unlisten;
+    this.#unlisten = undefined;
+    await unlisten?.().catch(() => {});
+  }
+
+  #open(): void {
+    if (this.#opening || !this.#subscribe) return;
+    this.#opening = this.#subscribe((payload) => this.#wake(payload)).then(
+      async (unlisten) => {
+        if (this.#closed) await unlisten().catch(() => {});
+        else this.#unlisten = unlisten;
+      },
+      () => {
+        // No notifications: waits fall back to their timeouts (polling).
+      },
+    );
+  }
+
+  #wake(payload: string): void {
+    const set = this.#waiters.get(payload);
+    if (set) for (const done of [...set]) done();
+  }
+}
