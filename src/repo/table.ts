@@ -65,7 +65,7 @@ export function describeTable(table: FencedTable): TableInfo {
 
 /**
  * Checks that `key` names exactly the primary-key columns, each with a
- * non-null value, and returns its entries in key order.
+ * non-null plain value, and returns its entries in key order.
  */
 export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
   if (key === null || typeof key !== 'object' || Array.isArray(key)) {
@@ -81,6 +81,8 @@ export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
     if (value === undefined || value === null) {
       throw new InvalidArgumentError(`key for ${info.label} is missing ${name}`);
     }
+    // Key values are placeholders in cached statements: an SQL expression would be frozen into the text.
+    if (is(value, SQL)) throw new InvalidArgumentError(`key for ${info.label}: ${name} must be a value, not SQL`);
     return [name, value];
   });
 }

@@ -586,6 +586,9 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
         ['key is empty', () => repo.update({}, f(6), patch)],
         ['key has a non-key column', () => repo.update({ id: 'a', owner: 'x' }, f(6), patch)],
         ['key value is null', () => repo.update({ id: null } as never, f(6), patch)],
+        // Cached statements would keep the first call's expression: this wrote row a.
+        ['key value is SQL', () => repo.update({ id: sql`'b'` } as never, f(6), patch)],
+        ['delete key value is SQL', () => repo.delete({ id: sql`'b'` } as never, f(6))],
         ['key is not an object', () => repo.update('a' as never, f(6), patch)],
         ['upsert lacks the key', () => repo.upsert({ balance: 1 } as never, f(6))],
         ['delete key has a non-key column', () => repo.delete({ id: 'a', balance: 100 }, f(6))],
