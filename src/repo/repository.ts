@@ -247,6 +247,17 @@ export function fencedRepository<T extends FencedTable>(
       const fence = assertFence(fenceIn);
       const key = keyEntries(info, keyIn);
       if (typeof fn !== 'function') throw new InvalidArgumentError('modify needs a function that returns the patch');
+      // The caller's own error (say, "insufficient funds") rolls back and comes out as it was thrown,
+      // not dressed as a DatabaseError by the transaction's error translation.
+      let thrown: { error: unknown } | undefined;
+      const call = async (row: RowOf<T>) => {
+        try {
+          return await fn(row);
+        } catch (error) {
+          thrown = { error };
+          throw error;
+        }
+      };
       return transaction(db, async (tx) => {
         const [row] = await tx.select().from(t).where(keyWhere(key)).for('update');
         const locked = row as (RowOf<T> & { lastFence: bigint; deletedAt: Date | null }) | undefined;
@@ -255,8 +266,10 @@ export function fencedRepository<T extends FencedTable>(
           locked.deletedAt === null &&
           (same === 'allow' ? locked.lastFence <= fence : locked.lastFence < fence);
         // When the write cannot apply, an empty patch still reports why (and raises a tombstone's fence).
-        const patch = writable ? await fn(locked) : {};
+        const patch = writable ? await call(locked) : {};
         return update(tx, keyIn, fence, patch as PatchOf<T>);
+      }).catch((err: unknown) => {
+        throw thrown ? thrown.error : err;
       });
     },
 

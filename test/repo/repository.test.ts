@@ -187,6 +187,18 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
       expect(await repo.get({ id: 'a' })).toMatchObject({ balance: 100, lastFence: 5n });
     });
 
+    it("the function's own error rolls back and reaches the caller unchanged", async () => {
+      const { t, repo } = await accountA();
+      class InsufficientFunds extends Error {}
+      const refusal = new InsufficientFunds('balance too low');
+      await expect(
+        repo.modify({ id: 'a' }, f(6), () => {
+          throw refusal;
+        }),
+      ).rejects.toBe(refusal);
+      expect(await storedRow(db, t, 'a')).toMatchObject({ balance: 100, lastFence: 5n });
+    });
+
     it('a patch the function returns is validated; a bad one rolls back', async () => {
       const { repo } = await accountA();
       await expect(repo.modify({ id: 'a' }, f(6), () => ({ lastFence: 99n }) as never)).rejects.toThrow(
