@@ -194,7 +194,9 @@ export function updateWhereStatement(
     ? sql` and not exists (select 1 from target where not (target.fence ${cmp(same)} ${fenceParam(info)}))`
     : sql``;
   // Locked, the targets' fences are current: count those that stopped the batch. Unlocked, a row
-  // a concurrent writer raised is refused though its fence looked lower: count what did not apply.
+  // a concurrent writer raised (or deleted) is refused though it looked writable: count what did
+  // not apply. The update re-checks `deleted_at` on the row it waited for, so it never writes a
+  // tombstone.
   const stale = allOrNothing
     ? sql`(select count(*) from target where not (target.fence ${cmp(same)} ${fenceParam(info)}))`
     : sql`(select count(*) from target) - (select count(*) from w)`;
@@ -202,7 +204,7 @@ export function updateWhereStatement(
   where (${where}) and ${t.deletedAt} is null${allOrNothing ? sql` for update` : sql``}),
 w as (update ${t} set ${sql.join(assignments, sql`, `)}
   where (${sql.join(keyColumns, sql`, `)}) in (select ${sql.join(keyColumns.map(bare), sql`, `)} from target)
-  and ${t.lastFence} ${cmp(same)} ${fenceParam(info)}${guard} returning 1)
+  and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)}${guard} returning 1)
 select (select count(*) from w) as applied, ${stale} as stale`;
   // `where` is caller SQL with its own inline parameters: never cached.
   return { key: undefined, build: () => query, values };

@@ -5,7 +5,7 @@
  * and the suite waits until Postgres shows them all waiting on the lock.
  */
 import { fc } from '@fast-check/vitest';
-import { getTableName, sql } from 'drizzle-orm';
+import { eq, getTableName, sql } from 'drizzle-orm';
 import postgres, { type Sql } from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
@@ -14,7 +14,7 @@ import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { fencedRepository, mustApply, type WriteResult } from '../../src/repo/index.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
-import { type Accounts, createAccounts } from './fixtures.js';
+import { type Accounts, createAccounts, storedRow } from './fixtures.js';
 
 const f = (n: number | bigint): Fence => toFence(n);
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -277,6 +277,33 @@ describe.runIf(needs('DATABASE_URL'))('fenced writes under concurrency (real Pos
       expect(await staleWrite).toEqual({ status: 'stale', currentFence: 3n });
       expect(await repo.get(key)).toMatchObject({ balance: 1, lastFence: 3n });
     });
+  });
+
+  it('updateWhere does not write a row a concurrent holder deleted while it waited', async () => {
+    const t = await createAccounts(db);
+    const repo = fencedRepository(db, t);
+    mustApply(await repo.upsert({ id: 'x1', owner: 'x', balance: 1 }, f(1)));
+    mustApply(await repo.upsert({ id: 'x2', owner: 'x', balance: 2 }, f(1)));
+
+    const held = await blocker.reserve();
+    let batch: Promise<{ applied: number; stale: number }>;
+    try {
+      await held`begin`;
+      // Another holder's fenced delete (fence 3, as the repository writes it), not yet committed
+      // when the batch takes its snapshot.
+      await held`update ${held(getTableName(t))} set deleted_at = now(), last_fence = 3
+        where id = 'x1' and last_fence < 3`;
+      batch = repo.updateWhere(eq(t.owner, 'x'), f(5), { balance: 0 });
+      await untilWaiting(t, 1);
+    } finally {
+      await held`commit`;
+      held.release();
+    }
+
+    expect(await batch).toEqual({ applied: 1, stale: 1 });
+    expect(await repo.get({ id: 'x1' })).toBeUndefined();
+    expect(await storedRow(db, t, 'x1')).toMatchObject({ balance: 1, lastFence: 3n, deletedAt: expect.any(Date) });
+    expect(await repo.get({ id: 'x2' })).toMatchObject({ balance: 0, lastFence: 5n });
   });
 
   it('under REPEATABLE READ a concurrent fenced write surfaces as retryable, not stale', async () => {

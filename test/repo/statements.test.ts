@@ -162,7 +162,8 @@ describe('updateWhere statement', () => {
     );
     expect(text).toContain(
       'update "accounts" set "balance" = :v0, "last_fence" = :fence ' +
-        'where ("accounts"."id") in (select "id" from target) and "accounts"."last_fence" < :fence returning 1)',
+        'where ("accounts"."id") in (select "id" from target) ' +
+        'and "accounts"."deleted_at" is null and "accounts"."last_fence" < :fence returning 1)',
     );
     expect(text).toContain(
       'select (select count(*) from w) as applied, (select count(*) from target) - (select count(*) from w) as stale',
