@@ -29,6 +29,7 @@ const { manager, db, close } = await openManager(args);
 const repo = fencedRepository(db, resource);
 const options = { ttlMs: args.ttlMs, waitMs: args.waitMs ?? 10_000, autoExtend: args.autoExtend ?? false, holder: args.holder ?? `pid ${process.pid}` };
 let lease: Lease | undefined;
+let stopRequested = false;
 
 const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = {
   async acquire() {
@@ -73,6 +74,43 @@ const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = 
     }
     say('grants', { fences });
   },
+  async grantLoop(c) {
+    // Grants (and releases) until `count` grants, `maxMs` or a `stop` command, whichever first, reporting each
+    // fence as it comes; a failed attempt (e.g. the server restarting under us) is counted and retried shortly.
+    const deadline = Date.now() + Number(c.maxMs ?? 10_000);
+    const count = Number(c.count ?? 100);
+    const lock = String(c.lock ?? args.lock);
+    let granted = 0;
+    let failures = 0;
+    stopRequested = false;
+    while (granted < count && Date.now() < deadline && !stopRequested) {
+      try {
+        const l = await manager.acquire(lock, options);
+        say('grant', { fence: l.fence, i: granted++ });
+        await l.release();
+      } catch (err) {
+        failures++;
+        say('grantFailed', { message: err instanceof Error ? err.message : String(err) });
+        await new Promise((r) => setTimeout(r, 20));
+      }
+    }
+    say('grantLoopDone', { granted, failures });
+  },
+  async acquireAll(c) {
+    // Takes all `names` (in the order given; the manager sorts them), holds them briefly, releases; `rounds` times.
+    const names = (c.names as string[]) ?? [args.lock];
+    const rounds = Number(c.rounds ?? 5);
+    for (let i = 0; i < rounds; i++) {
+      const leases = await manager.acquireAll(names, options);
+      await new Promise((r) => setTimeout(r, Number(c.holdMs ?? 5)));
+      await Promise.all(leases.map((l) => l.release()));
+    }
+    say('acquiredAll', { rounds });
+  },
+  async stop() {
+    // Seen (as a flag) while a loop runs; here, after it ended, nothing is left to stop.
+    stopRequested = false;
+  },
   async inspect() {
     say('inspect', { info: await manager.inspect(args.lock) });
   },
@@ -89,6 +127,14 @@ const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = 
 
 say('ready');
 const queue = createInterface({ input: process.stdin });
+// A `stop` line is seen at once, even while a long command (grantLoop) keeps the queue below waiting.
+queue.on('line', (line) => {
+  try {
+    if ((JSON.parse(line) as { cmd?: unknown }).cmd === 'stop') stopRequested = true;
+  } catch {
+    // The command loop below reports the bad line.
+  }
+});
 for await (const line of queue) {
   const command = JSON.parse(line) as Record<string, unknown>;
   const run = commands[String(command.cmd)];

@@ -1,0 +1,182 @@
+/**
+ * Redis forgets: FLUSHDB, and a restart without persistence, of a Redis
+ * server this file starts for itself (so it touches nobody else's keys),
+ * between grants and while other processes are granting. Every fence
+ * issued after a reset must be above every fence issued before it.
+ */
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { redisLockManager, splitRedisFence } from '../../src/fencing/redis.js';
+import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
+import { connect, redisScenario } from '../support/redis.js';
+import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
+import { needs } from '../support/services.js';
+
+const WORKER = 'test/workers/lock-worker.ts';
+
+/** One grant, retried (bounded) while the server comes back. */
+async function grant(manager: LockManager, name: string): Promise<bigint> {
+  let last: unknown;
+  for (let attempt = 0; attempt < 50; attempt++) {
+    try {
+      const lease = await manager.acquire(name, { ttlMs: 5_000, waitMs: 5_000 });
+      await lease.release();
+      return lease.fence;
+    } catch (err) {
+      last = err;
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  }
+  throw last;
+}
+
+async function grants(manager: LockManager, name: string, count: number): Promise<bigint[]> {
+  const fences: bigint[] = [];
+  for (let i = 0; i < count; i++) fences.push(await grant(manager, name));
+  return fences;
+}
+
+/** FLUSHDB from a client of its own. */
+async function flushdb(url: string): Promise<void> {
+  const redis = connect(url);
+  try {
+    await redis.flushdb();
+  } finally {
+    redis.disconnect();
+  }
+}
+
+function max(fences: bigint[]): bigint {
+  let highest = 0n;
+  for (const fence of fences) if (fence > highest) highest = fence; // (Math.max takes no bigint)
+  return highest;
+}
+const fencesOf = (worker: Worker) =>
+  worker.messages.filter((m) => m.event === 'grant').map((m) => BigInt(String(m.fence)));
+
+/** Waits (bounded) until `worker` has reported `count` more grants than `from`. */
+async function moreGrants(worker: Worker, from: number, count: number): Promise<void> {
+  await worker.next((m: Message) => m.event === 'grant' && Number(m.i) >= from + count - 1, 30_000);
+}
+
+describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager when Redis loses its data', () => {
+  let server: PrivateRedis;
+  beforeAll(async () => {
+    server = await startPrivateRedis();
+  });
+  afterAll(async () => {
+    await server?.stop();
+  });
+  afterEach(killAllWorkers);
+
+  it('FLUSHDB between grants: later fences are above earlier ones', async () => {
+    const { manager } = await redisScenario(server.url);
+    const before = await grants(manager, 'job', 5);
+    await flushdb(server.url);
+    const after = await grants(manager, 'job', 5);
+
+    for (const fence of after) expect(fence).toBeGreaterThan(max(before));
+    expect(splitRedisFence(after[0] as never).epoch).toBeGreaterThan(splitRedisFence(before[4] as never).epoch);
+  });
+
+  it('a restart without persistence between grants: later fences are above earlier ones', async () => {
+    const { manager, open } = await redisScenario(server.url);
+    const other = open();
+    const before = [...(await grants(manager, 'job', 3)), ...(await grants(other, 'job', 3))];
+    await server.restart();
+    const after = [...(await grants(other, 'job', 3)), ...(await grants(manager, 'job', 3))];
+
+    for (const fence of after) expect(fence).toBeGreaterThan(max(before));
+    expect(new Set([...before, ...after]).size).toBe(12);
+  });
+
+  it('without an epochs database, a restart makes grants fail instead of starting fences again', async () => {
+    const { namespace } = await redisScenario(server.url);
+    const redis = connect(server.url);
+    const fresh = redisLockManager({ redis, namespace, allowFreshCounter: true });
+    const first = await grant(fresh, 'job'); // the namespace's first use, explicitly allowed
+    await server.restart();
+
+    const strict = redisLockManager({ redis, namespace });
+    let outcome: unknown;
+    for (let attempt = 0; attempt < 50; attempt++) {
+      outcome = await strict.acquire('job', { ttlMs: 5_000 }).catch((e: unknown) => e);
+      if (outcome instanceof FenceSourceError) break; // not a connection error from the restart
+      await new Promise((r) => setTimeout(r, 50));
+    }
+    expect(outcome).toBeInstanceOf(FenceSourceError);
+    // What allowFreshCounter risks: after the reset it starts again, and hands out a fence it issued before.
+    expect(await grant(fresh, 'job')).toBe(first);
+    await Promise.all([strict.close(), fresh.close()]);
+    redis.disconnect();
+  });
+
+  it('FLUSHDB and a restart while two processes are granting: no fence after a reset is at or below one before', async () => {
+    const s = await redisScenario(server.url);
+    const workers = await Promise.all(
+      ['a', 'b'].map(async (lock) => {
+        const worker = startWorker(WORKER, s.worker(lock, { ttlMs: 5_000, waitMs: 3_000 }));
+        await worker.next((m) => m.event === 'ready');
+        return worker;
+      }),
+    );
+    for (const worker of workers) worker.send({ cmd: 'grantLoop', count: 100_000, maxMs: 60_000 });
+    const reported = () => workers.flatMap(fencesOf);
+    const progress = (w: Worker) => fencesOf(w).length;
+
+    const checkpoints: { before: bigint; after: bigint }[] = [];
+    const reset = async (how: () => Promise<unknown>) => {
+      await Promise.all(workers.map((w) => moreGrants(w, progress(w), 20)));
+      const before = max(reported()); // every grant reported so far happened before the reset
+      await how();
+      checkpoints.push({ before, after: await grant(s.manager, 'checkpoint') });
+    };
+    await reset(() => flushdb(server.url));
+    await reset(() => server.restart());
+    await reset(() => flushdb(server.url));
+
+    await Promise.all(workers.map((w) => moreGrants(w, progress(w), 20)));
+    for (const worker of workers) worker.send({ cmd: 'stop' });
+    const done = await Promise.all(workers.map((w) => w.next((m) => m.event === 'grantLoopDone')));
+    for (const [i, d] of done.entries()) expect(d.granted).toBe(fencesOf(workers[i] as Worker).length);
+    for (const { before, after } of checkpoints) expect(after).toBeGreaterThan(before);
+    for (const worker of workers) {
+      const fences = fencesOf(worker);
+      for (let i = 1; i < fences.length; i++) expect(fences[i]).toBeGreaterThan(fences[i - 1] as bigint);
+      // Each reset lost the counter under this worker, which carried on in a new epoch each time.
+      expect(new Set(fences.map((f) => splitRedisFence(f as never).epoch)).size).toBeGreaterThanOrEqual(4);
+    }
+    const all = [...reported(), ...checkpoints.map((c) => c.after)];
+    expect(new Set(all).size).toBe(all.length);
+    const last = await grant(s.manager, 'checkpoint');
+    expect(last).toBeGreaterThan(max(all));
+  });
+
+  it('bad input throws InvalidArgumentError without a single command reaching the server', async () => {
+    const { manager, redis } = await redisScenario(server.url);
+    await grant(manager, 'warm-up');
+    const monitor = await connect(server.url).monitor();
+    const seen: string[][] = [];
+    monitor.on('monitor', (_time: string, args: string[]) => seen.push(args));
+    const rejectsInvalid = (call: () => unknown) =>
+      expect(Promise.resolve().then(call)).rejects.toBeInstanceOf(InvalidArgumentError);
+
+    for (const name of ['', 'é'.repeat(513), '\uDC00', '\u0000']) {
+      await rejectsInvalid(() => manager.acquire(name, { ttlMs: 1_000 }));
+      await rejectsInvalid(() => manager.tryAcquire(name, { ttlMs: 1_000 }));
+      await rejectsInvalid(() => manager.inspect(name));
+    }
+    for (const ttlMs of [0, -1, 1.5, Number.NaN, 86_400_001]) {
+      await rejectsInvalid(() => manager.acquire('job', { ttlMs }));
+      await rejectsInvalid(() => manager.using('job', { ttlMs }, () => 1));
+    }
+    await rejectsInvalid(() => manager.acquire('job', { ttlMs: 1_000, waitMs: -1 }));
+    await rejectsInvalid(() => manager.acquireAll(['job', ''], { ttlMs: 1_000 }));
+
+    await redis.echo('marker'); // the monitor is live: this shows up, and nothing before it
+    for (let i = 0; i < 100 && seen.length === 0; i++) await new Promise((r) => setTimeout(r, 20));
+    monitor.disconnect();
+    expect(seen.map((args) => args.join(' '))).toEqual(['echo marker']);
+  });
+});

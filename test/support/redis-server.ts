@@ -1,0 +1,78 @@
+/**
+ * A Redis server of a test's own, on a free loopback port, without
+ * persistence (like the machine's): the test may FLUSHDB, kill and restart
+ * it without touching anyone else's keys.
+ */
+import { type ChildProcess, spawn } from 'node:child_process';
+import { createServer } from 'node:net';
+import { Redis } from 'ioredis';
+
+export interface PrivateRedis {
+  readonly port: number;
+  readonly url: string;
+  /** Kills the server with SIGKILL (every key is lost) and starts it again on the same port. */
+  restart(): Promise<void>;
+  stop(): Promise<void>;
+}
+
+/** Starts `redis-server` on a free loopback port and waits (bounded) until it answers PING. */
+export async function startPrivateRedis(): Promise<PrivateRedis> {
+  const port = await freePort();
+  let child = await launch(port);
+  return {
+    port,
+    url: `redis://127.0.0.1:${port}`,
+    async restart() {
+      await kill(child);
+      child = await launch(port);
+    },
+    async stop() {
+      await kill(child);
+    },
+  };
+}
+
+async function launch(port: number): Promise<ChildProcess> {
+  const child = spawn(
+    'redis-server',
+    ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--daemonize', 'no'],
+    { stdio: 'ignore' },
+  );
+  const probe = new Redis(port, '127.0.0.1', { lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null });
+  probe.on('error', () => {});
+  try {
+    for (let attempt = 0; attempt < 100; attempt++) {
+      if (child.exitCode !== null) throw new Error(`redis-server on port ${port} exited with ${child.exitCode}`);
+      try {
+        await probe.connect();
+        if ((await probe.ping()) === 'PONG') return child;
+      } catch {
+        probe.disconnect();
+        await new Promise((r) => setTimeout(r, 50));
+      }
+    }
+    throw new Error(`redis-server on port ${port} did not answer within 100 attempts`);
+  } finally {
+    probe.disconnect();
+  }
+}
+
+async function kill(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.signalCode !== null) return;
+  const exited = new Promise((resolve) => child.once('exit', resolve));
+  child.kill('SIGKILL');
+  await exited;
+}
+
+function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const address = server.address();
+      server.close(() =>
+        typeof address === 'object' && address ? resolve(address.port) : reject(new Error('no port')),
+      );
+    });
+  });
+}
