@@ -7,7 +7,9 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
+import { advisoryLockManager } from '../../src/fencing/advisory.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { postgresLockManager } from '../../src/fencing/postgres.js';
 import { redisLockManager } from '../../src/fencing/redis.js';
 
 export type BackendKind = 'redis' | 'postgres' | 'advisory';
@@ -41,6 +43,12 @@ export async function openManager(config: ManagerConfig): Promise<OpenManager> {
       manager = redisLockManager({ redis, namespace: config.namespace, epochs: db, commandTimeoutMs: 3_000 });
       break;
     }
+    case 'postgres':
+      manager = postgresLockManager({ db, namespace: config.namespace });
+      break;
+    case 'advisory':
+      manager = advisoryLockManager({ sql: client, namespace: config.namespace });
+      break;
     default:
       throw new Error(`backend ${config.kind} is not wired into test/support/managers.ts yet`);
   }

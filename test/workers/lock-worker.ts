@@ -6,13 +6,18 @@
 import { createInterface } from 'node:readline';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { runIfLeader } from '../../src/fencing/advisory.js';
+import type { Lease } from '../../src/fencing/lease.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import type { Lease } from '../../src/fencing/lease.js';
-import { openManager, type ManagerConfig } from '../support/managers.js';
+import { type ManagerConfig, openManager } from '../support/managers.js';
 
 /** The row the seed's writers fight over; the parent creates it. */
-export const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+export const resource = pgTable('resource', {
+  id: integer('id').primaryKey(),
+  value: text('value'),
+  ...fenceColumns(),
+});
 export const occupancy = pgTable('occupancy', { id: integer('id').primaryKey(), inside: integer('inside').notNull() });
 
 const args = JSON.parse(process.argv[2] ?? '{}') as ManagerConfig & {
@@ -23,13 +28,39 @@ const args = JSON.parse(process.argv[2] ?? '{}') as ManagerConfig & {
   holder?: string;
 };
 const say = (event: string, data: Record<string, unknown> = {}) =>
-  process.stdout.write(`${JSON.stringify({ event, pid: process.pid, ...data }, (_k, v) => (typeof v === 'bigint' ? v.toString() : v))}\n`);
+  process.stdout.write(
+    `${JSON.stringify({ event, pid: process.pid, ...data }, (_k, v) => (typeof v === 'bigint' ? v.toString() : v))}\n`,
+  );
 
 const { manager, db, close } = await openManager(args);
 const repo = fencedRepository(db, resource);
-const options = { ttlMs: args.ttlMs, waitMs: args.waitMs ?? 10_000, autoExtend: args.autoExtend ?? false, holder: args.holder ?? `pid ${process.pid}` };
+const options = {
+  ttlMs: args.ttlMs,
+  waitMs: args.waitMs ?? 10_000,
+  autoExtend: args.autoExtend ?? false,
+  holder: args.holder ?? `pid ${process.pid}`,
+};
 let lease: Lease | undefined;
 let stopRequested = false;
+
+// Gates a background job waits on until the parent sends `open` (or 60 s pass: nothing waits forever).
+const gates = new Map<string, { promise: Promise<void>; open: () => void }>();
+const gateOf = (name: string) => {
+  let gate = gates.get(name);
+  if (!gate) {
+    let open = () => {};
+    const promise = new Promise<void>((resolve) => {
+      const timer = setTimeout(resolve, 60_000);
+      open = () => {
+        clearTimeout(timer);
+        resolve();
+      };
+    });
+    gate = { promise, open };
+    gates.set(name, gate);
+  }
+  return gate;
+};
 
 const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = {
   async acquire() {
@@ -57,10 +88,17 @@ const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = 
     const rounds = Number(c.rounds ?? 5);
     for (let i = 0; i < rounds; i++) {
       await manager.using(args.lock, options, async () => {
-        const [row] = await db.update(occupancy).set({ inside: sql`${occupancy.inside} + 1` }).where(sql`${occupancy.id} = 1`).returning();
+        const [row] = await db
+          .update(occupancy)
+          .set({ inside: sql`${occupancy.inside} + 1` })
+          .where(sql`${occupancy.id} = 1`)
+          .returning();
         maxInside = Math.max(maxInside, row?.inside ?? 0);
         await new Promise((r) => setTimeout(r, Number(c.holdMs ?? 20)));
-        await db.update(occupancy).set({ inside: sql`${occupancy.inside} - 1` }).where(sql`${occupancy.id} = 1`);
+        await db
+          .update(occupancy)
+          .set({ inside: sql`${occupancy.inside} - 1` })
+          .where(sql`${occupancy.id} = 1`);
       });
     }
     say('used', { rounds, maxInside });
@@ -106,6 +144,36 @@ const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = 
       await Promise.all(leases.map((l) => l.release()));
     }
     say('acquiredAll', { rounds });
+  },
+  async fencedGrants(c) {
+    // `count` grants in a row, each writing the resource row with its fence while held. If fences follow the
+    // order of grants across processes, every write applies; a fence below an earlier grant's comes back stale.
+    const fences: string[] = [];
+    const statuses: Record<string, number> = {};
+    for (let i = 0; i < Number(c.count ?? 10); i++) {
+      const l = await manager.acquire(args.lock, options);
+      const result = await repo.update({ id: 1 }, l.fence, { value: `pid ${process.pid} #${i}` });
+      statuses[result.status] = (statuses[result.status] ?? 0) + 1;
+      fences.push(l.fence.toString());
+      await l.release();
+    }
+    say('fencedGrants', { fences, statuses });
+  },
+  async leader(c) {
+    // runIfLeader in the background, so the command loop stays free: the job says `running`, then waits for `open`.
+    const gate = gateOf(String(c.gate ?? 'job'));
+    const job = async (l: Lease) => {
+      say('running', { fence: l.fence });
+      await gate.promise;
+      return `done by ${process.pid}`;
+    };
+    runIfLeader(manager, args.lock, job, options).then(
+      (run) => say('leader', { ...run }),
+      (err) => say('error', { message: err instanceof Error ? err.message : String(err) }),
+    );
+  },
+  async open(c) {
+    gateOf(String(c.gate ?? 'job')).open();
   },
   async stop() {
     // Seen (as a flag) while a loop runs; here, after it ended, nothing is left to stop.

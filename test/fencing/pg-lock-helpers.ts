@@ -1,0 +1,112 @@
+/**
+ * Helpers shared by the Postgres lease and advisory suites: lock workers in
+ * their own processes, message waits that only look past a given point, and
+ * bounded polling.
+ */
+import { createHook } from 'node:async_hooks';
+import { sql } from 'drizzle-orm';
+import { execute } from '../../src/driver.js';
+import type { TestDatabase } from '../support/databases.js';
+import type { BackendKind } from '../support/managers.js';
+import { type Message, startWorker, type Worker } from '../support/processes.js';
+
+export interface WorkerOptions {
+  readonly lock: string;
+  readonly ttlMs: number;
+  readonly waitMs?: number;
+  readonly autoExtend?: boolean;
+  readonly holder?: string;
+}
+
+/** Starts test/workers/lock-worker.ts on the test's own database and namespace. */
+export function lockWorker(test: TestDatabase, kind: BackendKind, namespace: string, options: WorkerOptions): Worker {
+  if (!test.url) throw new Error('lock workers need a real-Postgres test database');
+  return startWorker('test/workers/lock-worker.ts', { kind, namespace, databaseUrl: test.url, ...options });
+}
+
+/** Resolves when every worker has said `ready`. */
+export async function ready(...workers: Worker[]): Promise<void> {
+  await Promise.all(workers.map((w) => w.next((m) => m.event === 'ready', 60_000)));
+}
+
+/**
+ * Sends `command` and resolves with the first `event` message (or `error`)
+ * the worker prints after it: earlier messages of the same kind are ignored.
+ */
+export async function request(
+  worker: Worker,
+  command: Record<string, unknown>,
+  event: string,
+  timeoutMs = 60_000,
+): Promise<Message> {
+  const from = worker.messages.length;
+  worker.send(command);
+  const message = await worker.next(
+    (m) => worker.messages.indexOf(m) >= from && (m.event === event || m.event === 'error'),
+    timeoutMs,
+  );
+  if (message.event === 'error') throw new Error(`worker ${worker.pid}: ${String(message.message)}`);
+  return message;
+}
+
+/** Polls `check` every `everyMs` until it returns true, at most `tries` times; returns whether it did. */
+export async function eventually(check: () => Promise<boolean>, tries = 400, everyMs = 50): Promise<boolean> {
+  for (let i = 0; i < tries; i++) {
+    if (await check()) return true;
+    await new Promise((r) => setTimeout(r, everyMs));
+  }
+  return false;
+}
+
+/** The `resource` row the workers write: value and fence. */
+export async function resourceRow(test: TestDatabase): Promise<{ value: string; lastFence: bigint }> {
+  const [row] = await execute(test.db, sql`select value, last_fence::text as last_fence from resource where id = 1`);
+  return { value: String(row?.value), lastFence: BigInt(String(row?.last_fence)) };
+}
+
+/** Resolves when `signal` aborts, or rejects after `timeoutMs`. */
+export function aborted(signal: AbortSignal, timeoutMs = 30_000): Promise<unknown> {
+  return new Promise((resolve, reject) => {
+    if (signal.aborted) return resolve(signal.reason);
+    const timer = setTimeout(() => reject(new Error(`signal not aborted within ${timeoutMs} ms`)), timeoutMs);
+    signal.addEventListener('abort', () => {
+      clearTimeout(timer);
+      resolve(signal.reason);
+    });
+  });
+}
+
+/**
+ * Records every timer created while `fn` runs by code under `src/fencing/`
+ * (unref'd ones included, which `process.getActiveResourcesInfo()` does not
+ * list) and returns those still pending when `fn` has finished.
+ */
+export async function pendingFencingTimers(fn: () => Promise<void>): Promise<{ created: number; pending: string[] }> {
+  const live = new Map<number, string>();
+  let created = 0;
+  const limit = Error.stackTraceLimit;
+  const hook = createHook({
+    init(id, type) {
+      if (type !== 'Timeout') return;
+      Error.stackTraceLimit = 40;
+      const stack = new Error().stack ?? '';
+      Error.stackTraceLimit = limit;
+      if (!stack.includes('/src/fencing/')) return;
+      created++;
+      live.set(id, stack.split('\n').find((line) => line.includes('/src/fencing/')) ?? '');
+    },
+    destroy(id) {
+      live.delete(id);
+    },
+  });
+  hook.enable();
+  try {
+    await fn();
+    // destroy hooks of cleared timers run asynchronously.
+    await new Promise((r) => setImmediate(r));
+    await new Promise((r) => setImmediate(r));
+  } finally {
+    hook.disable();
+  }
+  return { created, pending: [...live.values()] };
+}

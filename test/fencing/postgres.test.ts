@@ -1,0 +1,455 @@
+/**
+ * The Postgres lease backend: the seed's scenarios with real OS processes on
+ * the real Postgres (each test its own database and namespace), and the
+ * single-process behaviour on PGlite, the embedded default.
+ */
+import { PGlite } from '@electric-sql/pglite';
+import { type SQL, sql } from 'drizzle-orm';
+import type { Logger } from 'drizzle-orm/logger';
+import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
+import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
+import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
+import { type Database, DatabaseError, execute } from '../../src/driver.js';
+import { FenceSourceError, InvalidArgumentError, LeaseLostError } from '../../src/errors.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import type { AcquireOptions } from '../../src/fencing/options.js';
+import { postgresLockBackend, postgresLockManager } from '../../src/fencing/postgres.js';
+import { migrate } from '../../src/migrate.js';
+import type { TestDatabase } from '../support/databases.js';
+import { killAllWorkers } from '../support/processes.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
+import { aborted, lockWorker, pendingFencingTimers, ready, request, resourceRow } from './pg-lock-helpers.js';
+
+const TWO_53 = 2n ** 53n;
+const MAX_FENCE = 2n ** 63n - 1n;
+
+async function lastValue(db: Database): Promise<bigint> {
+  const [row] = await execute(db, sql`select last_value::text as v from palisade.fence_seq`);
+  return BigInt(String(row?.v));
+}
+
+/** Every call must refuse with InvalidArgumentError, whether it throws or rejects. */
+async function expectInvalid(calls: (() => unknown)[]): Promise<void> {
+  for (const call of calls) {
+    await expect(Promise.resolve().then(call)).rejects.toBeInstanceOf(InvalidArgumentError);
+  }
+}
+
+function badInputCalls(manager: LockManager): (() => unknown)[] {
+  const ok: AcquireOptions = { ttlMs: 1000, waitMs: 0 };
+  const badNames = ['', 'x'.repeat(1025), 'é'.repeat(513), 'lone \ud800 surrogate', 'nul\u0000'];
+  const badTtls = [0, -1, 1.5, Number.NaN, 86_400_001, Number.POSITIVE_INFINITY];
+  const calls: (() => unknown)[] = [];
+  for (const name of badNames) {
+    calls.push(
+      () => manager.acquire(name, ok),
+      () => manager.tryAcquire(name, ok),
+      () => manager.using(name, ok, () => 1),
+      () => manager.acquireAll(['fine', name], ok),
+      () => manager.inspect(name),
+    );
+  }
+  for (const ttlMs of badTtls) {
+    calls.push(
+      () => manager.acquire('fine', { ttlMs }),
+      () => manager.tryAcquire('fine', { ttlMs }),
+      () => manager.acquireAll(['fine'], { ttlMs }),
+    );
+  }
+  calls.push(
+    () => manager.acquire('fine', { ttlMs: 1000, waitMs: -1 }),
+    () => manager.acquireAll(['fine'], { ttlMs: 1000, waitMs: -1 }),
+    () => manager.acquireAll([], ok),
+    () => manager.acquire('fine', undefined as unknown as AcquireOptions),
+  );
+  return calls;
+}
+
+describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, separate processes', () => {
+  let test: TestDatabase;
+  let namespace: string;
+  let manager: LockManager;
+
+  beforeEach(async () => {
+    test = await scenarioDatabase();
+    namespace = uniqueNamespace('pg');
+    manager = postgresLockManager({ db: test.db, namespace });
+  });
+  afterEach(async () => {
+    await killAllWorkers();
+    await manager.close();
+    await test.close();
+  });
+
+  it('seed ex. 2: kill -9 the holder; another process acquires once the TTL has run out by the database clock', async () => {
+    const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 1500 });
+    const b = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 5000, waitMs: 30_000 });
+    await ready(a, b);
+    const fenceA = BigInt(String((await request(a, { cmd: 'acquire' }, 'acquired')).fence));
+    const heldByA = await manager.inspect('job');
+    expect(heldByA?.fence).toBe(fenceA);
+    expect(heldByA?.holder).toBe(`pid ${a.pid}`);
+    a.kill();
+    await a.exited;
+
+    const got = await request(b, { cmd: 'acquire' }, 'acquired');
+    const fenceB = BigInt(String(got.fence));
+    expect(fenceB).toBeGreaterThan(fenceA);
+    const heldByB = await manager.inspect('job');
+    expect(heldByB?.fence).toBe(fenceB);
+    // Taken over only once A's lease had expired, by the database's own clock.
+    expect((heldByB?.acquiredAt?.getTime() ?? 0) - (heldByA?.acquiredAt?.getTime() ?? 0)).toBeGreaterThanOrEqual(1500);
+  });
+
+  it('seed ex. 3: a late release from a stalled holder never deletes the new holder’s lock', async () => {
+    const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 1000 });
+    await ready(a);
+    const fenceA = BigInt(String((await request(a, { cmd: 'acquire' }, 'acquired')).fence));
+    a.pause();
+    const b = await manager.acquire('job', { ttlMs: 60_000, waitMs: 30_000 });
+    expect(b.fence).toBeGreaterThan(fenceA);
+    a.resume();
+
+    const late = await request(a, { cmd: 'release' }, 'released');
+    expect(late.result).toBe('lost');
+    expect((await manager.inspect('job'))?.fence).toBe(b.fence);
+    await expect(b.extend()).resolves.toBeUndefined();
+    expect(await b.release()).toBe('released');
+    expect(await manager.inspect('job')).toBeNull();
+  });
+
+  it('seed ex. 4: two processes doing using() are never inside at the same time', async () => {
+    const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 10_000, waitMs: 30_000 });
+    const b = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 10_000, waitMs: 30_000 });
+    await ready(a, b);
+    const [usedA, usedB] = await Promise.all([
+      request(a, { cmd: 'using', rounds: 8, holdMs: 15 }, 'used'),
+      request(b, { cmd: 'using', rounds: 8, holdMs: 15 }, 'used'),
+    ]);
+    expect(usedA.maxInside).toBe(1);
+    expect(usedB.maxInside).toBe(1);
+    const [row] = await execute(test.db, sql`select inside from occupancy where id = 1`);
+    expect(Number(row?.inside)).toBe(0);
+  });
+
+  it('seed ex. 5 + 6: a holder paused past its TTL comes back to a stale write; the row keeps the new holder’s value', async () => {
+    const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 1500 });
+    const b = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 30_000, waitMs: 30_000 });
+    await ready(a, b);
+    const fenceA = BigInt(String((await request(a, { cmd: 'acquire' }, 'acquired')).fence));
+    a.pause();
+
+    const fenceB = BigInt(String((await request(b, { cmd: 'acquire' }, 'acquired')).fence));
+    expect(fenceB).toBeGreaterThan(fenceA);
+    expect((await request(b, { cmd: 'write', value: 'from B' }, 'write')).status).toBe('applied');
+
+    a.resume();
+    const late = await request(a, { cmd: 'write', value: 'from A' }, 'write');
+    expect(late.status).toBe('stale');
+    expect(late.currentFence).toBe(fenceB.toString());
+    expect(await resourceRow(test)).toEqual({ value: 'from B', lastFence: fenceB });
+    // Its own deadline tells A too, once it runs again.
+    const lost = await a.next((m) => m.event === 'lost');
+    expect(String(lost.reason)).toContain('TTL ran out');
+  });
+
+  it('seed ex. 7: autoExtend keeps a short-TTL lease over a job of several TTLs; after kill -9 the lock frees', async () => {
+    const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 2000, autoExtend: true });
+    await ready(a);
+    const fenceA = BigInt(String((await request(a, { cmd: 'acquire' }, 'acquired')).fence));
+    await request(a, { cmd: 'hold', ms: 6500 }, 'held');
+
+    const info = await manager.inspect('job');
+    expect(info?.fence).toBe(fenceA);
+    const [clock] = await execute(test.db, sql`select floor(extract(epoch from clock_timestamp()) * 1000)::text as ms`);
+    // The job outlived three TTLs, by the database clock, and the lease is still A's.
+    expect(Number(clock?.ms) - (info?.acquiredAt?.getTime() ?? 0)).toBeGreaterThan(3 * 2000);
+    expect(a.messages.some((m) => m.event === 'lost')).toBe(false);
+    expect(await manager.tryAcquire('job', { ttlMs: 1000 })).toBeNull();
+
+    a.kill();
+    await a.exited;
+    const next = await manager.acquire('job', { ttlMs: 10_000, waitMs: 30_000 });
+    expect(next.fence).toBeGreaterThan(fenceA);
+    await next.release();
+  });
+
+  it('fences strictly increase over 1,000 grants from four processes, and every fenced write applies', async () => {
+    const workers = [0, 1, 2, 3].map(() =>
+      lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 10_000, waitMs: 60_000 }),
+    );
+    await ready(...workers);
+    const results = await Promise.all(
+      workers.map((w) => request(w, { cmd: 'fencedGrants', count: 250 }, 'fencedGrants', 120_000)),
+    );
+    const all: bigint[] = [];
+    for (const result of results) {
+      const fences = (result.fences as string[]).map(BigInt);
+      expect(fences).toHaveLength(250);
+      for (let i = 1; i < fences.length; i++) expect(fences[i]).toBeGreaterThan(fences[i - 1] as bigint);
+      // Grants came in the order of their fences across processes: no write saw a higher fence before it.
+      expect(result.statuses).toEqual({ applied: 250 });
+      all.push(...fences);
+    }
+    expect(new Set(all).size).toBe(1000);
+    let highest = 0n;
+    for (const fence of all) if (fence > highest) highest = fence;
+    expect((await resourceRow(test)).lastFence).toBe(highest);
+  });
+
+  it('fences above 2^53 come back exact; at 2^63−1 the sequence refuses instead of wrapping', async () => {
+    await test.db.execute(sql.raw(`select setval('palisade.fence_seq', ${TWO_53})`));
+    const a = await manager.acquire('big', { ttlMs: 10_000 });
+    expect(a.fence).toBe(TWO_53 + 1n); // not representable as a double
+    expect((await manager.inspect('big'))?.fence).toBe(TWO_53 + 1n);
+    await a.release();
+
+    await test.db.execute(sql.raw(`select setval('palisade.fence_seq', ${MAX_FENCE - 1n})`));
+    const top = await manager.acquire('big', { ttlMs: 10_000 });
+    expect(top.fence).toBe(MAX_FENCE);
+    await top.release();
+    const refused = await manager.acquire('big', { ttlMs: 10_000 }).catch((err: unknown) => err);
+    expect(refused).toBeInstanceOf(DatabaseError);
+    expect((refused as DatabaseError).sqlState).toBe('2200H'); // sequence_generator_limit_exceeded
+  });
+
+  it.each([
+    ['CACHE 10', 'alter sequence palisade.fence_seq cache 10', /CACHE 10/],
+    ['CYCLE', 'alter sequence palisade.fence_seq cycle', /CYCLE/],
+    ['UNLOGGED', 'alter sequence palisade.fence_seq set unlogged', /UNLOGGED/],
+    ['descending', 'alter sequence palisade.fence_seq increment by -1', /INCREMENT BY -1/],
+  ])('an unsafe fence sequence (%s) is refused with FenceSourceError before any grant', async (_, alter, problem) => {
+    await test.db.execute(sql.raw(alter));
+    const unsafe = postgresLockManager({ db: test.db, namespace });
+    const err = await unsafe.acquire('job', { ttlMs: 1000 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(FenceSourceError);
+    expect((err as Error).message).toMatch(problem);
+    const [row] = await execute(test.db, sql`select count(*)::int as n from palisade.leases`);
+    expect(Number(row?.n)).toBe(0);
+    await unsafe.close();
+  });
+
+  it('acquireAll in opposite orders from two processes never deadlocks', async () => {
+    const a = lockWorker(test, 'postgres', namespace, { lock: 'x', ttlMs: 10_000, waitMs: 30_000 });
+    const b = lockWorker(test, 'postgres', namespace, { lock: 'x', ttlMs: 10_000, waitMs: 30_000 });
+    await ready(a, b);
+    const [doneA, doneB] = await Promise.all([
+      request(a, { cmd: 'acquireAll', names: ['x', 'y', 'z'], rounds: 15, holdMs: 5 }, 'acquiredAll'),
+      request(b, { cmd: 'acquireAll', names: ['z', 'y', 'x'], rounds: 15, holdMs: 5 }, 'acquiredAll'),
+    ]);
+    expect([doneA.rounds, doneB.rounds]).toEqual([15, 15]);
+    for (const name of ['x', 'y', 'z']) expect(await manager.inspect(name)).toBeNull();
+  });
+
+  it('bad input throws InvalidArgumentError before any query is sent', async () => {
+    const queries: string[] = [];
+    const client = postgres(test.url as string, { max: 2, onnotice: () => {} });
+    const logged = drizzlePostgres(client, { logger: { logQuery: (q) => queries.push(q) } }) as unknown as Database;
+    try {
+      expect(() => postgresLockManager({ db: logged, namespace: '' })).toThrow(InvalidArgumentError);
+      expect(() => postgresLockManager({ db: undefined as unknown as Database, namespace })).toThrow(
+        InvalidArgumentError,
+      );
+      const checked = postgresLockManager({ db: logged, namespace });
+      await expectInvalid(badInputCalls(checked));
+      expect(queries).toEqual([]);
+
+      const lease = await checked.acquire('fine', { ttlMs: 10_000 });
+      expect(queries.length).toBeGreaterThan(0); // the logger does see queries
+      const before = queries.length;
+      await expectInvalid([() => lease.extend(0), () => lease.extend(1.5), () => lease.extend(86_400_001)]);
+      expect(queries.length).toBe(before);
+      await lease.release();
+      await checked.close();
+    } finally {
+      await client.end({ timeout: 5 });
+    }
+  });
+
+  it('lease.signal aborts when the lease is lost, extend then refuses, and no timer is left after release', async () => {
+    const short = await manager.acquire('job', { ttlMs: 300 });
+    const reason = await aborted(short.signal);
+    expect(reason).toBeInstanceOf(LeaseLostError);
+    await expect(short.extend()).rejects.toBeInstanceOf(LeaseLostError);
+    const other = await manager.acquire('job', { ttlMs: 10_000, waitMs: 30_000 });
+    expect(await short.release()).toBe('lost');
+    expect((await manager.inspect('job'))?.fence).toBe(other.fence);
+    await other.release();
+
+    const timers = await pendingFencingTimers(async () => {
+      const lease = await manager.acquire('watched', { ttlMs: 10_000, autoExtend: true });
+      await lease.extend(); // re-arms the deadline
+      expect(lease.signal.aborted).toBe(false);
+      expect(await lease.release()).toBe('released');
+      expect(lease.signal.aborted).toBe(true);
+    });
+    expect(timers.created).toBeGreaterThanOrEqual(3); // the deadline (twice) and the watchdog were seen
+    expect(timers.pending).toEqual([]);
+  });
+
+  it('a waiter is woken by the release notification, not only by its timeout', async () => {
+    const backend = postgresLockBackend({ db: test.db, namespace });
+    try {
+      let woke = false;
+      const waiting = backend.waitForRelease('job', 50_000, undefined).then(() => {
+        woke = true;
+      });
+      // Releases until the waiter wakes; the LISTEN is opened lazily, so the first ones may come too early.
+      for (let i = 0; i < 100 && !woke; i++) {
+        const lease = await manager.acquire('job', { ttlMs: 10_000 });
+        await lease.release();
+        await new Promise((r) => setTimeout(r, 20));
+      }
+      expect(woke).toBe(true);
+      await waiting;
+    } finally {
+      await backend.close();
+    }
+  });
+});
+
+describe('postgres lease backend on PGlite (embedded, no server needed)', () => {
+  let client: PGlite;
+  let db: Database;
+  const queries: string[] = [];
+
+  beforeAll(async () => {
+    client = new PGlite();
+    const logger: Logger = { logQuery: (q: string) => void queries.push(q) };
+    db = drizzlePglite(client, { logger }) as unknown as Database;
+    await migrate(db);
+  });
+  afterAll(async () => {
+    await client?.close();
+  });
+
+  const exec = (q: SQL) => execute(db, q);
+
+  it('grants, inspects, extends and releases; a busy attempt draws no fence', async () => {
+    const backend = postgresLockBackend({ db, namespace: uniqueNamespace('lite') });
+    const a = await backend.grant('job', 'token-a', 10_000, 'worker a');
+    expect(a).not.toBeNull();
+    const afterGrant = await lastValue(db);
+    expect(await backend.grant('job', 'token-b', 10_000, null)).toBeNull();
+    expect(await lastValue(db)).toBe(afterGrant);
+
+    const info = await backend.inspect('job');
+    expect(info).toMatchObject({ name: 'job', holder: 'worker a', fence: a?.fence });
+    expect(info?.remainingMs).toBeGreaterThan(0);
+    expect(info?.remainingMs).toBeLessThanOrEqual(10_000);
+    expect(await backend.extend('job', 'token-b', 10_000)).toBe(false);
+    expect(await backend.extend('job', 'token-a', 20_000)).toBe(true);
+    expect((await backend.inspect('job'))?.remainingMs).toBeGreaterThan(10_000);
+    expect(await backend.release('job', 'token-b')).toBe(false);
+    expect(await backend.release('job', 'token-a')).toBe(true);
+    expect(await backend.release('job', 'token-a')).toBe(false);
+    expect(await backend.inspect('job')).toBeNull();
+
+    const b = await backend.grant('job', 'token-b', 10_000, null);
+    expect(b?.fence).toBeGreaterThan(a?.fence ?? 0n);
+    await backend.close();
+  });
+
+  it('a re-sent grant with the same token returns the same fence and draws nothing', async () => {
+    const backend = postgresLockBackend({ db, namespace: uniqueNamespace('lite') });
+    const first = await backend.grant('job', 'token-a', 10_000, null);
+    const drawn = await lastValue(db);
+    const again = await backend.grant('job', 'token-a', 10_000, null);
+    expect(again?.fence).toBe(first?.fence);
+    expect(await lastValue(db)).toBe(drawn);
+    await backend.close();
+  });
+
+  it('an expired lease is taken over with a higher fence; the old token can neither extend nor release it', async () => {
+    const namespace = uniqueNamespace('lite');
+    const manager = postgresLockManager({ db, namespace });
+    const old = await manager.acquire('job', { ttlMs: 50 });
+    const reason = await aborted(old.signal);
+    expect(reason).toBeInstanceOf(LeaseLostError);
+    const next = await manager.acquire('job', { ttlMs: 10_000, waitMs: 30_000 });
+    expect(next.fence).toBeGreaterThan(old.fence);
+    const backend = postgresLockBackend({ db, namespace });
+    expect(await backend.extend('job', old.token, 10_000)).toBe(false);
+    expect(await backend.release('job', old.token)).toBe(false);
+    expect(await old.release()).toBe('lost');
+    expect((await manager.inspect('job'))?.fence).toBe(next.fence);
+    expect(await next.release()).toBe('released');
+    await backend.close();
+    await manager.close();
+  });
+
+  it('using() in one process never overlaps either', async () => {
+    const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    let inside = 0;
+    let maxInside = 0;
+    const worker = async () => {
+      for (let i = 0; i < 10; i++) {
+        await manager.using('job', { ttlMs: 10_000, waitMs: 30_000 }, async () => {
+          maxInside = Math.max(maxInside, ++inside);
+          await new Promise((r) => setTimeout(r, 2));
+          inside--;
+        });
+      }
+    };
+    await Promise.all([worker(), worker(), worker()]);
+    expect(maxInside).toBe(1);
+    await manager.close();
+  });
+
+  it('fences above 2^53 come back exact from PGlite too', async () => {
+    const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    const floor = (await lastValue(db)) > TWO_53 ? await lastValue(db) : TWO_53;
+    await exec(sql.raw(`select setval('palisade.fence_seq', ${floor})`));
+    const lease = await manager.acquire('big', { ttlMs: 10_000 });
+    expect(lease.fence).toBe(floor + 1n);
+    expect((await manager.inspect('big'))?.fence).toBe(floor + 1n);
+    await lease.release();
+    await manager.close();
+  });
+
+  it('an unsafe fence sequence is refused with FenceSourceError', async () => {
+    await exec(sql`alter sequence palisade.fence_seq cache 10`);
+    try {
+      const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+      await expect(manager.acquire('job', { ttlMs: 1000 })).rejects.toBeInstanceOf(FenceSourceError);
+      await manager.close();
+    } finally {
+      await exec(sql`alter sequence palisade.fence_seq cache 1`);
+    }
+    const fixed = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    const lease = await fixed.acquire('job', { ttlMs: 1000 });
+    await lease.release();
+    await fixed.close();
+  });
+
+  it('a waiter is woken by PGlite’s NOTIFY', async () => {
+    const namespace = uniqueNamespace('lite');
+    const backend = postgresLockBackend({ db, namespace });
+    const manager = postgresLockManager({ db, namespace });
+    let woke = false;
+    const waiting = backend.waitForRelease('job', 50_000, undefined).then(() => {
+      woke = true;
+    });
+    for (let i = 0; i < 100 && !woke; i++) {
+      const lease = await manager.acquire('job', { ttlMs: 10_000 });
+      await lease.release();
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(woke).toBe(true);
+    await waiting;
+    await backend.close();
+    await manager.close();
+  });
+
+  it('bad input throws InvalidArgumentError before any query', async () => {
+    const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    const before = queries.length;
+    await expectInvalid(badInputCalls(manager));
+    expect(queries.length).toBe(before);
+    await manager.inspect('fine');
+    expect(queries.length).toBeGreaterThan(before);
+    await manager.close();
+  });
+});
