@@ -14,4 +14,17 @@ export type { Lease } from './lease.js';
 export { createLockManager, type LockManager } from './lock-manager.js';
 export { type AcquireOptions, checkLockName, checkTtl, MAX_NAME_BYTES, MAX_TTL_MS } from './options.js';
 export { type PostgresLockOptions, postgresLockBackend, postgresLockManager } from './postgres.js';
+export {
+  CommandTimeoutError,
+  REDIS_COUNTER_BITS,
+  REDIS_MAX_COUNTER,
+  REDIS_MAX_EPOCH,
+  type RedisClient,
+  type RedisKeyNames,
+  type RedisLockManagerOptions,
+  redisKeyNames,
+  redisLockBackend,
+  redisLockManager,
+  splitRedisFence,
+} from './redis.js';
 export { checkFenceSequence, FENCE_SEQUENCE } from './sequence.js';

@@ -60,6 +60,7 @@ import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../errors
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
+import { fenceSequenceQuery, judgeFenceSequence } from './sequence.js';
 
 /** Bits of a Redis fence below the epoch. */
 export const REDIS_COUNTER_BITS = 39;
@@ -169,15 +170,27 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  *
  * Does not guarantee:
  * - mutual exclusion. A lease can expire while its holder is paused; a
- *   flush or failover drops lock keys so two holders can overlap. Only the
- *   fence, checked by the resource (a fenced repository), refuses the
- *   stale holder's write;
+ *   flush, an eviction or a failover drops lock keys so two holders can
+ *   overlap. Only the fence, checked by the resource (a fenced
+ *   repository), refuses the stale holder's write. Run Redis with
+ *   `maxmemory-policy noeviction` (lock keys carry TTLs, so `volatile-*`
+ *   policies evict them first);
  * - monotonic fences when the Postgres epoch sequence itself goes back
- *   (restored from an old backup), when managers of one namespace use
+ *   (a restore of an old backup), when managers of one namespace use
  *   different Redis servers or different Postgres databases, when someone
- *   edits palisade's keys by hand, or without `epochs` and with
- *   `allowFreshCounter` (see there);
+ *   edits palisade's keys by hand (or an in-place reload such as `DEBUG
+ *   RELOAD` of an older file keeps the server identity), or without
+ *   `epochs` and with `allowFreshCounter` (see there);
+ * - that `release()` says `'released'` when ioredis re-sent a release
+ *   whose reply was lost: the second run finds the lock gone and says
+ *   `'lost'` (the lock is free either way);
  * - a wake-up on expiry (Redis does not publish it): waiters then poll.
+ *
+ * Needs: Redis ≥ 6 (scripts call `INFO`, `TIME`, `PUBLISH`; an ACL user
+ * needs them), a single node or primary/replicas (Redis Cluster should work
+ * — a namespace's keys share one slot — but is untested). Epoch recovery
+ * takes a few round trips and may make one grant wait, bounded, while
+ * other clients finish installing an epoch; it is not counted in `waitMs`.
  *
  * @throws {InvalidArgumentError} for bad options.
  */
@@ -220,8 +233,12 @@ elseif current then
 end
 local st = redis.call('HMGET', KEYS[3], 'state', 'epoch', 'counter', 'id')
 if not st[1] then return {'NOEPOCH', 'missing', ''} end
-if st[1] ~= 'active' then return {'NOEPOCH', 'pending', st[2] or ''} end
-if st[4] ~= identity() then return {'NOEPOCH', 'server', st[2]} end
+local id = identity()
+if st[1] ~= 'active' then
+  if st[4] == id then return {'NOEPOCH', 'pending', st[2] or ''} end
+  return {'NOEPOCH', 'server', st[2] or ''}
+end
+if st[4] ~= id then return {'NOEPOCH', 'server', st[2]} end
 if tonumber(st[3]) >= tonumber(ARGV[5]) then return {'NOEPOCH', 'exhausted', st[2]} end
 if current then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -381,23 +398,8 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
 
   async function checkSequence(): Promise<void> {
     if (sequenceChecked) return;
-    let rows: Record<string, unknown>[];
-    try {
-      rows = await postgres(
-        'epoch sequence check',
-        sql`select s.seqcache, s.seqcycle, c.relpersistence
-              from pg_catalog.pg_sequence s join pg_catalog.pg_class c on c.oid = s.seqrelid
-             where s.seqrelid = to_regclass('palisade.epoch_seq')`,
-      );
-    } catch (err) {
-      if (err instanceof CommandTimeoutError) throw err;
-      throw new FenceSourceError(`cannot read palisade.epoch_seq: ${(err as Error).message}`);
-    }
-    const row = rows[0];
-    if (!row) throw new FenceSourceError('palisade.epoch_seq does not exist: run migrate(db) on the epochs database');
-    if (int8(row.seqcache) !== 1n || row.seqcycle !== false || row.relpersistence !== 'p') {
-      throw new FenceSourceError('palisade.epoch_seq must be CACHE 1, NO CYCLE and logged');
-    }
+    const [row] = await postgres('epoch sequence check', fenceSequenceQuery('palisade', 'epoch_seq'));
+    judgeFenceSequence(row, 'palisade.epoch_seq');
     sequenceChecked = true;
   }
 

@@ -102,11 +102,11 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
 
   it('seed 7: the watchdog keeps a short TTL alive through a job several TTLs long; SIGKILL frees the lock', async () => {
     const s = await redisScenario(REDIS_URL);
-    const job = await ready(s.worker('rebuild-index', { ttlMs: 600, autoExtend: true, holder: 'rebuilder' }));
+    const job = await ready(s.worker('rebuild-index', { ttlMs: 900, autoExtend: true, holder: 'rebuilder' }));
     const grant = await ask(job, { cmd: 'acquire' }, 'acquired', 'unavailable');
     expect(grant.event).toBe('acquired');
 
-    await ask(job, { cmd: 'hold', ms: 2_500 }, 'held'); // four TTLs of work
+    await ask(job, { cmd: 'hold', ms: 3_000 }, 'held'); // over three TTLs of work
     expect(job.messages.filter(is('lost'))).toEqual([]);
     const info = await s.manager.inspect('rebuild-index');
     expect(info?.holder).toBe('rebuilder');

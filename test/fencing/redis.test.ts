@@ -320,7 +320,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     const timers = trackTimers();
     onTestFinished(() => timers.stop());
 
-    const lease = await manager.acquire('long', { ttlMs: 300, autoExtend: true });
+    const lease = await manager.acquire('long', { ttlMs: 600, autoExtend: true });
     let extensions = 0;
     const off = manager.events.on('extended', () => extensions++);
     for (let i = 0; i < 300 && extensions < 3; i++) await new Promise((r) => setTimeout(r, 20));
