@@ -30,21 +30,28 @@ export interface Command {
   run(argv: string[], io: Io): Promise<number>;
 }
 
-type OptionSpec = NonNullable<Parameters<typeof parseArgs>[0]>['options'];
+type OptionSpec = NonNullable<NonNullable<Parameters<typeof parseArgs>[0]>['options']>;
+
+/** What {@link parse} found: option values by long name (`help` always known), and positionals. */
+export interface ParsedArgs {
+  readonly values: { readonly help?: boolean } & Readonly<Record<string, string | boolean | undefined>>;
+  readonly positionals: string[];
+}
 
 /**
  * `parseArgs` in strict mode, with `--help` / `-h` added; an unknown or
  * malformed option becomes a {@link CliError} (exit code 2) naming the
  * command's `--help`.
  */
-export function parse<O extends OptionSpec>(command: string, argv: string[], options: O, allowPositionals = false) {
+export function parse(command: string, argv: string[], options: OptionSpec, allowPositionals = false): ParsedArgs {
   try {
-    return parseArgs({
+    const { values, positionals } = parseArgs({
       args: argv,
-      options: { ...options, help: { type: 'boolean', short: 'h' } } as O & { help: { type: 'boolean'; short: 'h' } },
+      options: { ...options, help: { type: 'boolean', short: 'h' } },
       allowPositionals,
       strict: true,
     });
+    return { values: values as ParsedArgs['values'], positionals };
   } catch (err) {
     const message = err instanceof Error ? err.message.split('\n')[0] : String(err);
     throw new CliError(`${message} (see: palisade ${command} --help)`, 2);
