@@ -1,8 +1,8 @@
 import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { services } from './services.js';
+import { binaries, services } from './services.js';
 
-// Suites mark what they need with `needs('DATABASE_URL')` / `needs('REDIS_URL')`.
+// Suites mark what they need with `needs('DATABASE_URL')` / `needs('REDIS_URL')`, or a binary: `needs('ETCD')`.
 function suitesNeeding(variable: string): string[] {
   const found: string[] = [];
   const walk = (dir: string) => {
@@ -27,6 +27,16 @@ export default function setup(): void {
     const suites = suitesNeeding(service.variable);
     if (suites.length > 0) {
       console.warn(`skipped (set ${service.variable} to run them): ${suites.join(', ')}`);
+    }
+  }
+  for (const [name, program] of Object.entries(binaries)) {
+    if (program.path) continue;
+    if (process.env.CI) {
+      throw new Error(`CI=true but ${program.binary} is not on PATH: .ci/run must install ${program.debianPackage}`);
+    }
+    const suites = suitesNeeding(name);
+    if (suites.length > 0) {
+      console.warn(`skipped (install ${program.debianPackage} to run them): ${suites.join(', ')}`);
     }
   }
 }

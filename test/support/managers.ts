@@ -12,7 +12,7 @@ import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { postgresLockManager } from '../../src/fencing/postgres.js';
 import { redisLockManager } from '../../src/fencing/redis.js';
 
-export type BackendKind = 'redis' | 'postgres' | 'advisory';
+export type BackendKind = 'redis' | 'postgres' | 'advisory' | 'etcd';
 
 export interface ManagerConfig {
   readonly kind: BackendKind;
@@ -20,6 +20,8 @@ export interface ManagerConfig {
   /** A database of the test's own on the real Postgres (palisade migrated). */
   readonly databaseUrl: string;
   readonly redisUrl?: string;
+  /** Client URLs of every member of an etcd cluster (`http://127.0.0.1:port`), for the etcd backend. */
+  readonly etcdEndpoints?: readonly string[];
 }
 
 export interface OpenManager {
@@ -41,6 +43,16 @@ export async function openManager(config: ManagerConfig): Promise<OpenManager> {
       redis.on('error', () => {}); // reconnects by itself; commands fail (bounded) meanwhile
       closers.push(async () => redis.disconnect());
       manager = redisLockManager({ redis, namespace: config.namespace, epochs: db, commandTimeoutMs: 3_000 });
+      break;
+    }
+    case 'etcd': {
+      if (!config.etcdEndpoints?.length) throw new Error('the etcd backend needs etcdEndpoints');
+      // Loaded only here: etcd3 (and gRPC) is an optional peer dependency.
+      const { Etcd3 } = await import('etcd3');
+      const { etcdLockManager } = await import('../../src/fencing/etcd.js');
+      const etcd = new Etcd3({ hosts: [...config.etcdEndpoints] });
+      closers.push(async () => etcd.close());
+      manager = etcdLockManager({ client: etcd, namespace: config.namespace });
       break;
     }
     case 'postgres':

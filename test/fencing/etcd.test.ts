@@ -1,0 +1,353 @@
+/**
+ * The etcd lock manager against a real 3-member etcd cluster on loopback
+ * ports (started here), with fenced writes to a real Postgres: killing the
+ * member the client talks to, killing the leader, pausing a holder past its
+ * lease. Every stale write must be refused and fences must never go back.
+ */
+import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { Etcd3 } from 'etcd3';
+import { ConnectionPool } from 'etcd3/lib/connection-pool.js';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { InvalidArgumentError, LeaseLostError } from '../../src/errors.js';
+import { etcdKeyNames, etcdLeaseSeconds, etcdLockBackend, etcdLockManager } from '../../src/fencing/etcd.js';
+import { type Fence, toFence } from '../../src/fencing/fence.js';
+import type { Lease } from '../../src/fencing/lease.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import type { TestDatabase } from '../support/databases.js';
+import { type EtcdCluster, startEtcdCluster } from '../support/etcd-cluster.js';
+import type { ManagerConfig } from '../support/managers.js';
+import { sleep } from '../support/ports.js';
+import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
+
+const hasEtcd = needs('ETCD');
+
+/** The scenario database's `resource` table (row 1 belongs to the worker tests; others insert their own). */
+const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+
+describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-member cluster', () => {
+  let cluster: EtcdCluster;
+  let scenario: TestDatabase;
+  let client: Etcd3;
+  const opened: { close(): Promise<void> | void }[] = [];
+  let nextRow = 100;
+
+  beforeAll(async () => {
+    [cluster, scenario] = await Promise.all([startEtcdCluster(3), scenarioDatabase()]);
+    client = new Etcd3({ hosts: cluster.endpoints });
+  });
+
+  afterEach(async () => {
+    await killAllWorkers();
+    for (const o of opened.splice(0).reverse()) await o.close();
+    ConnectionPool.deterministicOrder = false;
+    // A test that killed members leaves the cluster whole for the next one.
+    if (cluster?.members.some((m) => !m.running)) await cluster.heal();
+  });
+
+  afterAll(async () => {
+    client?.close();
+    await cluster?.stop();
+    await scenario?.close();
+  });
+
+  function manager(on: Etcd3 = client, namespace = uniqueNamespace('etcd')): LockManager {
+    const m = etcdLockManager({ client: on, namespace });
+    opened.push(m);
+    return m;
+  }
+
+  /** A `resource` row of this test's own, at fence 0. */
+  async function newRow(): Promise<number> {
+    const id = nextRow++;
+    await scenario.db.execute(sql`insert into resource (id, value) values (${id}, 'initial')`);
+    return id;
+  }
+
+  const repo = () => fencedRepository(scenario.db, resource);
+
+  async function rowOf(id: number) {
+    const [row] = await scenario.db.select().from(resource).where(sql`${resource.id} = ${id}`);
+    return row;
+  }
+
+  function workerConfig(namespace: string, lock: string, extra: Record<string, unknown> = {}) {
+    const config: ManagerConfig = {
+      kind: 'etcd',
+      namespace,
+      databaseUrl: scenario.url ?? '',
+      etcdEndpoints: cluster.endpoints,
+    };
+    return { ...config, lock, ttlMs: 2_000, waitMs: 20_000, ...extra };
+  }
+
+  async function readyWorker(args: Record<string, unknown>): Promise<Worker> {
+    const worker = startWorker('test/workers/lock-worker.ts', args);
+    await worker.next((m) => m.event === 'ready');
+    return worker;
+  }
+
+  const fenceOf = (m: Message): bigint => BigInt(String(m.fence));
+
+  /** Sends a command and waits for the first `event` (or `error`) the worker prints after it. */
+  function ask(worker: Worker, command: Record<string, unknown>, event: string): Promise<Message> {
+    const from = worker.messages.length;
+    worker.send(command);
+    return worker
+      .next((m) => (m.event === event || m.event === 'error') && worker.messages.indexOf(m) >= from)
+      .then((m) => {
+        if (m.event === 'error') throw new Error(`worker ${worker.pid}: ${String(m.message)}`);
+        return m;
+      });
+  }
+
+  it('fences are create_revisions: they increase across lock names; inspect shows the holder', async () => {
+    const namespace = uniqueNamespace('etcd');
+    const m = manager(client, namespace);
+    const a = await m.acquire('a', { ttlMs: 5_000, holder: 'holder-a' });
+    const b = await m.acquire('b', { ttlMs: 5_000 });
+    expect(b.fence).toBeGreaterThan(a.fence);
+
+    const [kv] = (await client.get(etcdKeyNames(namespace).lock('a')).exec()).kvs;
+    expect(kv?.create_revision).toBe(a.fence.toString());
+    expect(kv?.value.toString()).toBe(a.token);
+
+    const info = await m.inspect('a');
+    expect(info).toMatchObject({ name: 'a', holder: 'holder-a', fence: a.fence, acquiredAt: null });
+    expect(info?.remainingMs).toBeGreaterThan(0);
+    expect(info?.remainingMs).toBeLessThanOrEqual(etcdLeaseSeconds(5_000) * 1000);
+
+    expect(await m.tryAcquire('a', { ttlMs: 5_000 })).toBeNull();
+    expect(await a.release()).toBe('released');
+    expect(await m.inspect('a')).toBeNull();
+    const again = await m.acquire('a', { ttlMs: 5_000 });
+    expect(again.fence).toBeGreaterThan(b.fence);
+    await Promise.all([b.release(), again.release()]);
+  });
+
+  it('a grant is idempotent per token; a late release never deletes the next holder’s lock (seed ex. 3)', async () => {
+    const namespace = uniqueNamespace('etcd');
+    const backend = etcdLockBackend({ client, namespace });
+    opened.push(backend);
+    const first = await backend.grant('x', 'token-a', 5_000, null);
+    const resent = await backend.grant('x', 'token-a', 5_000, null);
+    expect(first?.fence).toBeDefined();
+    expect(resent?.fence).toBe(first?.fence);
+    expect(await backend.grant('x', 'token-b', 5_000, null)).toBeNull();
+
+    // A's lease ends as an expiry would: etcd revokes it and deletes its keys.
+    const [kv] = (await client.get(etcdKeyNames(namespace).lock('x')).exec()).kvs;
+    await client.leaseClient.leaseRevoke({ ID: kv?.lease ?? '0' });
+    const second = await backend.grant('x', 'token-b', 5_000, 'b');
+    expect(second?.fence).toBeGreaterThan(first?.fence ?? Number.MAX_SAFE_INTEGER);
+
+    expect(await backend.release('x', 'token-a')).toBe(false);
+    expect((await backend.inspect('x'))?.fence).toBe(second?.fence);
+    expect(await backend.release('x', 'token-b')).toBe(true);
+    expect(await backend.inspect('x')).toBeNull();
+  });
+
+  it('the signal aborts when etcd drops the key, long before the local deadline', async () => {
+    const namespace = uniqueNamespace('etcd');
+    const m = manager(client, namespace);
+    const lease = await m.acquire('w', { ttlMs: 120_000 });
+    const [kv] = (await client.get(etcdKeyNames(namespace).lock('w')).exec()).kvs;
+    await client.leaseClient.leaseRevoke({ ID: kv?.lease ?? '0' });
+    await aborted(lease, 15_000);
+    expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
+    await expect(lease.extend()).rejects.toBeInstanceOf(LeaseLostError);
+    expect(await lease.release()).toBe('lost');
+  });
+
+  it('without extension the lease expires; extend with another TTL keeps the fence; autoExtend outlives the TTL', async () => {
+    const m = manager();
+    const short = await m.acquire('t', { ttlMs: 1_000 });
+    let next: Lease | null = null;
+    for (let i = 0; i < 60 && !next; i++) {
+      next = await m.tryAcquire('t', { ttlMs: 5_000 });
+      if (!next) await sleep(250);
+    }
+    expect(next?.fence).toBeGreaterThan(short.fence);
+    expect(short.signal.aborted).toBe(true);
+    expect(await short.release()).toBe('lost');
+
+    const moved = await m.acquire('u', { ttlMs: 2_000 });
+    await moved.extend(60_000);
+    const info = await m.inspect('u');
+    expect(info?.fence).toBe(moved.fence);
+    expect(info?.remainingMs).toBeGreaterThan(10_000);
+    expect(await m.tryAcquire('u', { ttlMs: 1_000 })).toBeNull();
+
+    const kept = await m.acquire('v', { ttlMs: 2_000, autoExtend: true });
+    await sleep(5_000); // 2.5 TTLs
+    expect(kept.signal.aborted).toBe(false);
+    expect((await m.inspect('v'))?.fence).toBe(kept.fence);
+    await Promise.all([next?.release(), moved.release(), kept.release()]);
+  });
+
+  it('a waiter is woken by the release (a watch), even one that happened before it began to wait', async () => {
+    const backend = etcdLockBackend({ client, namespace: uniqueNamespace('etcd') });
+    opened.push(backend);
+    const woken = (p: Promise<void>) =>
+      Promise.race([p.then(() => 'woken' as const), sleep(20_000).then(() => 'timeout' as const)]);
+
+    expect(await backend.grant('r', 'a', 30_000, null)).not.toBeNull();
+    expect(await backend.grant('r', 'b', 30_000, null)).toBeNull();
+    const waiting = woken(backend.waitForRelease('r', 60_000, undefined));
+    await sleep(200); // let the watch start listening: either way it must see the delete
+    expect(await backend.release('r', 'a')).toBe(true);
+    expect(await waiting).toBe('woken');
+
+    expect(await backend.grant('r', 'c', 30_000, null)).not.toBeNull();
+    expect(await backend.grant('r', 'd', 30_000, null)).toBeNull();
+    expect(await backend.release('r', 'c')).toBe(true);
+    // The waiter starts watching at the revision where it saw the lock held: the delete is replayed.
+    expect(await woken(backend.waitForRelease('r', 60_000, undefined))).toBe('woken');
+  });
+
+  it('bad input throws before any call (the client points at a closed port)', async () => {
+    const nowhere = new Etcd3({ hosts: 'http://127.0.0.1:1', dialTimeout: 200 });
+    opened.push(nowhere);
+    expect(() => etcdLockManager({ client: nowhere, namespace: 'a/b' })).toThrow(InvalidArgumentError);
+    expect(() => etcdLockManager({ client: nowhere, namespace: '' })).toThrow(InvalidArgumentError);
+    expect(() => etcdLockManager({ client: nowhere, namespace: 'ok', commandTimeoutMs: 0 })).toThrow(
+      InvalidArgumentError,
+    );
+    expect(() => etcdLockManager({ client: {} as Etcd3, namespace: 'ok' })).toThrow(InvalidArgumentError);
+    const m = manager(nowhere);
+    await expect(m.acquire('', { ttlMs: 1_000 })).rejects.toBeInstanceOf(InvalidArgumentError);
+    await expect(m.acquire('x', { ttlMs: 0 })).rejects.toBeInstanceOf(InvalidArgumentError);
+    await expect(m.tryAcquire('\ud800', { ttlMs: 1_000 })).rejects.toBeInstanceOf(InvalidArgumentError);
+    await expect(m.acquire('x', { ttlMs: 1_000, waitMs: -1 })).rejects.toBeInstanceOf(InvalidArgumentError);
+  });
+
+  it('two processes doing using() never overlap (seed ex. 4)', async () => {
+    const namespace = uniqueNamespace('etcd');
+    const workers = await Promise.all([
+      readyWorker(workerConfig(namespace, 'job')),
+      readyWorker(workerConfig(namespace, 'job')),
+    ]);
+    for (const w of workers) w.send({ cmd: 'using', rounds: 6, holdMs: 30 });
+    const used = await Promise.all(workers.map((w) => w.next((m) => m.event === 'used' || m.event === 'error')));
+    for (const m of used) expect(m).toMatchObject({ event: 'used', rounds: 6, maxInside: 1 });
+  });
+
+  it('a holder paused past its lease is refused by the database; kill -9 of the next holder frees the lock (seed ex. 2, 5, 6)', async () => {
+    const namespace = uniqueNamespace('etcd');
+    const [first, second] = await Promise.all([
+      readyWorker(workerConfig(namespace, 'row-1')),
+      readyWorker(workerConfig(namespace, 'row-1')),
+    ]);
+    const f1 = fenceOf(await ask(first, { cmd: 'acquire' }, 'acquired'));
+    expect(await ask(first, { cmd: 'write', value: 'first' }, 'write')).toMatchObject({ status: 'applied' });
+
+    first.pause();
+    const f2 = fenceOf(await ask(second, { cmd: 'acquire' }, 'acquired'));
+    expect(f2).toBeGreaterThan(f1);
+    expect(await ask(second, { cmd: 'write', value: 'second' }, 'write')).toMatchObject({ status: 'applied' });
+
+    first.resume();
+    await first.next((m) => m.event === 'lost'); // its local deadline passed while it was stopped
+    const late = await ask(first, { cmd: 'write', value: 'first, late' }, 'write');
+    expect(late).toMatchObject({ status: 'stale', currentFence: f2.toString() });
+    expect(await rowOf(1)).toMatchObject({ value: 'second', lastFence: f2 });
+
+    second.kill();
+    await second.exited;
+    const lease = await manager(client, namespace).acquire('row-1', { ttlMs: 2_000, waitMs: 20_000 });
+    expect(lease.fence).toBeGreaterThan(f2);
+    await lease.release();
+  });
+
+  it('killing the member the client talks to: the lease survives, the lock stays exclusive, fences go up', async () => {
+    const victim = cluster.members[0];
+    if (!victim) throw new Error('no member');
+    const victimId = await cluster.memberId(victim);
+    // The pool tries hosts in reverse list order when deterministic: the victim first.
+    ConnectionPool.deterministicOrder = true;
+    const pinned = new Etcd3({ hosts: [...cluster.endpoints.filter((u) => u !== victim.clientUrl), victim.clientUrl] });
+    opened.push(pinned);
+    expect((await pinned.maintenance.status()).header.member_id).toBe(victimId);
+
+    const namespace = uniqueNamespace('etcd');
+    const m = manager(pinned, namespace);
+    const other = manager(pinned, namespace);
+    const row = await newRow();
+    const a = await m.acquire('k', { ttlMs: 4_000 });
+    expect((await repo().update({ id: row }, a.fence, { value: 'a' })).status).toBe('applied');
+
+    await victim.kill();
+    await a.extend();
+    expect(a.signal.aborted).toBe(false);
+    expect((await pinned.maintenance.status()).header.member_id).not.toBe(victimId);
+    expect(await other.tryAcquire('k', { ttlMs: 4_000 })).toBeNull();
+    expect((await other.inspect('k'))?.fence).toBe(a.fence);
+
+    expect(await a.release()).toBe('released');
+    const b = await other.acquire('k', { ttlMs: 4_000 });
+    expect(b.fence).toBeGreaterThan(a.fence);
+    expect((await repo().update({ id: row }, b.fence, { value: 'b' })).status).toBe('applied');
+    expect(await repo().update({ id: row }, a.fence, { value: 'a, late' })).toEqual({
+      status: 'stale',
+      currentFence: b.fence,
+    });
+    expect(await rowOf(row)).toMatchObject({ value: 'b', lastFence: b.fence });
+    await b.release();
+  });
+
+  it('killing the leader while three processes take grants: fences never go back, stale writes are refused', async () => {
+    const namespace = uniqueNamespace('etcd');
+    const row = await newRow();
+    const m = manager(client, namespace);
+    const before = await m.acquire('g', { ttlMs: 3_000 });
+    await before.release();
+
+    const workers = await Promise.all(
+      [0, 1, 2].map(() => readyWorker(workerConfig(namespace, 'g', { ttlMs: 3_000, waitMs: 30_000 }))),
+    );
+    for (const w of workers) w.send({ cmd: 'grants', count: 25 });
+    const leader = await cluster.leader();
+    await leader.kill();
+    const results = await Promise.all(
+      workers.map((w) => w.next((msg) => msg.event === 'grants' || msg.event === 'error', 50_000)),
+    );
+    const all: bigint[] = [];
+    for (const r of results) {
+      expect(r, String(r.message)).toMatchObject({ event: 'grants' });
+      const fences = (r.fences as string[]).map((f) => BigInt(f));
+      expect(fences).toHaveLength(25);
+      for (let i = 1; i < fences.length; i++) expect(fences[i]).toBeGreaterThan(fences[i - 1] as bigint);
+      all.push(...fences);
+    }
+    expect(new Set(all).size).toBe(all.length);
+    let highest = 0n;
+    for (const f of all) {
+      expect(f).toBeGreaterThan(before.fence);
+      if (f > highest) highest = f;
+    }
+
+    const after = await m.acquire('g', { ttlMs: 3_000, waitMs: 20_000 });
+    expect(after.fence).toBeGreaterThan(highest);
+    expect((await repo().update({ id: row }, after.fence, { value: 'after' })).status).toBe('applied');
+    for (const stale of [before.fence, toFence(highest)]) {
+      expect(await repo().update({ id: row }, stale as Fence, { value: 'stale' })).toMatchObject({ status: 'stale' });
+    }
+    expect(await rowOf(row)).toMatchObject({ value: 'after', lastFence: after.fence });
+    await after.release();
+  });
+});
+
+async function aborted(lease: Lease, timeoutMs: number): Promise<void> {
+  if (lease.signal.aborted) return;
+  await new Promise<void>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`lease not lost within ${timeoutMs} ms`)), timeoutMs);
+    lease.signal.addEventListener('abort', () => {
+      clearTimeout(timer);
+      resolve();
+    });
+  });
+}

@@ -1,0 +1,32 @@
+/** Free loopback ports for servers a test starts itself, and a plain sleep. */
+import { createServer, type Server } from 'node:net';
+
+/**
+ * `count` distinct TCP ports that were free on 127.0.0.1 a moment ago (the
+ * OS picks them; all are held open together so none repeats). Another
+ * process could still take one before our server binds it: rare on loopback.
+ */
+export async function freePorts(count: number): Promise<number[]> {
+  const servers: Server[] = [];
+  try {
+    const ports: number[] = [];
+    for (let i = 0; i < count; i++) {
+      const server = createServer();
+      servers.push(server);
+      await new Promise<void>((resolve, reject) => {
+        server.once('error', reject);
+        server.listen(0, '127.0.0.1', () => resolve());
+      });
+      const address = server.address();
+      if (address === null || typeof address === 'string') throw new Error('no TCP address');
+      ports.push(address.port);
+    }
+    return ports;
+  } finally {
+    await Promise.all(servers.map((s) => new Promise((resolve) => s.close(resolve))));
+  }
+}
+
+export function sleep(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
