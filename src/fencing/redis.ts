@@ -181,6 +181,11 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  *   edits palisade's keys by hand (or an in-place reload such as `DEBUG
  *   RELOAD` of an older file keeps the server identity), or without
  *   `epochs` and with `allowFreshCounter` (see there);
+ * - a single order across a split brain: an old primary cut off by a
+ *   failover may keep granting fences of its old epoch — below the new
+ *   primary's, so its holders lose every row the new holders wrote (the
+ *   safe direction) — until it is demoted (`min-replicas-to-write` bounds
+ *   that window);
  * - that `release()` says `'released'` when ioredis re-sent a release
  *   whose reply was lost: the second run finds the lock gone and says
  *   `'lost'` (the lock is free either way);
@@ -384,7 +389,8 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     const timeout = new Promise<never>((_, reject) => {
       timer = setTimeout(() => reject(new CommandTimeoutError(what, timeoutMs)), timeoutMs);
     });
-    return Promise.race([run(), timeout]).finally(() => clearTimeout(timer));
+    // run() starts inside the chain, so even a synchronous throw settles it and clears the timer.
+    return Promise.race([Promise.resolve().then(run), timeout]).finally(() => clearTimeout(timer));
   }
 
   async function script(name: keyof Scripts, ...args: (string | number)[]): Promise<unknown> {

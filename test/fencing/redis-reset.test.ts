@@ -4,10 +4,11 @@
  * between grants and while other processes are granting. Every fence
  * issued after a reset must be above every fence issued before it.
  */
-import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { Redis } from 'ioredis';
+import { afterAll, afterEach, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { redisLockManager, splitRedisFence } from '../../src/fencing/redis.js';
+import { CommandTimeoutError, redisLockManager, splitRedisFence } from '../../src/fencing/redis.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
 import { connect, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
@@ -151,6 +152,36 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     expect(new Set(all).size).toBe(all.length);
     const last = await grant(s.manager, 'checkpoint');
     expect(last).toBeGreaterThan(max(all));
+  });
+
+  it('a Redis that stops answering makes calls fail with CommandTimeoutError, never hang', async () => {
+    const { namespace, test } = await redisScenario(server.url);
+    // A client without a commandTimeout of its own: only palisade's bound applies.
+    const redis = new Redis(server.url, { maxRetriesPerRequest: 1 });
+    redis.on('error', () => {});
+    const manager = redisLockManager({ redis, namespace, epochs: test.db, commandTimeoutMs: 300 });
+    onTestFinished(async () => {
+      server.resume();
+      await manager.close();
+      redis.disconnect();
+    });
+    await grant(manager, 'job'); // the namespace's fence state exists
+
+    server.pause();
+    await expect(manager.acquire('job', { ttlMs: 60_000 })).rejects.toBeInstanceOf(CommandTimeoutError);
+    await expect(manager.inspect('job')).rejects.toBeInstanceOf(CommandTimeoutError);
+    server.resume();
+
+    // The grant that timed out ran once the server woke up; the release palisade queued behind it freed the lock
+    // (long before its 60 s TTL).
+    let info: unknown = 'not asked yet';
+    for (let i = 0; i < 250 && info !== null; i++) {
+      info = await manager.inspect('job').catch((e: unknown) => e);
+      if (info !== null) await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(info).toBeNull();
+    const next = await manager.acquire('job', { ttlMs: 5_000 });
+    await next.release();
   });
 
   it('bad input throws InvalidArgumentError without a single command reaching the server', async () => {

@@ -12,6 +12,9 @@ export interface PrivateRedis {
   readonly url: string;
   /** Kills the server with SIGKILL (every key is lost) and starts it again on the same port. */
   restart(): Promise<void>;
+  /** SIGSTOP: the server keeps its connections but answers nothing until `resume()`. */
+  pause(): void;
+  resume(): void;
   stop(): Promise<void>;
 }
 
@@ -26,7 +29,10 @@ export async function startPrivateRedis(): Promise<PrivateRedis> {
       await kill(child);
       child = await launch(port);
     },
+    pause: () => child.kill('SIGSTOP'),
+    resume: () => child.kill('SIGCONT'),
     async stop() {
+      child.kill('SIGCONT');
       await kill(child);
     },
   };
