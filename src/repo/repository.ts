@@ -1,7 +1,7 @@
 import { and, eq, isNull, lt, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import { count, type Database, execute, int8, prepared, type RawRow, transaction } from '../driver.js';
-import { InvalidArgumentError, RetryableWriteError } from '../errors.js';
+import { InvalidArgumentError, LeaseLostError, PalisadeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { type BatchResult, rememberContext, type WriteResult } from './result.js';
 import {
@@ -304,7 +304,12 @@ export function fencedRepository<T extends FencedTable>(
         throw new InvalidArgumentError('lease signal must be an AbortSignal');
       // The fence, unless the lease is already known lost: then refuse before any query.
       const live = (): Fence => {
-        if (holder.signal.aborted) throw holder.signal.reason;
+        if (holder.signal.aborted) {
+          const reason: unknown = holder.signal.reason;
+          throw reason instanceof PalisadeError
+            ? reason
+            : new LeaseLostError('(lease)', fence, 'its signal was aborted');
+        }
         return fence;
       };
       return {

@@ -49,7 +49,9 @@ const nullable = (column: PgColumn): DriverValueEncoder<unknown, unknown> => ({
 
 function shape(method: string, info: TableInfo, same: SameFence, entries: Entries): string | undefined {
   if (entries.some(([, v]) => is(v, SQL))) return undefined;
-  return `${info.label}|${Object.keys(info.columns).join(',')}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
+  // The database names and types too: two table objects of one name may differ in them.
+  const columns = Object.entries(info.columns).map(([key, c]) => `${key}=${c.name}:${c.getSQLType()}`);
+  return `${info.label}|${columns.join(',')}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
 }
 
 function keyCondition(info: TableInfo, key: Entries, values: Record<string, unknown>): SQL {
@@ -191,16 +193,16 @@ export function updateWhereStatement(
   const keyColumns = info.keyNames.map((name) => info.columns[name] as PgColumn);
   const assignments = [...sets(info, patch, values), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
   const guard = allOrNothing
-    ? sql` and not exists (select 1 from target where not (target.fence ${cmp(same)} ${fenceParam(info)}))`
+    ? sql` and not exists (select 1 from target where not (target.palisade_fence ${cmp(same)} ${fenceParam(info)}))`
     : sql``;
   // Locked, the targets' fences are current: count those that stopped the batch. Unlocked, a row
   // a concurrent writer raised (or deleted) is refused though it looked writable: count what did
   // not apply. The update re-checks `deleted_at` on the row it waited for, so it never writes a
   // tombstone.
   const stale = allOrNothing
-    ? sql`(select count(*) from target where not (target.fence ${cmp(same)} ${fenceParam(info)}))`
+    ? sql`(select count(*) from target where not (target.palisade_fence ${cmp(same)} ${fenceParam(info)}))`
     : sql`(select count(*) from target) - (select count(*) from w)`;
-  const query = sql`with target as (select ${sql.join(keyColumns, sql`, `)}, ${t.lastFence} as fence from ${t}
+  const query = sql`with target as (select ${sql.join(keyColumns, sql`, `)}, ${t.lastFence} as palisade_fence from ${t}
   where (${where}) and ${t.deletedAt} is null${allOrNothing ? sql` for update` : sql``}),
 w as (update ${t} set ${sql.join(assignments, sql`, `)}
   where (${sql.join(keyColumns, sql`, `)}) in (select ${sql.join(keyColumns.map(bare), sql`, `)} from target)
