@@ -54,7 +54,7 @@
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import type { Redis } from 'ioredis';
+import type { Cluster, Redis } from 'ioredis';
 import { type Database, execute, int8 } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../errors.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
@@ -74,8 +74,11 @@ const MAX_GRANT_ROUNDS = 200;
 const MAX_EPOCH_ATTEMPTS = 25;
 const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
 
-/** Any ioredis client, whatever its `replyMapping` (the scripts only reply with strings). */
-export type RedisClient = Redis<'legacy'> | Redis<'resp3'>;
+/**
+ * Any ioredis client, whatever its `replyMapping` (the scripts only reply
+ * with strings): one server (`Redis`) or a Redis Cluster (`Cluster`).
+ */
+export type RedisClient = Redis<'legacy'> | Redis<'resp3'> | Cluster<'legacy'> | Cluster<'resp3'>;
 
 /** Options of {@link redisLockManager}. */
 export interface RedisLockManagerOptions {
@@ -192,8 +195,10 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  * - a wake-up on expiry (Redis does not publish it): waiters then poll.
  *
  * Needs: Redis ≥ 6 (scripts call `INFO`, `TIME`, `PUBLISH`; an ACL user
- * needs them), a single node or primary/replicas (Redis Cluster should work
- * — a namespace's keys share one slot — but is untested). Epoch recovery
+ * needs them), a single node, primary/replicas, or a Redis Cluster (an
+ * ioredis `Cluster`: a namespace's keys share one slot; a failover to a
+ * replica changes the server identity, so the next grant takes a new
+ * epoch). Epoch recovery
  * takes a few round trips and may make one grant wait, bounded, while
  * other clients finish installing an epoch; it is not counted in `waitMs`.
  *
@@ -614,7 +619,9 @@ class ReleaseNotifier {
     if (this.#subscriber) return;
     // Its own connection: a subscribed connection can run nothing else. An
     // offline queue here is harmless (nothing awaits it; disconnect() flushes it).
-    const subscriber = this.#redis.duplicate({ enableOfflineQueue: true, autoResubscribe: true, lazyConnect: false });
+    const subscriber = this.#redis.isCluster
+      ? (this.#redis as Cluster).duplicate([], { enableOfflineQueue: true }) // same startup nodes; PUBLISH reaches every node
+      : (this.#redis as Redis).duplicate({ enableOfflineQueue: true, autoResubscribe: true, lazyConnect: false });
     this.#subscriber = subscriber;
     subscriber.on('error', () => {}); // reconnects by itself; waits fall back to their timeouts meanwhile
     subscriber.on('message', (channel: string, name: string) => {
