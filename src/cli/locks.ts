@@ -19,6 +19,7 @@ const help = `Usage: palisade locks [--namespace NS] [--expired] [--limit N] [--
 Lists the leases of palisade's Postgres lock manager (table palisade.leases):
 lock name, holder, fence, age and remaining TTL, by the database's clock.
 A lease whose TTL has run out is free to take; it is listed only with --expired.
+Released leases are never listed.
 
 Options:
   --namespace NS  only this lock-manager namespace (default: all)
@@ -68,13 +69,15 @@ export const locksCommand: Command = {
     try {
       let rows: Record<string, unknown>[];
       try {
+        // Released leases keep their row (token '', expires_at -infinity): never listed.
         rows = await sql`
           select namespace, name, holder, fence::text as fence, acquired_at,
-                 (extract(epoch from (now() - acquired_at)) * 1000)::float8 as age_ms,
-                 (extract(epoch from (expires_at - now())) * 1000)::float8 as remaining_ms
+                 (extract(epoch from (clock_timestamp() - acquired_at)) * 1000)::float8 as age_ms,
+                 (extract(epoch from (expires_at - clock_timestamp())) * 1000)::float8 as remaining_ms
           from palisade.leases
-          where (${namespace}::text is null or namespace = ${namespace}::text)
-            and (expires_at > now() or ${values.expired === true}::boolean)
+          where token <> '' and expires_at > '-infinity'::timestamptz
+            and (${namespace}::text is null or namespace = ${namespace}::text)
+            and (expires_at > clock_timestamp() or ${values.expired === true}::boolean)
           order by namespace, name
           limit ${limit}`;
       } catch (err) {

@@ -1,0 +1,57 @@
+/**
+ * `palisade fence-trigger TABLE` prints SQL for a drizzle-kit custom
+ * migration; appended to the file drizzle-kit prepares, it installs a
+ * working guard.
+ */
+import { sql } from 'drizzle-orm';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { DatabaseError, execute } from '../../src/driver.js';
+import { FENCE_TRIGGER_SQLSTATE, fenceTriggerSql } from '../../src/schema/fence-trigger.js';
+import { killAllCli, runCli } from '../support/cli.js';
+import { pgliteDatabase, type TestDatabase } from '../support/databases.js';
+
+afterEach(killAllCli);
+
+describe('palisade fence-trigger', () => {
+  let test: TestDatabase;
+  beforeAll(async () => {
+    test = await pgliteDatabase();
+  });
+  afterAll(async () => {
+    await test?.close();
+  });
+
+  it('prints the migration SQL that, after drizzle-kit’s custom-file comment, installs the guard', async () => {
+    const run = await runCli(['fence-trigger', 'orders', '--schema', 'shop']);
+    expect(run.code).toBe(0);
+    expect(run.stdout).toBe(
+      `\n-- palisade fence trigger on shop.orders\n${fenceTriggerSql({ schema: 'shop', name: 'orders' })}\n`,
+    );
+    // What `drizzle-kit generate --custom` leaves, then `>>` the CLI's output, split as drizzle's migrator does.
+    const file = `-- Custom SQL migration file, put your code below! --${run.stdout}`;
+    await execute(test.db, sql`create schema shop`);
+    await execute(
+      test.db,
+      sql`create table shop.orders (id int primary key, total int not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
+    );
+    for (const statement of file.split('--> statement-breakpoint')) await execute(test.db, sql.raw(statement));
+    await execute(test.db, sql`insert into shop.orders (id, total) values (1, 10)`);
+    const error = await execute(test.db, sql`update shop.orders set total = 0`).catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(DatabaseError);
+    expect((error as DatabaseError).sqlState).toBe(FENCE_TRIGGER_SQLSTATE);
+  });
+
+  it('passes --same-fence and --allow-deletes through, and refuses bad usage with exit 2', async () => {
+    const allow = await runCli(['fence-trigger', 't', '--same-fence', 'allow', '--allow-deletes']);
+    expect(allow.stdout).toContain(
+      `\n${fenceTriggerSql({ name: 't' }, { sameFence: 'allow', guardDeletes: false })}\n`,
+    );
+    const none = await runCli(['fence-trigger']);
+    expect([none.code, none.stderr]).toEqual([
+      2,
+      'palisade fence-trigger: name exactly one table (see: palisade fence-trigger --help)\n',
+    ]);
+    const bad = await runCli(['fence-trigger', 't', '--same-fence', 'sometimes']);
+    expect([bad.code, bad.stderr]).toEqual([2, 'palisade fence-trigger: --same-fence must be reject or allow\n']);
+  });
+});

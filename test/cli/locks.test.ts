@@ -1,0 +1,122 @@
+/**
+ * `palisade locks`: who holds what in the Postgres lease table — name,
+ * holder, fence, age, TTL left — as a table or as JSON.
+ */
+import { afterEach, describe, expect, it } from 'vitest';
+import { postgresLockManager } from '../../src/fencing/postgres.js';
+import { migrate } from '../../src/migrate.js';
+import { killAllCli, runCli } from '../support/cli.js';
+import { postgresDatabase } from '../support/databases.js';
+import { uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
+
+afterEach(killAllCli);
+
+interface Row {
+  namespace: string;
+  name: string;
+  holder: string | null;
+  fence: string;
+  ageMs: number;
+  remainingMs: number;
+  expired: boolean;
+}
+
+describe.runIf(needs('DATABASE_URL'))('palisade locks (real Postgres)', () => {
+  it('lists live leases with holder, fence, age and TTL left; filters; JSON and table', async () => {
+    const test = await postgresDatabase();
+    const nsA = uniqueNamespace('billing');
+    const nsB = uniqueNamespace('search');
+    const a = postgresLockManager({ db: test.db, namespace: nsA, listen: false });
+    const b = postgresLockManager({ db: test.db, namespace: nsB, listen: false });
+    try {
+      await migrate(test.db);
+      const env = { DATABASE_URL: test.url };
+      const report = await a.acquire('report:nightly', { ttlMs: 60_000, holder: 'host-1 pid 7' });
+      const invoice = await a.acquire('invoice:42', { ttlMs: 60_000 });
+      const rebuild = await b.acquire('rebuild', { ttlMs: 60_000, holder: 'admin' });
+      const gone = await a.acquire('released', { ttlMs: 60_000 });
+      await gone.release();
+      await a.acquire('short', { ttlMs: 50 });
+      // Bounded: until the database says the short lease expired (at most 100 × 50 ms).
+      for (let i = 0; i < 100 && (await a.inspect('short')) !== null; i++) await new Promise((r) => setTimeout(r, 50));
+      expect(await a.inspect('short')).toBeNull();
+
+      const all = await runCli(['locks', '--json'], env);
+      expect(all.code).toBe(0);
+      const rows = JSON.parse(all.stdout) as Row[];
+      expect(rows.map((r) => [r.namespace, r.name, r.holder, r.fence, r.expired])).toEqual([
+        [nsA, 'invoice:42', null, String(invoice.fence), false],
+        [nsA, 'report:nightly', 'host-1 pid 7', String(report.fence), false],
+        [nsB, 'rebuild', 'admin', String(rebuild.fence), false],
+      ]);
+      for (const r of rows) {
+        expect(r.remainingMs).toBeGreaterThan(0);
+        expect(r.remainingMs).toBeLessThanOrEqual(60_000);
+        expect(r.ageMs).toBeGreaterThanOrEqual(0);
+      }
+
+      const onlyB = JSON.parse((await runCli(['locks', '--namespace', nsB, '--json'], env)).stdout) as Row[];
+      expect(onlyB.map((r) => r.name)).toEqual(['rebuild']);
+
+      const withExpired = JSON.parse(
+        (await runCli(['locks', '--namespace', nsA, '--expired', '--json'], env)).stdout,
+      ) as Row[];
+      expect(withExpired.map((r) => [r.name, r.expired])).toEqual([
+        ['invoice:42', false],
+        ['report:nightly', false],
+        ['short', true],
+      ]);
+      expect(withExpired.find((r) => r.name === 'short')?.remainingMs).toBeLessThanOrEqual(0);
+
+      const human = await runCli(['locks', '--namespace', nsA], env);
+      expect(human.code).toBe(0);
+      const lines = human.stdout.trim().split('\n');
+      expect(lines[0]).toMatch(/^NAMESPACE\s+NAME\s+HOLDER\s+FENCE\s+AGE\s+TTL LEFT$/);
+      expect(lines[2]).toMatch(
+        new RegExp(`^${nsA}\\s+report:nightly\\s+host-1 pid 7\\s+${report.fence}\\s+\\S+\\s+\\d`),
+      );
+      expect(lines).toHaveLength(3);
+
+      const limited = await runCli(['locks', '--limit', '1'], env);
+      expect(limited.stdout.trim().split('\n')).toHaveLength(2);
+      expect(limited.stderr).toMatch(/showing the first 1/);
+
+      const none = await runCli(['locks', '--namespace', 'nobody-here'], env);
+      expect(none.stdout).toBe('no locks held in namespace nobody-here\n');
+      await Promise.all([report.release(), invoice.release(), rebuild.release()]);
+    } finally {
+      await a.close();
+      await b.close();
+      await test.close();
+    }
+  });
+
+  it('says to migrate when the lease table is missing, in one line', async () => {
+    const test = await postgresDatabase();
+    try {
+      const run = await runCli(['locks'], { DATABASE_URL: test.url });
+      expect(run.code).toBe(1);
+      expect(run.stderr).toBe(
+        'palisade locks: no palisade.leases table in this database: run `palisade migrate` first\n',
+      );
+    } finally {
+      await test.close();
+    }
+  });
+});
+
+describe('palisade locks: usage', () => {
+  it('needs DATABASE_URL and a positive --limit', async () => {
+    const noUrl = await runCli(['locks'], { DATABASE_URL: undefined });
+    expect(noUrl.code).toBe(1);
+    expect(noUrl.stderr).toMatch(/^palisade locks: DATABASE_URL is not set/);
+    const badLimit = await runCli(['locks', '--limit', '0'], { DATABASE_URL: 'postgres://127.0.0.1:1/x' });
+    expect(badLimit.code).toBe(2);
+    expect(badLimit.stderr).toBe('palisade locks: --limit must be a positive integer\n');
+    const refused = await runCli(['locks'], { DATABASE_URL: 'postgres://u:secret@127.0.0.1:1/x' });
+    expect(refused.code).toBe(1);
+    expect(refused.stderr).toMatch(/^palisade locks: cannot connect to 127\.0\.0\.1:1\/x: /);
+    expect(refused.stderr).not.toContain('secret');
+  });
+});
