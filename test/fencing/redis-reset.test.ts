@@ -8,7 +8,7 @@ import { Redis } from 'ioredis';
 import { afterAll, afterEach, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { CommandTimeoutError, redisLockManager, splitRedisFence } from '../../src/fencing/redis.js';
+import { CommandTimeoutError, redisKeyNames, redisLockManager, splitRedisFence } from '../../src/fencing/redis.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
 import { connect, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
@@ -152,6 +152,40 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     expect(new Set(all).size).toBe(all.length);
     const last = await grant(s.manager, 'checkpoint');
     expect(last).toBeGreaterThan(max(all));
+  });
+
+  it('a failover to a replica that lagged behind: fences on the new primary are above all of the old one', async () => {
+    const { namespace, test } = await redisScenario(server.url);
+    const primary = await startPrivateRedis();
+    const replica = await startPrivateRedis(['--replicaof', '127.0.0.1', String(primary.port)]);
+    const clients = [connect(primary.url), connect(replica.url)] as const;
+    const [onPrimary, onReplica] = clients;
+    const managers = [onPrimary, onReplica].map((redis) => redisLockManager({ redis, namespace, epochs: test.db }));
+    onTestFinished(async () => {
+      for (const m of managers) await m.close();
+      for (const c of clients) c.disconnect();
+      await Promise.all([primary.stop(), replica.stop()]);
+    });
+    const [oldPrimary, newPrimary] = managers as [LockManager, LockManager];
+    const fenceKey = redisKeyNames(namespace).fence;
+
+    const replicated = await grants(oldPrimary, 'job', 3);
+    const counter = await onPrimary.hget(fenceKey, 'counter');
+    for (let i = 0; i < 250 && (await onReplica.hget(fenceKey, 'counter')) !== counter; i++) {
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(await onReplica.hget(fenceKey, 'counter')).toBe(counter);
+
+    replica.pause(); // a partition: the replica stops, the primary drops it, and these grants never reach it
+    await onPrimary.call('CLIENT', 'KILL', 'TYPE', 'replica');
+    const lost = await grants(oldPrimary, 'job', 5);
+    await primary.stop();
+    replica.resume();
+    await onReplica.replicaof('NO', 'ONE'); // the failover
+    expect(await onReplica.hget(fenceKey, 'counter')).toBe(counter); // the promoted replica's counter is behind
+
+    const after = await grants(newPrimary, 'job', 3);
+    for (const fence of after) expect(fence).toBeGreaterThan(max([...replicated, ...lost]));
   });
 
   it('a Redis that stops answering makes calls fail with CommandTimeoutError, never hang', async () => {

@@ -18,16 +18,16 @@ export interface PrivateRedis {
   stop(): Promise<void>;
 }
 
-/** Starts `redis-server` on a free loopback port and waits (bounded) until it answers PING. */
-export async function startPrivateRedis(): Promise<PrivateRedis> {
+/** Starts `redis-server` on a free loopback port (with `extraArgs`, e.g. `--replicaof`) and waits (bounded) until it answers PING. */
+export async function startPrivateRedis(extraArgs: string[] = []): Promise<PrivateRedis> {
   const port = await freePort();
-  let child = await launch(port);
+  let child = await launch(port, extraArgs);
   return {
     port,
     url: `redis://127.0.0.1:${port}`,
     async restart() {
       await kill(child);
-      child = await launch(port);
+      child = await launch(port, extraArgs);
     },
     pause: () => child.kill('SIGSTOP'),
     resume: () => child.kill('SIGCONT'),
@@ -38,10 +38,22 @@ export async function startPrivateRedis(): Promise<PrivateRedis> {
   };
 }
 
-async function launch(port: number): Promise<ChildProcess> {
+async function launch(port: number, extraArgs: string[]): Promise<ChildProcess> {
   const child = spawn(
     'redis-server',
-    ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--daemonize', 'no'],
+    [
+      '--port',
+      String(port),
+      '--bind',
+      '127.0.0.1',
+      '--save',
+      '',
+      '--appendonly',
+      'no',
+      '--daemonize',
+      'no',
+      ...extraArgs,
+    ],
     { stdio: 'ignore' },
   );
   const probe = new Redis(port, '127.0.0.1', { lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null });
