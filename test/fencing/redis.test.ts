@@ -12,6 +12,7 @@ import type { Database } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError, LeaseLostError, LockUnavailableError } from '../../src/errors.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import {
+  CommandTimeoutError,
   REDIS_COUNTER_BITS,
   REDIS_MAX_COUNTER,
   redisLockBackend,
@@ -186,7 +187,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   it('never installs an epoch taken before a flush, even from a client that paused in between', async () => {
     const { manager, open, redis, keys, test } = await redisScenario(REDIS_URL);
     // The paused client's Postgres answers nextval, then the client stops until we let it go on.
-    const gate = pauseAfterFirstNextval(test.db);
+    const gate = pauseAfter(test.db, 'nextval');
     const paused = open({ epochs: gate.db });
     const pausedLease = paused.acquire('p', { ttlMs: 5_000 });
     const staleEpoch = await gate.reached;
@@ -204,6 +205,23 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     const lease = await pausedLease;
     expect(lease.fence).toBeGreaterThan(issued[2] as bigint);
     expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(splitRedisFence(issued[2] as never).epoch);
+    await lease.release();
+  });
+
+  it('an epoch install abandoned half-way (the client stalls before confirming) expires; others go on above it', async () => {
+    const { manager, open, redis, keys, test } = await redisScenario(REDIS_URL);
+    const gate = pauseAfter(test.db, 'last_value');
+    onTestFinished(gate.open);
+    const stalled = open({ epochs: gate.db, commandTimeoutMs: 400 }); // its pending install lives 1 s
+    const stalledAcquire = stalled.acquire('a', { ttlMs: 5_000 }).catch((e: unknown) => e);
+    const abandoned = await gate.reached; // it installed this epoch as pending, then stalled
+    expect(await redis.hget(keys.fence, 'state')).toBe('pending');
+
+    const lease = await manager.acquire('b', { ttlMs: 5_000 }); // waits for the pending install to expire
+    expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(abandoned);
+    expect(await stalledAcquire).toBeInstanceOf(CommandTimeoutError);
+    gate.open();
+    expect(await redis.hget(keys.fence, 'epoch')).toBe(String(splitRedisFence(lease.fence).epoch));
     await lease.release();
   });
 
@@ -370,16 +388,21 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
 });
 
 /**
- * The epochs database of a client that pauses right after its first
- * `nextval` (as a GC pause or SIGSTOP would), until `open()`.
+ * The epochs database of a client that pauses (as a GC pause or SIGSTOP
+ * would) right after the first statement containing `marker` — `nextval`
+ * or the confirming `last_value` read — until `open()`. `reached` gives
+ * the first value of the first row that statement returned.
  */
-function pauseAfterFirstNextval(db: Database): {
+function pauseAfter(
+  db: Database,
+  marker: string,
+): {
   db: Database;
   reached: Promise<bigint>;
   open: () => void;
 } {
   const dialect = new PgDialect();
-  let reached!: (epoch: bigint) => void;
+  let reached!: (value: bigint) => void;
   let open!: () => void;
   const atGate = new Promise<bigint>((resolve) => {
     reached = resolve;
@@ -393,10 +416,13 @@ function pauseAfterFirstNextval(db: Database): {
       if (property !== 'execute') return Reflect.get(target, property, receiver);
       return async (query: Parameters<Database['execute']>[0]) => {
         const result = await target.execute(query);
-        if (!paused && dialect.sqlToQuery(query as never).sql.includes('nextval')) {
+        if (!paused && dialect.sqlToQuery(query as never).sql.includes(marker)) {
           paused = true;
-          const rows = (Array.isArray(result) ? result : (result as { rows: unknown[] }).rows) as { epoch: unknown }[];
-          reached(BigInt(String(rows[0]?.epoch)));
+          const rows = (Array.isArray(result) ? result : (result as { rows: unknown[] }).rows) as Record<
+            string,
+            unknown
+          >[];
+          reached(BigInt(String(Object.values(rows[0] ?? {})[0])));
           await gate;
         }
         return result;
