@@ -260,10 +260,10 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
       onnotice: () => {},
       onclose: () => {
         session.dead = true;
-        sessions.delete(session);
-        const at = idle.indexOf(session);
-        if (at >= 0) idle.splice(at, 1);
-        if (!session.ending) session.lost?.abort(new Error('the lease session’s connection closed'));
+        if (session.ending) return;
+        session.lost?.abort(new Error('the lease session’s connection closed'));
+        // Never used again: ended, so postgres.js cannot reconnect it behind our back.
+        void endSession(session);
       },
       connection: { ...parsed.connection, application_name: IDLE_APP_NAME },
     } as unknown as postgres.Options<Record<string, postgres.PostgresType>>);
@@ -272,6 +272,7 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
   };
 
   const endSession = async (session: Session): Promise<void> => {
+    if (session.ending) return;
     session.ending = true;
     session.dead = true;
     sessions.delete(session);
@@ -305,8 +306,8 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
           [row] = await run(session.client, GRANT, params);
           break;
         } catch (err) {
-          // An idle session the server had closed meanwhile: once more, on a fresh one.
-          const retry = reused && session.dead && !session.ending && !closed;
+          // An idle session whose connection had closed meanwhile: once more, on a fresh one.
+          const retry = reused && session.dead && !closed;
           // The statement may have taken the lock before failing (advisory locks ignore rollback): end the session.
           await endSession(session);
           if (!retry) throw err;
@@ -314,13 +315,13 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
           session = openSession();
         }
       }
-      if (row?.got !== true) {
-        recycle(session);
+      if (row?.got !== true || session.dead) {
+        if (session.dead) await endSession(session);
+        else recycle(session);
         return null;
       }
       const lost = new AbortController();
       session.lost = lost;
-      if (session.dead) lost.abort(new Error('the lease session’s connection closed'));
       const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal };
       held.set(token, { name, key, session, grant });
       return grant;
@@ -340,7 +341,10 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
       held.delete(token);
       const { session } = mine;
       session.lost = undefined;
-      if (session.dead) return false;
+      if (session.dead) {
+        await endSession(session);
+        return false;
+      }
       let row: RawRow | undefined;
       try {
         [row] = await run(session.client, RELEASE, [mine.key.toString(), releasePayload(ns, name)]);
@@ -383,6 +387,8 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
 
     async close() {
       closed = true;
+      // Ending the sessions frees their locks: the leases are lost, and told so.
+      for (const { session } of held.values()) session.lost?.abort(new Error('the lock manager was closed'));
       held.clear();
       await listener.close();
       await Promise.all([...sessions].map((session) => endSession(session)));

@@ -57,8 +57,9 @@ export class ReleaseListener {
 
   /** Resolves on a release notification for `payload`, after `ms`, or when `signal` aborts. Never rejects. */
   wait(payload: string, ms: number, signal: AbortSignal | undefined): Promise<void> {
-    if (this.#closed || signal?.aborted || !(ms > 0)) return Promise.resolve();
-    this.#open();
+    if (signal?.aborted || !(ms > 0)) return Promise.resolve();
+    // Once closed, waits are plain timeouts: a caller still acquiring must not spin.
+    if (!this.#closed) this.#open();
     return new Promise<void>((resolve) => {
       let set = this.#waiters.get(payload);
       if (!set) {
@@ -79,7 +80,7 @@ export class ReleaseListener {
     });
   }
 
-  /** Wakes every waiter and stops listening. Safe to call more than once. */
+  /** Wakes every current waiter and stops listening; later waits only time out. Safe to call more than once. */
   async close(): Promise<void> {
     this.#closed = true;
     for (const set of [...this.#waiters.values()]) for (const done of [...set]) done();
