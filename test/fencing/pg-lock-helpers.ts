@@ -5,7 +5,11 @@
  */
 import { createHook } from 'node:async_hooks';
 import { sql } from 'drizzle-orm';
+import { expect } from 'vitest';
 import { execute } from '../../src/driver.js';
+import { InvalidArgumentError } from '../../src/errors.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import type { AcquireOptions } from '../../src/fencing/options.js';
 import type { TestDatabase } from '../support/databases.js';
 import type { BackendKind } from '../support/managers.js';
 import { type Message, startWorker, type Worker } from '../support/processes.js';
@@ -109,4 +113,42 @@ export async function pendingFencingTimers(fn: () => Promise<void>): Promise<{ c
     hook.disable();
   }
   return { created, pending: [...live.values()] };
+}
+
+/** Every call must refuse with InvalidArgumentError, whether it throws or rejects. */
+export async function expectInvalid(calls: (() => unknown)[]): Promise<void> {
+  for (const call of calls) {
+    await expect(Promise.resolve().then(call)).rejects.toBeInstanceOf(InvalidArgumentError);
+  }
+}
+
+/** Calls with every kind of bad name, TTL and wait the issue lists. */
+export function badInputCalls(manager: LockManager): (() => unknown)[] {
+  const ok: AcquireOptions = { ttlMs: 1000, waitMs: 0 };
+  const badNames = ['', 'x'.repeat(1025), 'é'.repeat(513), 'lone \ud800 surrogate', 'nul\u0000'];
+  const badTtls = [0, -1, 1.5, Number.NaN, 86_400_001, Number.POSITIVE_INFINITY];
+  const calls: (() => unknown)[] = [];
+  for (const name of badNames) {
+    calls.push(
+      () => manager.acquire(name, ok),
+      () => manager.tryAcquire(name, ok),
+      () => manager.using(name, ok, () => 1),
+      () => manager.acquireAll(['fine', name], ok),
+      () => manager.inspect(name),
+    );
+  }
+  for (const ttlMs of badTtls) {
+    calls.push(
+      () => manager.acquire('fine', { ttlMs }),
+      () => manager.tryAcquire('fine', { ttlMs }),
+      () => manager.acquireAll(['fine'], { ttlMs }),
+    );
+  }
+  calls.push(
+    () => manager.acquire('fine', { ttlMs: 1000, waitMs: -1 }),
+    () => manager.acquireAll(['fine'], { ttlMs: 1000, waitMs: -1 }),
+    () => manager.acquireAll([], ok),
+    () => manager.acquire('fine', undefined as unknown as AcquireOptions),
+  );
+  return calls;
 }

@@ -13,14 +13,22 @@ import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from
 import { type Database, DatabaseError, execute } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError, LeaseLostError } from '../../src/errors.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import type { AcquireOptions } from '../../src/fencing/options.js';
 import { postgresLockBackend, postgresLockManager } from '../../src/fencing/postgres.js';
 import { migrate } from '../../src/migrate.js';
 import type { TestDatabase } from '../support/databases.js';
 import { killAllWorkers } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
-import { aborted, lockWorker, pendingFencingTimers, ready, request, resourceRow } from './pg-lock-helpers.js';
+import {
+  aborted,
+  badInputCalls,
+  expectInvalid,
+  lockWorker,
+  pendingFencingTimers,
+  ready,
+  request,
+  resourceRow,
+} from './pg-lock-helpers.js';
 
 const TWO_53 = 2n ** 53n;
 const MAX_FENCE = 2n ** 63n - 1n;
@@ -28,43 +36,6 @@ const MAX_FENCE = 2n ** 63n - 1n;
 async function lastValue(db: Database): Promise<bigint> {
   const [row] = await execute(db, sql`select last_value::text as v from palisade.fence_seq`);
   return BigInt(String(row?.v));
-}
-
-/** Every call must refuse with InvalidArgumentError, whether it throws or rejects. */
-async function expectInvalid(calls: (() => unknown)[]): Promise<void> {
-  for (const call of calls) {
-    await expect(Promise.resolve().then(call)).rejects.toBeInstanceOf(InvalidArgumentError);
-  }
-}
-
-function badInputCalls(manager: LockManager): (() => unknown)[] {
-  const ok: AcquireOptions = { ttlMs: 1000, waitMs: 0 };
-  const badNames = ['', 'x'.repeat(1025), 'é'.repeat(513), 'lone \ud800 surrogate', 'nul\u0000'];
-  const badTtls = [0, -1, 1.5, Number.NaN, 86_400_001, Number.POSITIVE_INFINITY];
-  const calls: (() => unknown)[] = [];
-  for (const name of badNames) {
-    calls.push(
-      () => manager.acquire(name, ok),
-      () => manager.tryAcquire(name, ok),
-      () => manager.using(name, ok, () => 1),
-      () => manager.acquireAll(['fine', name], ok),
-      () => manager.inspect(name),
-    );
-  }
-  for (const ttlMs of badTtls) {
-    calls.push(
-      () => manager.acquire('fine', { ttlMs }),
-      () => manager.tryAcquire('fine', { ttlMs }),
-      () => manager.acquireAll(['fine'], { ttlMs }),
-    );
-  }
-  calls.push(
-    () => manager.acquire('fine', { ttlMs: 1000, waitMs: -1 }),
-    () => manager.acquireAll(['fine'], { ttlMs: 1000, waitMs: -1 }),
-    () => manager.acquireAll([], ok),
-    () => manager.acquire('fine', undefined as unknown as AcquireOptions),
-  );
-  return calls;
 }
 
 describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, separate processes', () => {
