@@ -4,7 +4,10 @@
  * it without touching anyone else's keys.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
+import { mkdtemp, rm } from 'node:fs/promises';
 import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { Redis } from 'ioredis';
 
 export interface PrivateRedis {
@@ -21,19 +24,23 @@ export interface PrivateRedis {
 /** Starts `redis-server` on a free loopback port (with `extraArgs`, e.g. `--replicaof`) and waits (bounded) until it answers PING. */
 export async function startPrivateRedis(extraArgs: string[] = []): Promise<PrivateRedis> {
   const port = await freePort();
-  let child = await launch(port, extraArgs);
+  // A directory of its own: a replica writes the RDB it receives to disk even with `--save ""`.
+  const dir = await mkdtemp(join(tmpdir(), 'palisade-redis-'));
+  const args = ['--dir', dir, ...extraArgs];
+  let child = await launch(port, args);
   return {
     port,
     url: `redis://127.0.0.1:${port}`,
     async restart() {
       await kill(child);
-      child = await launch(port, extraArgs);
+      child = await launch(port, args);
     },
     pause: () => child.kill('SIGSTOP'),
     resume: () => child.kill('SIGCONT'),
     async stop() {
       child.kill('SIGCONT');
       await kill(child);
+      await rm(dir, { recursive: true, force: true });
     },
   };
 }
