@@ -40,8 +40,53 @@ type ItemRow = Items['$inferSelect'];
 const KEYS = ['a', 'b', 'c'] as const;
 type Key = (typeof KEYS)[number];
 
-/** Few distinct fences, so holders collide: equal (duplicate), lower (stale) and higher. Spans int8, not just 2^53. */
-const FENCES: readonly Fence[] = [1n, 2n, 3n, 4n, 2n ** 53n + 1n, 2n ** 62n, MAX_FENCE].map((f) => toFence(f));
+/**
+ * Fences by index, increasing: small ones, then just above 2^53 (where a
+ * `number` would have rounded), then the top of int8. Commands pick a fence
+ * relative to the latest one issued (fresh, the same, an old one, a leap),
+ * as holders of successive grants and stale holders would.
+ */
+const FENCE_COUNT = 30;
+function fenceAt(i: number): Fence {
+  const n = BigInt(i);
+  if (i < 10) return toFence(n + 1n);
+  if (i < 20) return toFence(2n ** 53n + n - 9n);
+  return toFence(MAX_FENCE - BigInt(FENCE_COUNT - 1 - i));
+}
+
+type FenceChoice = { kind: 'fresh' } | { kind: 'same' } | { kind: 'leap' } | { kind: 'old'; back: number };
+
+const fenceChoiceArb: fc.Arbitrary<FenceChoice> = fc.oneof(
+  { weight: 3, arbitrary: fc.constant({ kind: 'fresh' } as const) },
+  { weight: 3, arbitrary: fc.constant({ kind: 'same' } as const) },
+  { weight: 2, arbitrary: fc.integer({ min: 1, max: 4 }).map((back) => ({ kind: 'old', back }) as const) },
+  { weight: 1, arbitrary: fc.constant({ kind: 'leap' } as const) },
+);
+
+/** The fence a command uses, from the model's latest grant; a fresh one becomes the latest. */
+function resolveFence(m: Model, choice: FenceChoice): Fence {
+  const top = FENCE_COUNT - 1;
+  let i: number;
+  switch (choice.kind) {
+    case 'fresh':
+      i = Math.min(top, m.issued + 1);
+      break;
+    case 'leap':
+      i = Math.min(top, m.issued + 10);
+      break;
+    case 'same':
+      i = Math.max(0, m.issued);
+      break;
+    case 'old':
+      i = Math.max(0, m.issued - choice.back);
+      break;
+  }
+  m.issued = Math.max(m.issued, i);
+  return fenceAt(i);
+}
+
+const show = (choice: FenceChoice, used: Fence | undefined) =>
+  `${choice.kind}${choice.kind === 'old' ? `-${choice.back}` : ''}${used === undefined ? '' : `=f${used}`}`;
 
 interface ModelRow {
   n: number;
@@ -53,6 +98,8 @@ interface ModelRow {
 interface Model {
   readonly mode: SameFence;
   readonly rows: Map<Key, ModelRow>;
+  /** Index of the latest fence granted (-1: none yet). */
+  issued: number;
 }
 
 interface Real {
@@ -113,96 +160,117 @@ function modelUpdate(m: Model, key: Key, fence: bigint, patch: (row: ModelRow) =
   return { status: 'applied', row: { ...row } };
 }
 
-const fenceArb = fc.nat({ max: FENCES.length - 1 }).map((i) => FENCES[i] as Fence);
 const keyArb = fc.constantFrom(...KEYS);
 const labelArb = fc.option(fc.string({ maxLength: 6 }), { nil: null });
 const nArb = fc.integer({ min: -1000, max: 1000 });
 
-class Upsert implements fc.AsyncCommand<Model, Real> {
+/** A command that writes with a fence chosen relative to the latest grant. */
+abstract class Fenced {
+  used: Fence | undefined;
+  constructor(readonly choice: FenceChoice) {}
+  protected use(m: Model): Fence {
+    this.used = resolveFence(m, this.choice);
+    return this.used;
+  }
+  protected get f(): string {
+    return show(this.choice, this.used);
+  }
+}
+
+class Upsert extends Fenced implements fc.AsyncCommand<Model, Real> {
   constructor(
     readonly key: Key,
-    readonly fence: Fence,
+    choice: FenceChoice,
     readonly n: number,
     readonly label: string | null | undefined,
-  ) {}
+  ) {
+    super(choice);
+  }
   check = () => true;
   async run(m: Model, r: Real) {
+    const fence = this.use(m);
     const values =
       this.label === undefined ? { id: this.key, n: this.n } : { id: this.key, n: this.n, label: this.label };
-    const got = await r.repo.upsert(values, this.fence);
+    const got = await r.repo.upsert(values, fence);
     const row = m.rows.get(this.key);
     let want: Expected;
     if (!row) {
-      const fresh = { n: this.n, label: this.label ?? null, fence: this.fence, deleted: false };
+      const fresh = { n: this.n, label: this.label ?? null, fence: fence, deleted: false };
       m.rows.set(this.key, fresh);
       want = { status: 'applied', row: { ...fresh } };
-    } else if (allowed(m, row.fence, this.fence)) {
-      // Columns not given keep their values — also when a tombstone is revived.
-      Object.assign(
-        row,
-        { n: this.n, fence: this.fence, deleted: false },
-        this.label === undefined ? {} : { label: this.label },
-      );
+    } else if (allowed(m, row.fence, fence)) {
+      // Columns not given keep their values on a live row; a revived tombstone is a new row and takes their defaults.
+      const label = this.label !== undefined ? this.label : row.deleted ? null : row.label;
+      Object.assign(row, { n: this.n, label, fence, deleted: false });
       want = { status: 'applied', row: { ...row } };
     } else {
-      want = refusal(m, row, this.fence);
+      want = refusal(m, row, fence);
     }
     checkResult(this.key, got, want);
   }
-  toString = () => `upsert(${this.key}, f${this.fence}, n=${this.n}, label=${JSON.stringify(this.label)})`;
+  override toString = () => `upsert(${this.key}, ${this.f}, n=${this.n}, label=${JSON.stringify(this.label)})`;
 }
 
-class Update implements fc.AsyncCommand<Model, Real> {
+class Update extends Fenced implements fc.AsyncCommand<Model, Real> {
   constructor(
     readonly key: Key,
-    readonly fence: Fence,
+    choice: FenceChoice,
     readonly patch: { n?: number; label?: string | null },
-  ) {}
+  ) {
+    super(choice);
+  }
   check = () => true;
   async run(m: Model, r: Real) {
-    const got = await r.repo.update({ id: this.key }, this.fence, this.patch);
+    const fence = this.use(m);
+    const got = await r.repo.update({ id: this.key }, fence, this.patch);
     checkResult(
       this.key,
       got,
-      modelUpdate(m, this.key, this.fence, () => ({ ...this.patch })),
+      modelUpdate(m, this.key, fence, () => ({ ...this.patch })),
     );
   }
-  toString = () => `update(${this.key}, f${this.fence}, ${JSON.stringify(this.patch)})`;
+  override toString = () => `update(${this.key}, ${this.f}, ${JSON.stringify(this.patch)})`;
 }
 
 /** `n = n + 1` as an SQL expression: the database computes it from the current row. */
-class Increment implements fc.AsyncCommand<Model, Real> {
+class Increment extends Fenced implements fc.AsyncCommand<Model, Real> {
   constructor(
     readonly key: Key,
-    readonly fence: Fence,
-  ) {}
+    choice: FenceChoice,
+  ) {
+    super(choice);
+  }
   check = () => true;
   async run(m: Model, r: Real) {
-    const got = await r.repo.update({ id: this.key }, this.fence, { n: sql`${items.n} + 1` });
+    const fence = this.use(m);
+    const got = await r.repo.update({ id: this.key }, fence, { n: sql`${items.n} + 1` });
     checkResult(
       this.key,
       got,
-      modelUpdate(m, this.key, this.fence, (row) => ({ n: row.n + 1 })),
+      modelUpdate(m, this.key, fence, (row) => ({ n: row.n + 1 })),
     );
   }
-  toString = () => `increment(${this.key}, f${this.fence})`;
+  override toString = () => `increment(${this.key}, ${this.f})`;
 }
 
-class Modify implements fc.AsyncCommand<Model, Real> {
+class Modify extends Fenced implements fc.AsyncCommand<Model, Real> {
   constructor(
     readonly key: Key,
-    readonly fence: Fence,
+    choice: FenceChoice,
     readonly delta: number,
-  ) {}
+  ) {
+    super(choice);
+  }
   check = () => true;
   async run(m: Model, r: Real) {
+    const fence = this.use(m);
     const before = m.rows.get(this.key);
     const seen: ItemRow[] = [];
-    const got = await r.repo.modify({ id: this.key }, this.fence, (row) => {
+    const got = await r.repo.modify({ id: this.key }, fence, (row) => {
       seen.push(row);
       return { n: row.n + this.delta };
     });
-    const writable = before !== undefined && !before.deleted && allowed(m, before.fence, this.fence);
+    const writable = before !== undefined && !before.deleted && allowed(m, before.fence, fence);
     // fn runs exactly when the write can apply, and sees the row as stored.
     expect(seen.length).toBe(writable ? 1 : 0);
     if (writable && before) {
@@ -215,62 +283,68 @@ class Modify implements fc.AsyncCommand<Model, Real> {
     checkResult(
       this.key,
       got,
-      modelUpdate(m, this.key, this.fence, (row) => ({ n: row.n + this.delta })),
+      modelUpdate(m, this.key, fence, (row) => ({ n: row.n + this.delta })),
     );
   }
-  toString = () => `modify(${this.key}, f${this.fence}, n += ${this.delta})`;
+  override toString = () => `modify(${this.key}, ${this.f}, n += ${this.delta})`;
 }
 
-class Delete implements fc.AsyncCommand<Model, Real> {
+class Delete extends Fenced implements fc.AsyncCommand<Model, Real> {
   constructor(
     readonly key: Key,
-    readonly fence: Fence,
-  ) {}
+    choice: FenceChoice,
+  ) {
+    super(choice);
+  }
   check = () => true;
   async run(m: Model, r: Real) {
-    const got = await r.repo.delete({ id: this.key }, this.fence);
+    const fence = this.use(m);
+    const got = await r.repo.delete({ id: this.key }, fence);
     const row = m.rows.get(this.key);
     let want: Expected;
     if (!row) want = { status: 'missing' };
     else if (row.deleted) {
-      if (allowed(m, row.fence, this.fence)) row.fence = this.fence;
+      if (allowed(m, row.fence, fence)) row.fence = fence;
       want = { status: 'missing' };
-    } else if (allowed(m, row.fence, this.fence)) {
-      Object.assign(row, { deleted: true, fence: this.fence });
+    } else if (allowed(m, row.fence, fence)) {
+      Object.assign(row, { deleted: true, fence: fence });
       want = { status: 'applied', row: { ...row } };
-    } else want = refusal(m, row, this.fence);
+    } else want = refusal(m, row, fence);
     checkResult(this.key, got, want);
   }
-  toString = () => `delete(${this.key}, f${this.fence})`;
+  override toString = () => `delete(${this.key}, ${this.f})`;
 }
 
-class UpdateWhere implements fc.AsyncCommand<Model, Real> {
+class UpdateWhere extends Fenced implements fc.AsyncCommand<Model, Real> {
   constructor(
-    readonly fence: Fence,
+    choice: FenceChoice,
     readonly minN: number,
     readonly label: string | null,
     readonly allOrNothing: boolean,
-  ) {}
+  ) {
+    super(choice);
+  }
   check = () => true;
   async run(m: Model, r: Real) {
+    const fence = this.use(m);
     const got = await r.repo.updateWhere(
       gte(items.n, this.minN),
-      this.fence,
+      fence,
       { label: this.label },
       {
         allOrNothing: this.allOrNothing,
       },
     );
     const target = [...m.rows.values()].filter((row) => !row.deleted && row.n >= this.minN);
-    const writable = target.filter((row) => allowed(m, row.fence, this.fence));
+    const writable = target.filter((row) => allowed(m, row.fence, fence));
     // `stale` counts the rows at or above the fence; with allOrNothing one of them stops the whole batch.
     const stale = target.length - writable.length;
     const applied = this.allOrNothing && stale > 0 ? [] : writable;
-    for (const row of applied) Object.assign(row, { label: this.label, fence: this.fence });
+    for (const row of applied) Object.assign(row, { label: this.label, fence: fence });
     expect(got).toEqual({ applied: applied.length, stale });
   }
-  toString = () =>
-    `updateWhere(n >= ${this.minN}, f${this.fence}, label=${JSON.stringify(this.label)}${this.allOrNothing ? ', allOrNothing' : ''})`;
+  override toString = () =>
+    `updateWhere(n >= ${this.minN}, ${this.f}, label=${JSON.stringify(this.label)}${this.allOrNothing ? ', allOrNothing' : ''})`;
 }
 
 /** Purging every tombstone: afterwards a lower fence may recreate the row (the documented trade-off). */
@@ -307,18 +381,25 @@ class Get implements fc.AsyncCommand<Model, Real> {
   toString = () => `get(${this.key})`;
 }
 
+const upsertArb = fc
+  .tuple(keyArb, fenceChoiceArb, nArb, fc.option(labelArb, { nil: undefined }))
+  .map(([k, f, n, l]) => new Upsert(k, f, n, l));
+const updateArb = fc
+  .tuple(keyArb, fenceChoiceArb, fc.record({ n: nArb, label: labelArb }, { requiredKeys: [], noNullPrototype: true }))
+  .map(([k, f, p]) => new Update(k, f, p));
+const deleteArb = fc.tuple(keyArb, fenceChoiceArb).map(([k, f]) => new Delete(k, f));
+
+// fc.commands picks uniformly among these: the plain writes appear twice, so rows are created, changed and deleted often.
 const commandArbs = [
+  upsertArb,
+  upsertArb,
+  updateArb,
+  deleteArb,
+  deleteArb,
+  fc.tuple(keyArb, fenceChoiceArb).map(([k, f]) => new Increment(k, f)),
+  fc.tuple(keyArb, fenceChoiceArb, fc.integer({ min: -5, max: 5 })).map(([k, f, d]) => new Modify(k, f, d)),
   fc
-    .tuple(keyArb, fenceArb, nArb, fc.option(labelArb, { nil: undefined }))
-    .map(([k, f, n, l]) => new Upsert(k, f, n, l)),
-  fc
-    .tuple(keyArb, fenceArb, fc.record({ n: nArb, label: labelArb }, { requiredKeys: [], noNullPrototype: true }))
-    .map(([k, f, p]) => new Update(k, f, p)),
-  fc.tuple(keyArb, fenceArb).map(([k, f]) => new Increment(k, f)),
-  fc.tuple(keyArb, fenceArb, fc.integer({ min: -5, max: 5 })).map(([k, f, d]) => new Modify(k, f, d)),
-  fc.tuple(keyArb, fenceArb).map(([k, f]) => new Delete(k, f)),
-  fc
-    .tuple(fenceArb, fc.integer({ min: -1000, max: 1000 }), labelArb, fc.boolean())
+    .tuple(fenceChoiceArb, fc.integer({ min: -1000, max: 1000 }), labelArb, fc.boolean())
     .map(([f, min, l, all]) => new UpdateWhere(f, min, l, all)),
   fc.constant(null).map(() => new Purge()),
   keyArb.map((k) => new Get(k)),
@@ -361,14 +442,14 @@ for (const driver of drivers) {
     test.prop(
       [
         fc.constantFrom<SameFence>('reject', 'allow'),
-        fc.commands(commandArbs, { maxCommands: 20, replayPath: commandsReplayPath() }),
+        fc.commands(commandArbs, { maxCommands: 20, size: 'max', replayPath: commandsReplayPath() }),
       ],
       propertyParams(),
     )(
       'every write and read matches the model',
       async (mode, commands) => {
         await test_.db.execute(sql`delete from palisade_prop_items`);
-        const model: Model = { mode, rows: new Map() };
+        const model: Model = { mode, rows: new Map(), issued: -1 };
         const real: Real = { db: test_.db, repo: fencedRepository(test_.db, items, { sameFence: mode }) };
         await fc.asyncModelRun(() => ({ model, real }), commands);
         await checkStored(test_.db, model);
