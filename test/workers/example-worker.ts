@@ -55,6 +55,11 @@ try {
       result = await runBillingCron({ db, locks, period: String(args.options.period), ...args.options, onEvent });
       break;
     }
+    case 'nightly-report': {
+      const { runNightlyReport } = await import('../../examples/nightly-report/index.js');
+      result = await runNightlyReport({ db, locks, day: String(args.options.day), ...args.options, onEvent });
+      break;
+    }
     default:
       throw new Error(`example ${args.example} is not wired into the example worker`);
   }
