@@ -43,11 +43,16 @@ export interface Report {
  * - after the faults stopped, a `probe` acquire (the runner bounds its wait
  *   by one TTL) succeeded.
  *
+ * An operation invoked and never completed (its process was killed) counts
+ * as `unknown`. `start`, `lost` and `nemesis` events are markers, not
+ * operations.
+ *
  * Like Jepsen's checkers it can find anomalies, not prove their absence.
  */
 export function checkHistory(input: CheckInput): Report {
   const anomalies: string[] = [];
-  const completions = input.history.filter((e) => e.type !== 'invoke');
+  const history = withCrashesResolved(input.history);
+  const completions = history.filter((e) => e.type !== 'invoke' && !MARKERS.has(e.op));
   const ops = {
     ok: completions.filter((e) => e.type === 'ok').length,
     fail: completions.filter((e) => e.type === 'fail').length,
@@ -56,7 +61,7 @@ export function checkHistory(input: CheckInput): Report {
 
   // Fences issued, and to whom.
   const issuedTo = new Map<string, string>();
-  for (const e of input.history) {
+  for (const e of history) {
     if (e.op !== 'acquire' || e.type !== 'ok' || e.fence === undefined) continue;
     const owner = issuedTo.get(e.fence);
     if (owner !== undefined) anomalies.push(`fence ${e.fence} issued twice (to ${owner} and ${e.process})`);
@@ -89,7 +94,7 @@ export function checkHistory(input: CheckInput): Report {
 
   // Counters against acknowledged increments.
   for (const [key, value] of Object.entries(input.counters)) {
-    const incs = input.history.filter((e) => e.op === 'increment' && e.key === key);
+    const incs = history.filter((e) => e.op === 'increment' && e.key === key);
     const ok = incs.filter((e) => e.type === 'ok').length;
     const unknown = incs.filter((e) => e.type === 'unknown').length;
     if (value < ok || value > ok + unknown) {
@@ -100,20 +105,53 @@ export function checkHistory(input: CheckInput): Report {
   }
 
   // Nothing wedged: a probe acquire after the faults, whose waitMs the runner bounds by one TTL.
-  const probe = input.history.find((e) => e.op === 'probe' && e.type !== 'invoke');
+  const probe = history.find((e) => e.op === 'probe' && e.type !== 'invoke');
   if (probe?.type !== 'ok')
     anomalies.push('no successful probe acquire (waiting at most one TTL) after the faults stopped');
 
-  const rejected = input.history.filter(
-    (e) => e.op === 'increment' && e.type === 'fail' && e.reason === 'stale',
-  ).length;
+  const rejected = history.filter((e) => e.op === 'increment' && e.type === 'fail' && e.reason === 'stale').length;
   return {
     ops,
     staleWrites: { attempted: rejected + acceptedStale, rejected, accepted: acceptedStale },
-    overlappingHolds: countOverlaps(input.history),
+    overlappingHolds: countOverlaps(history),
     fencesIssued: issuedTo.size,
     anomalies,
   };
+}
+
+/**
+ * Operations that are markers, not operations: `start` (a worker process
+ * (re)started: it holds nothing), `lost` (a lease was observed lost),
+ * `nemesis` (a fault injected). They end hold intervals but are not counted
+ * as ok / failed / unknown.
+ */
+const MARKERS = new Set(['start', 'lost', 'nemesis']);
+
+/**
+ * An operation invoked but never completed — its process was killed, or
+ * the history ends first — may or may not have taken effect: it counts as
+ * `unknown`, as Jepsen treats a crashed operation. The synthetic completion
+ * is placed just after the invocation's last sign of life (the process's
+ * next event, or the end of the history).
+ */
+function withCrashesResolved(history: readonly HistoryEvent[]): HistoryEvent[] {
+  const resolved: HistoryEvent[] = [...history];
+  const pending = new Map<string, HistoryEvent>();
+  const crash = (invoke: HistoryEvent, time: number) =>
+    resolved.push({ ...invoke, type: 'unknown', reason: 'crashed', time });
+  for (const e of history) {
+    const open = pending.get(e.process);
+    if (e.type === 'invoke') {
+      if (open) crash(open, e.time);
+      pending.set(e.process, e);
+    } else if (open && (e.op === open.op || e.op === 'start')) {
+      if (e.op === 'start') crash(open, e.time);
+      pending.delete(e.process);
+    }
+  }
+  const end = history.at(-1)?.time ?? 0;
+  for (const open of pending.values()) crash(open, end);
+  return resolved.sort((a, b) => a.time - b.time);
 }
 
 /** Hold intervals: from `acquire ok` to the holder's next `release` invoke, lease loss or end of its history. */

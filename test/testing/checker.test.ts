@@ -86,4 +86,40 @@ describe('checkHistory', () => {
       'no successful probe acquire (waiting at most one TTL) after the faults stopped',
     );
   });
+
+  it('counts an increment whose process was killed before it completed as unknown', () => {
+    const run = cleanRun();
+    const history = [
+      ...run.history,
+      ev('w2', 'invoke', 'acquire', { lock: 'L' }),
+      ev('w2', 'ok', 'acquire', { lock: 'L', fence: '4' }),
+      ev('w2', 'invoke', 'increment', { key: 'c', fence: '4' }),
+      // kill -9: no completion; the restarted process starts afresh.
+      ev('w2', 'ok', 'start'),
+    ];
+    const report = checkHistory({ history, audit: run.audit, counters: { c: 1 } });
+    expect(report.anomalies).toEqual([]);
+    expect(report.ops.unknown).toBe(1);
+    // The crashed increment may have committed: a counter of 2 is within ok … ok + unknown, but the audit must agree.
+    const audit = [...run.audit, { id: 2, key: 'c', fence: '4', process: 'w2' }];
+    expect(checkHistory({ history, audit, counters: { c: 2 } }).anomalies).toEqual([]);
+    // Had the increment completed as refused, the same counter would be an anomaly.
+    const refused = [...history.slice(0, -1), ev('w2', 'fail', 'increment', { key: 'c', fence: '4', reason: 'stale' })];
+    expect(checkHistory({ history: refused, audit, counters: { c: 2 } }).anomalies.join('\n')).toMatch(
+      /counter 2 outside acknowledged increments 1 … 1/,
+    );
+  });
+
+  it('does not count start / lost / nemesis markers as operations, but ends hold intervals with them', () => {
+    const run = cleanRun();
+    const history = [
+      ...run.history,
+      ev('nemesis', 'ok', 'nemesis', { reason: 'pause w1' }),
+      ev('w1', 'ok', 'lost', { lock: 'L' }),
+      ev('w1', 'ok', 'start'),
+    ];
+    const report = checkHistory({ history, audit: run.audit, counters: { c: 1 } });
+    expect(report.ops).toEqual(checkHistory({ ...run, counters: { c: 1 } }).ops);
+    expect(report.overlappingHolds).toBe(1);
+  });
 });
