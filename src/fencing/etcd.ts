@@ -123,8 +123,9 @@ export function etcdLeaseSeconds(ttlMs: number): number {
  *   fence, checked by the resource (a fenced repository), refuses the stale
  *   holder's write;
  * - monotonic fences if the cluster is replaced or restored from an older
- *   snapshot (revisions restart lower; restore with a revision bump) — only
- *   a process that saw a higher revision notices;
+ *   snapshot (revisions restart lower; restore with `etcdutl snapshot
+ *   restore --bump-revision … --mark-compacted`) — only a process that saw
+ *   a higher revision notices;
  * - comparability with fences of any other source: a table must take its
  *   fences from one source (one namespace of one backend). A fence from
  *   etcd and one from a Postgres sequence or Redis mean nothing to each
@@ -463,6 +464,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         .key(bytes(keys.lock(name)))
         .only('delete');
       const from = seenHeldAt.get(name);
+      seenHeldAt.delete(name); // every wait follows a grant that found the lock held and set it again
       if (from !== undefined) builder.startRevision((from + 1n).toString());
       const watcher = builder.watcher();
       return new Promise<void>((resolve) => {
