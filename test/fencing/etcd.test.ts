@@ -182,8 +182,8 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
     expect(info?.remainingMs).toBeGreaterThan(10_000);
     expect(await m.tryAcquire('u', { ttlMs: 1_000 })).toBeNull();
 
-    const kept = await m.acquire('v', { ttlMs: 2_000, autoExtend: true });
-    await sleep(5_000); // 2.5 TTLs
+    const kept = await m.acquire('v', { ttlMs: 3_000, autoExtend: true });
+    await sleep(7_000); // over two TTLs: only the watchdog's keep-alives can have kept it
     expect(kept.signal.aborted).toBe(false);
     expect((await m.inspect('v'))?.fence).toBe(kept.fence);
     await Promise.all([next?.release(), moved.release(), kept.release()]);
