@@ -60,6 +60,11 @@ try {
       result = await runNightlyReport({ db, locks, day: String(args.options.day), ...args.options, onEvent });
       break;
     }
+    case 'search-index-rebuild': {
+      const { rebuildSearchIndex } = await import('../../examples/search-index-rebuild/index.js');
+      result = await rebuildSearchIndex({ db, locks, ...args.options, onEvent });
+      break;
+    }
     default:
       throw new Error(`example ${args.example} is not wired into the example worker`);
   }
