@@ -1,0 +1,98 @@
+/**
+ * `npm run bench` — palisade side by side with the peers, in ONE run on one
+ * machine, reported as ratios. Not part of `npm test`.
+ *
+ *   npm run bench                      full run, writes bench/results/latest.{md,json}
+ *   npm run bench -- --quick           short run for developing the benchmark (writes bench/results/quick.*)
+ *   npm run bench -- --only=1,2        some sections only (never written as latest)
+ *
+ * Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test;
+ * a database of the run's own is created and dropped), a `redis-server`
+ * binary (a server of the run's own is started on a free loopback port;
+ * without one, REDIS_URL with a key prefix), SYNCGUARD_PATH (optional: a
+ * syncguard build, see the results file for how to make one).
+ */
+import { mkdirSync, writeFileSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { migrate } from '../src/migrate.js';
+import { type BenchContext, SCALES } from './lib/context.js';
+import { Report } from './lib/report.js';
+import { renderMarkdown, runMeta } from './lib/results.js';
+import { benchDatabase, benchRedis } from './lib/services.js';
+import { endToEnd } from './sections/end-to-end.js';
+import { fenceIssuance } from './sections/fence-issuance.js';
+import { growth } from './sections/growth.js';
+import { handoff } from './sections/handoff.js';
+import { lockRoundTrips } from './sections/lock-round-trips.js';
+import { memory } from './sections/memory.js';
+import { writePath } from './sections/write-path.js';
+
+const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise<void> }[] = [
+  { id: '1', title: 'Fenced write path', run: writePath },
+  { id: '2', title: 'Lock round trips', run: lockRoundTrips },
+  { id: '3', title: 'Handoff under contention', run: handoff },
+  { id: '4', title: 'End to end', run: endToEnd },
+  { id: '5', title: 'Fence issuance', run: fenceIssuance },
+  { id: '6', title: 'Memory', run: memory },
+  { id: '7', title: 'Growth', run: growth },
+];
+
+async function main(): Promise<void> {
+  const args = process.argv.slice(2);
+  const scale = SCALES[args.includes('--quick') ? 'quick' : 'full'];
+  const only = args
+    .find((a) => a.startsWith('--only='))
+    ?.slice('--only='.length)
+    .split(',');
+  const started = new Date();
+  const pg = await benchDatabase(24);
+  const redis = await benchRedis();
+  const report = new Report();
+  const ctx: BenchContext = { scale, pg, redis, report, syncguardPath: process.env.SYNCGUARD_PATH || undefined };
+  let interrupted = false;
+  const onSignal = () => {
+    interrupted = true;
+    console.error('interrupted: cleaning up');
+    void Promise.allSettled([pg.close(), redis.close()]).then(() => process.exit(130));
+  };
+  process.once('SIGINT', onSignal);
+  process.once('SIGTERM', onSignal);
+  try {
+    await migrate(pg.db);
+    console.log(
+      `palisade bench (${scale.name}) — database ${pg.name}, redis ${redis.url}${redis.own ? ' (own server)' : ''}`,
+    );
+    for (const section of SECTIONS) {
+      if (only && !only.includes(section.id)) continue;
+      if (interrupted) break;
+      const t0 = Date.now();
+      console.log(`\n=== ${section.id}. ${section.title}`);
+      await section.run(ctx);
+      console.log(`  (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
+    }
+    const meta = await runMeta(ctx, started, new Date(), only);
+    const out = join(dirname(fileURLToPath(import.meta.url)), 'results');
+    mkdirSync(out, { recursive: true });
+    const base = only ? 'partial' : scale.name === 'full' ? 'latest' : 'quick';
+    writeFileSync(
+      join(out, `${base}.json`),
+      `${JSON.stringify({ meta, tables: report.tables, goals: report.goals, notes: report.notes, raw: report.raw }, bigintJson, 2)}\n`,
+    );
+    writeFileSync(join(out, `${base}.md`), renderMarkdown(meta, report));
+    console.log(`\nwrote bench/results/${base}.md and ${base}.json`);
+  } finally {
+    process.off('SIGINT', onSignal);
+    process.off('SIGTERM', onSignal);
+    await Promise.allSettled([pg.close(), redis.close()]);
+  }
+}
+
+function bigintJson(_key: string, value: unknown): unknown {
+  return typeof value === 'bigint' ? value.toString() : value;
+}
+
+main().catch((err) => {
+  console.error(err);
+  process.exitCode = 1;
+});
