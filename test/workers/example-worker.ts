@@ -65,6 +65,11 @@ try {
       result = await rebuildSearchIndex({ db, locks, ...args.options, onEvent });
       break;
     }
+    case 'backfill': {
+      const { runBackfill } = await import('../../examples/backfill/index.js');
+      result = await runBackfill({ db, locks, ...args.options, onEvent });
+      break;
+    }
     default:
       throw new Error(`example ${args.example} is not wired into the example worker`);
   }
