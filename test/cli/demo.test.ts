@@ -82,7 +82,7 @@ function expectStory(run: CliRun) {
 }
 
 describe('npm run demo (no configuration: embedded PGlite)', () => {
-  it('tells the story and exits 0, leaving no worker and no socket behind', async () => {
+  it('tells the story and exits 0, leaving no worker and no socket behind', { timeout: 180_000 }, async () => {
     const run = await npmRunDemo({ DATABASE_URL: undefined, REDIS_URL: undefined });
     expect(run.stdout).toMatch(/database: embedded PGlite, served to the worker processes on the unix socket \//);
     expect(run.stdout).toMatch(/locks: {4}Postgres leases \(palisade\.leases\); palisade fences from the sequence/);
@@ -94,7 +94,7 @@ describe('npm run demo (no configuration: embedded PGlite)', () => {
 });
 
 describe.runIf(needs('DATABASE_URL'))('palisade demo on DATABASE_URL (real Postgres)', () => {
-  it('says so, tells the same story, and drops its temporary schema', async () => {
+  it('says so, tells the same story, and drops its temporary schema', { timeout: 180_000 }, async () => {
     const test = await postgresDatabase();
     try {
       const run = await runCli(['demo'], { DATABASE_URL: test.url, REDIS_URL: undefined }, 120_000);
@@ -116,7 +116,7 @@ describe.runIf(needs('DATABASE_URL'))('palisade demo on DATABASE_URL (real Postg
 });
 
 describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))('palisade demo with REDIS_URL', () => {
-  it('takes locks and fences from Redis and tells the same story', async () => {
+  it('takes locks and fences from Redis and tells the same story', { timeout: 180_000 }, async () => {
     const test = await postgresDatabase();
     try {
       const run = await runCli(['demo'], { DATABASE_URL: test.url }, 120_000);
@@ -136,7 +136,7 @@ describe('palisade demo / palisade: usage', () => {
     expect(run.stdout).toBe('');
   });
 
-  it('has --help for every command, and names an unknown one', async () => {
+  it('has --help for every command, and names an unknown one', { timeout: 120_000 }, async () => {
     for (const command of ['demo', 'migrate', 'locks', 'fence-trigger']) {
       const run = await runCli([command, '--help']);
       expect(run.code).toBe(0);

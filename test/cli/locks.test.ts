@@ -22,7 +22,7 @@ interface Row {
   expired: boolean;
 }
 
-describe.runIf(needs('DATABASE_URL'))('palisade locks (real Postgres)', () => {
+describe.runIf(needs('DATABASE_URL'))('palisade locks (real Postgres)', { timeout: 120_000 }, () => {
   it('lists live leases with holder, fence, age and TTL left; filters; JSON and table', async () => {
     const test = await postgresDatabase();
     const nsA = uniqueNamespace('billing');

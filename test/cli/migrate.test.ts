@@ -91,7 +91,7 @@ describe.runIf(needs('DATABASE_URL'))('palisade migrate from 8 processes at once
     }
   });
 
-  it('all 8 exit 0 and each migration is applied exactly once', async () => {
+  it('all 8 exit 0 and each migration is applied exactly once', { timeout: 180_000 }, async () => {
     const test = await postgresDatabase();
     // The gate holds the migration lock while the replicas start, so all 8
     // are provably inside migrate() and queued on the lock when it opens.
