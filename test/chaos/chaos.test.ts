@@ -1,0 +1,49 @@
+/**
+ * A bounded chaos run per backend (scripts/chaos.ts): 4 worker processes,
+ * ~12 s of real faults (SIGSTOP past the TTL, kill -9, Redis FLUSHDB and
+ * restart, pg_terminate_backend), then the history checker. Each must find
+ * no anomalies AND show that the faults bit: at least one stale write was
+ * rejected by the database. The long run for the README is
+ * `npm run chaos` (docs/chaos-report.md).
+ *
+ * Each run creates its own database on DATABASE_URL and, for Redis, starts
+ * its own redis-server on a free loopback port (REDIS_URL's server is not
+ * touched; it gates the suite so that a machine without Redis skips it).
+ */
+import { describe, expect, it } from 'vitest';
+import { type ChaosBackend, runChaos } from '../../scripts/chaos.js';
+import { needs } from '../support/services.js';
+
+const SECONDS = Number(process.env.PALISADE_CHAOS_SECONDS ?? 12);
+
+async function bounded(backend: ChaosBackend) {
+  const result = await runChaos({
+    backend,
+    workers: 4,
+    seconds: SECONDS,
+    ttlMs: 1000,
+    databaseUrl: process.env.DATABASE_URL ?? '',
+  });
+  // The whole report on failure: settings, faults, findings, the history's path and the command to reproduce.
+  const context = `\n${result.text}`;
+  expect(result.report.anomalies, context).toEqual([]);
+  expect(result.report.staleWrites.accepted, context).toBe(0);
+  expect(result.report.staleWrites.rejected, `the faults did not bite${context}`).toBeGreaterThan(0);
+  expect(result.report.overlappingHolds, context).toBeGreaterThan(0);
+  expect(result.ok, context).toBe(true);
+  return result;
+}
+
+const timeout = (SECONDS + 150) * 1000;
+
+describe.runIf(needs('DATABASE_URL'))('chaos: postgres lease backend', () => {
+  it(`${SECONDS} s of faults: no anomalies, stale writes rejected`, () => bounded('postgres'), timeout);
+});
+
+describe.runIf(needs('DATABASE_URL'))('chaos: postgres advisory backend', () => {
+  it(`${SECONDS} s of faults: no anomalies, stale writes rejected`, () => bounded('advisory'), timeout);
+});
+
+describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))('chaos: redis backend (a private redis-server)', () => {
+  it(`${SECONDS} s of faults: no anomalies, stale writes rejected`, () => bounded('redis'), timeout);
+});
