@@ -21,6 +21,7 @@ import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { postgresLockManager } from '../../src/fencing/postgres.js';
 import { redisLockManager } from '../../src/fencing/redis.js';
 import type { BenchContext } from './context.js';
+import { queriesSent } from './services.js';
 
 /** TTL every lock gets (ms): long enough never to expire during a benchmark. */
 export const TTL_MS = 10_000;
@@ -41,7 +42,7 @@ export interface LockUnderTest {
   acquire(name: string, waitMs: number, opts?: { autoExtend?: boolean }): Promise<Held>;
   /** palisade's manager, for the sections that need more than acquire/release. */
   readonly manager?: LockManager;
-  /** Redis commands this lock's client has sent so far (pub/sub connections excluded); 0 for Postgres. */
+  /** Redis commands (pub/sub connections excluded) or Postgres queries this lock's clients have sent so far. */
   sent(): number;
   close(): Promise<void>;
 }
@@ -92,9 +93,15 @@ export function palisadePostgres(ctx: BenchContext, namespace = 'bench', max = 2
   const sql = ctx.pg.client(max);
   const db = drizzle(sql) as unknown as Database;
   const manager = postgresLockManager({ db, namespace });
-  return palisade('palisade Postgres lease', 'postgres', manager, async () => {
-    await sql.end({ timeout: 5 });
-  });
+  return palisade(
+    'palisade Postgres lease',
+    'postgres',
+    manager,
+    async () => {
+      await sql.end({ timeout: 5 });
+    },
+    () => queriesSent(sql),
+  );
 }
 
 /**
@@ -114,9 +121,15 @@ export async function palisadeAdvisory(
   const sql = ctx.pg.client(max);
   // Up to 16 idle sessions kept for reuse (the default, 1, would open a connection per grant at 16 clients).
   const manager = factory({ sql, namespace, maxIdleSessions: 16 });
-  return palisade('palisade Postgres advisory', 'postgres', manager, async () => {
-    await sql.end({ timeout: 5 });
-  });
+  return palisade(
+    'palisade Postgres advisory',
+    'postgres',
+    manager,
+    async () => {
+      await sql.end({ timeout: 5 });
+    },
+    () => queriesSent(sql),
+  );
 }
 
 /** redis-semaphore's Mutex: `SET NX PX` per attempt, polling every 10 ms; release is one script. No fences. */

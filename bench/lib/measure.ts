@@ -39,6 +39,8 @@ export interface Measured {
   /** ops/s of each round, for the JSON file. */
   readonly roundsOpsPerSec: readonly number[];
   readonly calls: number;
+  /** This process's CPU time per call (µs, user + system): the client-side cost, whatever the machine's load. */
+  readonly cpuUsPerCall: number;
 }
 
 /**
@@ -47,7 +49,13 @@ export interface Measured {
  * report a number.
  */
 export async function compare(cases: readonly Case[], opts: MeasureOptions): Promise<Measured[]> {
-  const perCase = cases.map(() => ({ ops: [] as number[], p50: [] as number[], p99: [] as number[], calls: 0 }));
+  const perCase = cases.map(() => ({
+    ops: [] as number[],
+    p50: [] as number[],
+    p99: [] as number[],
+    cpu: [] as number[],
+    calls: 0,
+  }));
   for (let round = 0; round < opts.rounds; round++) {
     for (let k = 0; k < cases.length; k++) {
       const i = (k + round) % cases.length;
@@ -58,6 +66,7 @@ export async function compare(cases: readonly Case[], opts: MeasureOptions): Pro
       acc.ops.push(r.opsPerSec);
       acc.p50.push(r.p50Ms);
       acc.p99.push(r.p99Ms);
+      acc.cpu.push(r.cpuUsPerCall);
       acc.calls += r.calls;
     }
   }
@@ -70,6 +79,7 @@ export async function compare(cases: readonly Case[], opts: MeasureOptions): Pro
       p99Ms: median(acc.p99),
       roundsOpsPerSec: acc.ops.map((x) => Math.round(x)),
       calls: acc.calls,
+      cpuUsPerCall: median(acc.cpu),
     };
   });
 }
@@ -77,7 +87,7 @@ export async function compare(cases: readonly Case[], opts: MeasureOptions): Pro
 async function timeOne(
   c: Case,
   opts: MeasureOptions,
-): Promise<{ opsPerSec: number; p50Ms: number; p99Ms: number; calls: number }> {
+): Promise<{ opsPerSec: number; p50Ms: number; p99Ms: number; calls: number; cpuUsPerCall: number }> {
   const concurrent = opts.concurrency > 1;
   const bench = new Bench({
     time: opts.timeMs,
@@ -91,12 +101,18 @@ async function timeOne(
   });
   let started = 0;
   let ended = 0;
+  let cpu0 = process.cpuUsage();
+  let cpu = { user: 0, system: 0 };
   bench.add(c.name, c.fn, {
     beforeAll(mode) {
-      if (mode === 'run') started = performance.now();
+      if (mode !== 'run') return;
+      started = performance.now();
+      cpu0 = process.cpuUsage();
     },
     afterAll(mode) {
-      if (mode === 'run') ended = performance.now();
+      if (mode !== 'run') return;
+      ended = performance.now();
+      cpu = process.cpuUsage(cpu0);
     },
   });
   await bench.run();
@@ -112,6 +128,7 @@ async function timeOne(
     p50Ms: result.latency.p50,
     p99Ms: result.latency.p99,
     calls,
+    cpuUsPerCall: (cpu.user + cpu.system) / Math.max(1, calls),
   };
 }
 

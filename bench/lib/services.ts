@@ -44,7 +44,18 @@ export async function benchDatabase(max = 20): Promise<BenchDatabase> {
   const url = u.toString();
   const clients: postgres.Sql[] = [];
   const client = (n: number, connection?: Record<string, string>) => {
-    const c = postgres(url, { max: n, onnotice: () => {}, ...(connection ? { connection } : {}) });
+    const counter = { n: 0 };
+    const c = postgres(url, {
+      max: n,
+      onnotice: () => {},
+      // Counts every query the client sends (sessions derived from its options, like the advisory
+      // backend's, count here too): exact round-trip counts, cheap enough to leave on.
+      debug: () => {
+        counter.n++;
+      },
+      ...(connection ? { connection } : {}),
+    });
+    queryCounts.set(c, counter);
     clients.push(c);
     return c;
   };
@@ -61,6 +72,13 @@ export async function benchDatabase(max = 20): Promise<BenchDatabase> {
       await admin.end({ timeout: 5 });
     },
   };
+}
+
+const queryCounts = new WeakMap<postgres.Sql, { n: number }>();
+
+/** Queries sent so far by a client made with {@link BenchDatabase.client}. */
+export function queriesSent(sql: postgres.Sql): number {
+  return queryCounts.get(sql)?.n ?? 0;
 }
 
 /** A Redis of the run's own (or the shared one with a prefix). */

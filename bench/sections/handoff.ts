@@ -36,6 +36,8 @@ export interface HandoffResult {
   readonly sentPerCs: number;
   readonly executedPerCs: number | null;
   readonly timeouts: number;
+  /** Share of critical sections taken by the worker that had just released the lock (1/8 if fair). */
+  readonly repeatRate: number;
   readonly overlaps: number;
   readonly staleRefused: number;
   readonly staleAccepted: number;
@@ -54,7 +56,9 @@ async function runOnce(ctx: BenchContext, lock: LockUnderTest, durationMs: numbe
   const applied: { order: number; fence: bigint }[] = [];
   const sent0 = lock.sent();
   const stats0 = lock.store === 'redis' && ctx.redis.own ? await ctx.redis.commandStats() : undefined;
-  const { wallMs, iterations } = await closedLoop(WORKERS, durationMs, 1_000_000, async () => {
+  let lastHolder = -1;
+  let repeats = 0;
+  const { wallMs, iterations } = await closedLoop(WORKERS, durationMs, 1_000_000, async (worker) => {
     const t0 = performance.now();
     let held: Awaited<ReturnType<LockUnderTest['acquire']>>;
     try {
@@ -64,6 +68,8 @@ async function runOnce(ctx: BenchContext, lock: LockUnderTest, durationMs: numbe
       return;
     }
     waits.push(performance.now() - t0);
+    if (worker === lastHolder) repeats++;
+    lastHolder = worker;
     inside++;
     if (inside > 1) overlaps++;
     try {
@@ -108,6 +114,7 @@ async function runOnce(ctx: BenchContext, lock: LockUnderTest, durationMs: numbe
     sentPerCs: sent / Math.max(1, cs),
     executedPerCs: executed === null ? null : executed / Math.max(1, cs),
     timeouts,
+    repeatRate: repeats / Math.max(1, cs),
     overlaps,
     staleRefused,
     staleAccepted,
@@ -139,6 +146,7 @@ export async function handoffAll(ctx: BenchContext, locks: LockUnderTest[]): Pro
       sentPerCs: median(rs.map((r) => r.sentPerCs)),
       executedPerCs: rs[0]?.executedPerCs === null ? null : median(rs.map((r) => r.executedPerCs ?? 0)),
       timeouts: sum((r) => r.timeouts),
+      repeatRate: median(rs.map((r) => r.repeatRate)),
       overlaps: sum((r) => r.overlaps),
       staleRefused: sum((r) => r.staleRefused),
       staleAccepted: sum((r) => r.staleAccepted),
@@ -175,8 +183,9 @@ export async function handoff(ctx: BenchContext): Promise<void> {
         'wait p99 ms',
         'p99 × redis-semaphore',
         'max share deviation (points)',
-        'Redis cmds sent / CS',
-        'Redis cmds executed / CS',
+        'same worker again',
+        'lock cmds sent / CS',
+        'Redis cmds executed / CS (incl. in scripts)',
         'timeouts',
         'overlaps',
         'stale refused',
@@ -192,6 +201,7 @@ export async function handoff(ctx: BenchContext): Promise<void> {
         ms(r.waitP99Ms),
         semaphore ? ratio(r.waitP99Ms / semaphore.waitP99Ms) : null,
         r.maxShareDeviation.toFixed(1),
+        `${(r.repeatRate * 100).toFixed(0)}%`,
         r.sentPerCs.toFixed(2),
         r.executedPerCs === null ? null : r.executedPerCs.toFixed(1),
         r.timeouts,
@@ -203,6 +213,7 @@ export async function handoff(ctx: BenchContext): Promise<void> {
     t.notes.push(
       `Shares per worker (median round): ${results.map((r) => `${r.lock}: ${r.shares.map((s) => (s * 100).toFixed(1)).join('/')}`).join('; ')}.`,
       'Locks without fences (redis-semaphore, redlock) write with a fence from an in-process counter: free, valid only within one process.',
+      '"same worker again": share of grants that went to the worker that had just released (12.5% if the order were fair; higher means the releaser barges back in before the woken waiters).',
       '"overlaps": a worker entered the critical section while another was inside (in-process check; none expected with a 10 s TTL).',
     );
     printTable(t);

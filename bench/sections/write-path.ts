@@ -130,6 +130,7 @@ export async function writePath(ctx: BenchContext): Promise<void> {
       'p99 ms',
       '× raw fenced',
       '× raw plain',
+      'client CPU µs/op',
     ]);
     for (const r of m) {
       t.rows.push([
