@@ -28,7 +28,11 @@ export interface Worker {
 const live = new Set<ChildProcess>();
 
 /** Starts `script` (a path relative to the repository root) with `args`. */
-export function startWorker(script: string, args: Record<string, unknown>, env: Record<string, string | undefined> = {}): Worker {
+export function startWorker(
+  script: string,
+  args: Record<string, unknown>,
+  env: Record<string, string | undefined> = {},
+): Worker {
   const child = spawn(process.execPath, ['--import', 'tsx', script, JSON.stringify(args)], {
     env: { ...process.env, ...env },
     stdio: ['pipe', 'pipe', 'pipe'],
@@ -40,7 +44,7 @@ export function startWorker(script: string, args: Record<string, unknown>, env: 
   child.stderr?.on('data', (chunk) => {
     stderr = (stderr + String(chunk)).slice(-4000);
   });
-  createInterface({ input: child.stdout! }).on('line', (line) => {
+  createInterface({ input: child.stdout as NodeJS.ReadableStream }).on('line', (line) => {
     try {
       messages.push(JSON.parse(line) as Message);
     } catch {
@@ -69,10 +73,20 @@ export function startWorker(script: string, args: Record<string, unknown>, env: 
         const check = () => {
           const found = messages.find(match);
           if (found) return finish(() => resolve(found));
-          if (done) return finish(() => reject(new Error(`worker ${child.pid} exited before the expected message; stderr: ${stderr}`)));
+          if (done)
+            return finish(() =>
+              reject(new Error(`worker ${child.pid} exited before the expected message; stderr: ${stderr}`)),
+            );
         };
         const timer = setTimeout(
-          () => finish(() => reject(new Error(`worker ${child.pid}: no expected message within ${timeoutMs} ms; got ${JSON.stringify(messages)}; stderr: ${stderr}`))),
+          () =>
+            finish(() =>
+              reject(
+                new Error(
+                  `worker ${child.pid}: no expected message within ${timeoutMs} ms; got ${JSON.stringify(messages)}; stderr: ${stderr}`,
+                ),
+              ),
+            ),
           timeoutMs,
         );
         const finish = (fn: () => void) => {

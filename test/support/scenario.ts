@@ -11,7 +11,9 @@ import { postgresDatabase, type TestDatabase } from './databases.js';
 export async function scenarioDatabase(): Promise<TestDatabase> {
   const test = await postgresDatabase();
   await migrate(test.db);
-  await test.db.execute(sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`);
+  await test.db.execute(
+    sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+  );
   await test.db.execute(sql`insert into resource (id, value) values (1, 'initial')`);
   await test.db.execute(sql`create table occupancy (id int primary key, inside int not null)`);
   await test.db.execute(sql`insert into occupancy values (1, 0)`);
