@@ -60,6 +60,7 @@ import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../errors
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
+import { ReleaseListener } from './release-listener.js';
 import { fenceSequenceQuery, judgeFenceSequence } from './sequence.js';
 
 /** Bits of a Redis fence below the epoch. */
@@ -386,7 +387,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
 
   for (const [name, definition] of Object.entries(DEFINITIONS)) redis.defineCommand(name, definition);
   const scripts = redis as unknown as Scripts;
-  const notifier = new ReleaseNotifier(redis, keys.channel);
+  const notifier = releaseListener(redis, keys.channel);
   let sequenceChecked = false;
 
   function bounded<T>(what: string, run: () => Promise<T>): Promise<T> {
@@ -567,69 +568,29 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
 }
 
 /**
- * Wakes waiters when the release script publishes a lock name. One
- * subscriber connection per manager (`redis.duplicate()`), opened on the
- * first wait and closed by `close()`. Never needed for correctness: every
- * wait also ends at its timeout.
+ * Wakes waiters when the release script publishes a lock name: one
+ * subscriber connection per manager (a subscribed connection can run nothing
+ * else), opened at the first wait. Never needed for correctness: every wait
+ * also ends at its timeout.
  */
-class ReleaseNotifier {
-  readonly #redis: RedisClient;
-  readonly #channel: string;
-  readonly #waiters = new Map<string, Set<() => void>>();
-  #subscriber: RedisClient | undefined;
-  #closed = false;
-
-  constructor(redis: RedisClient, channel: string) {
-    this.#redis = redis;
-    this.#channel = channel;
-  }
-
-  wait(name: string, ms: number, signal: AbortSignal | undefined): Promise<void> {
-    if (this.#closed || ms <= 0 || signal?.aborted) return Promise.resolve();
-    this.#subscribe();
-    return new Promise((resolve) => {
-      let set = this.#waiters.get(name);
-      if (!set) {
-        set = new Set();
-        this.#waiters.set(name, set);
-      }
-      const waiters = set;
-      const done = () => {
-        clearTimeout(timer);
-        signal?.removeEventListener('abort', done);
-        waiters.delete(done);
-        if (waiters.size === 0 && this.#waiters.get(name) === waiters) this.#waiters.delete(name);
-        resolve();
-      };
-      const timer = setTimeout(done, ms);
-      signal?.addEventListener('abort', done, { once: true });
-      waiters.add(done);
-    });
-  }
-
-  async close(): Promise<void> {
-    this.#closed = true;
-    for (const set of [...this.#waiters.values()]) for (const wake of [...set]) wake();
-    const subscriber = this.#subscriber;
-    this.#subscriber = undefined;
-    subscriber?.disconnect();
-  }
-
-  #subscribe(): void {
-    if (this.#subscriber) return;
-    // Its own connection: a subscribed connection can run nothing else. An
-    // offline queue here is harmless (nothing awaits it; disconnect() flushes it).
-    const subscriber = this.#redis.isCluster
-      ? (this.#redis as Cluster).duplicate([], { enableOfflineQueue: true }) // same startup nodes; PUBLISH reaches every node
-      : (this.#redis as Redis).duplicate({ enableOfflineQueue: true, autoResubscribe: true, lazyConnect: false });
-    this.#subscriber = subscriber;
+function releaseListener(redis: RedisClient, channel: string): ReleaseListener {
+  return new ReleaseListener(async (onReleased) => {
+    // An offline queue here is harmless: nothing awaits it, disconnect() flushes it.
+    const subscriber = redis.isCluster
+      ? (redis as Cluster).duplicate([], { enableOfflineQueue: true }) // same startup nodes; PUBLISH reaches every node
+      : (redis as Redis).duplicate({ enableOfflineQueue: true, autoResubscribe: true, lazyConnect: false });
     subscriber.on('error', () => {}); // reconnects by itself; waits fall back to their timeouts meanwhile
-    subscriber.on('message', (channel: string, name: string) => {
-      if (channel !== this.#channel) return;
-      for (const wake of [...(this.#waiters.get(name) ?? [])]) wake();
+    subscriber.on('message', (from: string, name: string) => {
+      if (from === channel) onReleased(name);
     });
-    subscriber.subscribe(this.#channel).catch(() => {});
-  }
+    try {
+      await subscriber.subscribe(channel);
+    } catch (err) {
+      subscriber.disconnect();
+      throw err;
+    }
+    return async () => subscriber.disconnect();
+  });
 }
 
 function sleep(ms: number): Promise<void> {

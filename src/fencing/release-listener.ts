@@ -1,6 +1,7 @@
 /**
- * What the two Postgres backends share: the namespace check, and waking
- * waiters early when a lock is released (LISTEN/NOTIFY).
+ * Waking waiters early when a lock is released, for every backend that can
+ * be told (Redis pub/sub, Postgres LISTEN/NOTIFY); plus what the two Postgres
+ * backends share: their NOTIFY channel and namespace check.
  */
 import { InvalidArgumentError } from '../errors.js';
 
@@ -39,10 +40,11 @@ export function releasePayload(namespace: string, name: string): string {
 }
 
 /**
- * @internal One LISTEN per lock manager, opened at the first wait, shared by
- * all waiters, closed by {@link ReleaseListener.close}. If LISTEN cannot be
- * opened (no client given, a transaction, a pooler that forbids it), waits
- * are plain timeouts: waiting still works, by polling.
+ * @internal One subscription per lock manager (a LISTEN, a Redis SUBSCRIBE),
+ * opened at the first wait, shared by all waiters, closed by
+ * {@link ReleaseListener.close}. If it cannot be opened (no client given, a
+ * transaction, a pooler that forbids LISTEN, Redis away), waits are plain
+ * timeouts: waiting still works, by polling.
  */
 export class ReleaseListener {
   readonly #subscribe: ((onPayload: (payload: string) => void) => Promise<() => Promise<void>>) | undefined;
