@@ -8,39 +8,34 @@ import { bigint, index, pgSchema, primaryKey, text, timestamp } from 'drizzle-or
 export const palisadeSchema = pgSchema('palisade');
 
 /**
- * The fence counter of the Postgres lock managers. `CACHE 1` because cached
- * values are handed out per session, not in time order; logged (an UNLOGGED
- * sequence resets after a crash); `NO CYCLE` so it can never wrap to 1.
- * `checkFenceSequence()` verifies all three at start-up.
+ * How every palisade counter is set up: `CACHE 1` because cached values are
+ * handed out per session, not in time order; logged (an UNLOGGED sequence
+ * resets after a crash); `NO CYCLE` so it can never wrap to 1. The lock
+ * managers verify all three at start-up.
  */
-export const fenceSequence = palisadeSchema.sequence('fence_seq', {
+const SAFE_COUNTER = {
   startWith: 1,
   increment: 1,
   minValue: 1,
   maxValue: '9223372036854775807',
   cache: 1,
   cycle: false,
-});
+} as const;
+
+/** The fence counter of the Postgres lock managers (leases and advisory locks). */
+export const fenceSequence = palisadeSchema.sequence('fence_seq', SAFE_COUNTER);
 
 /**
  * Durable epochs for fence sources that can lose their counter (Redis): each
  * time a counter is found missing or reset, the source takes the next epoch
- * from here and issues fences above it. Same safety settings as the fence
- * sequence.
+ * from here and issues fences above it.
  */
-export const epochSequence = palisadeSchema.sequence('epoch_seq', {
-  startWith: 1,
-  increment: 1,
-  minValue: 1,
-  maxValue: '9223372036854775807',
-  cache: 1,
-  cycle: false,
-});
+export const epochSequence = palisadeSchema.sequence('epoch_seq', SAFE_COUNTER);
 
 /**
  * Leases of the Postgres lock manager: one row per held (or expired, not yet
  * taken over) lock. Expiry is decided by comparing `expires_at` with the
- * database's `now()`, never a client clock.
+ * database's `clock_timestamp()`, never a client clock.
  */
 export const leases = palisadeSchema.table(
   'leases',
