@@ -56,6 +56,12 @@ export async function compare(cases: readonly Case[], opts: MeasureOptions): Pro
     cpu: [] as number[],
     calls: 0,
   }));
+  // An untimed pass first: opens pooled connections, loads scripts, prepares statements, warms the JIT,
+  // so that none of it lands on whichever case happens to run first.
+  for (const c of cases) {
+    await c.before?.();
+    await timeOne(c, { ...opts, timeMs: Math.min(250, opts.timeMs / 2), warmupMs: 0 });
+  }
   for (let round = 0; round < opts.rounds; round++) {
     for (let k = 0; k < cases.length; k++) {
       const i = (k + round) % cases.length;

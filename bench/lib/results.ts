@@ -6,6 +6,7 @@ import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { cpus, loadavg } from 'node:os';
 import type { BenchContext } from './context.js';
+import { FINDINGS, PEERS } from './findings.js';
 import { markdownTable, type Report } from './report.js';
 
 export interface RunMeta {
@@ -86,8 +87,8 @@ export async function runMeta(
       .join(' ')} (1/5/15 min, at the end)`,
     packages,
     syncguard: ctx.syncguardPath
-      ? `loaded from SYNCGUARD_PATH (${ctx.syncguardPath})`
-      : 'skipped (SYNCGUARD_PATH unset; syncguard is not in the npm registry reachable here: 404)',
+      ? 'not in the npm registry reachable here (404); a local build of its public source, loaded from SYNCGUARD_PATH (see Peers)'
+      : 'skipped: not in the npm registry reachable here (404) and SYNCGUARD_PATH unset (see Peers)',
   };
 }
 
@@ -132,6 +133,11 @@ export function renderMarkdown(meta: RunMeta, report: Report): string {
     for (const n of t.notes) lines.push(`- ${n}`);
     if (t.notes.length > 0) lines.push('');
   }
+  lines.push('## Why goals are missed, and what was fixed', '');
+  for (const f of FINDINGS) lines.push(`- ${f}`);
+  lines.push('', '## Peers', '');
+  for (const p of PEERS) lines.push(`- ${p}`);
+  lines.push('');
   if (report.notes.length > 0) {
     lines.push('## Notes', '');
     for (const n of report.notes) lines.push(`- ${n}`);

@@ -140,6 +140,7 @@ export async function writePath(ctx: BenchContext): Promise<void> {
         ms(r.p99Ms),
         ratio(r.opsPerSec / fenced),
         ratio(r.opsPerSec / floor),
+        r.cpuUsPerCall.toFixed(0),
       ]);
     }
     t.notes.push(
