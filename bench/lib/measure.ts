@@ -97,13 +97,17 @@ async function timeOne(
   const concurrent = opts.concurrency > 1;
   const bench = new Bench({
     time: opts.timeMs,
-    warmupTime: opts.warmupMs ?? Math.min(200, opts.timeMs / 4),
+    // warmupMs 0 = no warm-up (a concurrent warm-up needs a positive time bound, or it never ends).
+    warmup: opts.warmupMs !== 0,
+    warmupTime: opts.warmupMs || Math.min(200, opts.timeMs / 4),
     // Serial: a minimum; concurrent: 0 = no cap, time bounds it (threshold must then be finite).
     iterations: concurrent ? 0 : 8,
     warmupIterations: concurrent ? 0 : 4,
     concurrency: concurrent ? 'task' : null,
     threshold: concurrent ? opts.concurrency : Number.POSITIVE_INFINITY,
     throws: true,
+    // A bound on the whole case, whatever happens to the loop inside tinybench.
+    signal: AbortSignal.timeout(Math.max(30_000, opts.timeMs * 20)),
   });
   let started = 0;
   let ended = 0;

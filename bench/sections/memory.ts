@@ -53,7 +53,7 @@ export async function memory(ctx: BenchContext): Promise<void> {
   ]);
   const plans: [() => LockUnderTest, number][] = [
     [() => palisadeRedis(ctx, 'mem'), scale.memoryCycles],
-    [() => palisadePostgres(ctx, 'mem'), Math.ceil(scale.memoryCycles / 5)],
+    [() => palisadePostgres(ctx, 'mem'), Math.ceil(scale.memoryCycles / 10)],
   ];
   for (const [make, n] of plans) {
     const lock = make();
@@ -88,7 +88,7 @@ export async function memory(ctx: BenchContext): Promise<void> {
     }
   }
   t.notes.push(
-    'Postgres lease runs a fifth of the cycles (each cycle is two committed writes). Heap after two forced GCs; handles = process.getActiveResourcesInfo().',
+    'Postgres lease runs a tenth of the cycles (each cycle is two committed writes). Heap after two forced GCs; handles = process.getActiveResourcesInfo().',
   );
   printTable(t);
 }
