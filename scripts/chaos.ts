@@ -25,7 +25,7 @@
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { closeSync, mkdirSync, mkdtempSync, openSync, writeFileSync } from 'node:fs';
+import { closeSync, mkdirSync, mkdtempSync, openSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
@@ -198,7 +198,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         if (!handle.expectExit) {
           // Not our doing: a bug in the worker's stack. Counted, reported, and the worker restarted.
           crashes.push(
-            `${label} exited on its own (code ${child.exitCode}, signal ${child.signalCode}); see ${label}.stderr.log`,
+            `${label} exited on its own (code ${child.exitCode}, signal ${child.signalCode}): ${lastError(join(outDir, `${label}.stderr.log`))}`,
           );
           log(`worker ${label} crashed; see ${join(outDir, `${label}.stderr.log`)}`);
           if (Date.now() < deadline) {
@@ -394,6 +394,19 @@ function checkOptions(o: ChaosOptions): Checked {
   if (!['127.0.0.1', 'localhost', '[::1]', '::1'].includes(host))
     throw new UsageError('the chaos run only targets a loopback Postgres');
   return { backend: o.backend, workers: o.workers, seconds: o.seconds, ttlMs, holdMs, databaseUrl: o.databaseUrl };
+}
+
+/** The last line of a worker's stderr log that names an error (what crashed it), or a pointer to the log. */
+function lastError(path: string): string {
+  let lines: string[] = [];
+  try {
+    lines = readFileSync(path, 'utf8').split('\n');
+  } catch {
+    // no log
+  }
+  const error = lines.filter((line) => /^[A-Za-z]*Error\b/.test(line)).at(-1);
+  const at = error ? lines[lines.indexOf(error) + 1]?.trim() : undefined;
+  return error ? `${error}${at ? ` ${at}` : ''}` : `see ${path}`;
 }
 
 /** A bad command line or option. */
