@@ -18,7 +18,8 @@
  *
  * Repository tables run on PGlite always and the real Postgres when
  * DATABASE_URL is set; lock managers on every backend available (the
- * Postgres lease backend on PGlite always).
+ * Postgres lease backend on PGlite always; Postgres leases, advisory locks,
+ * Redis and etcd when their service or binary is there).
  */
 import { randomBytes } from 'node:crypto';
 import { PGlite } from '@electric-sql/pglite';
@@ -26,6 +27,7 @@ import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
+import { Etcd3 } from 'etcd3';
 import { Redis } from 'ioredis';
 import type { Sql } from 'postgres';
 import { afterAll, beforeAll, beforeEach, describe, expect, it } from 'vitest';
@@ -39,6 +41,7 @@ import { migrate } from '../src/migrate.js';
 import { type FencedRepository, fencedRepository } from '../src/repo/index.js';
 import { fenceColumns } from '../src/schema/index.js';
 import { drivers, postgresDatabase, type TestDatabase } from './support/databases.js';
+import { type EtcdCluster, startEtcdCluster } from './support/etcd-cluster.js';
 import { type BackendKind, openManager } from './support/managers.js';
 import { needs } from './support/services.js';
 
@@ -383,13 +386,24 @@ async function serverBackend(kind: BackendKind): Promise<Backend> {
   await migrate(database.db);
   const namespace = `bad-${randomBytes(4).toString('hex')}`;
   const redisUrl = process.env.REDIS_URL;
+  const cluster: EtcdCluster | undefined = kind === 'etcd' ? await startEtcdCluster(1) : undefined;
   const opened = await openManager({
     kind,
     namespace,
     databaseUrl: database.url as string,
     ...(redisUrl ? { redisUrl } : {}),
+    ...(cluster ? { etcdEndpoints: cluster.endpoints } : {}),
   });
   const redis = kind === 'redis' ? new Redis(redisUrl as string) : undefined;
+  const etcd = cluster ? new Etcd3({ hosts: cluster.endpoints }) : undefined;
+  /** Every key of the namespace with whether it has a lease, and the cluster's revision (any write raises it). */
+  const etcdState = async () => {
+    const res = await (etcd as Etcd3).getAll().prefix(`palisade/${namespace}/`).exec();
+    return {
+      revision: res.header.revision,
+      keys: res.kvs.map((kv) => [kv.key.toString(), kv.lease !== '0'] as const),
+    };
+  };
   const redisKeys = async () => {
     const keys: string[] = [];
     let cursor = '0';
@@ -415,12 +429,14 @@ async function serverBackend(kind: BackendKind): Promise<Backend> {
               and database = (select oid from pg_database where datname = current_database()) order by 1, 2`,
         ),
       };
+      if (etcd) return { ...pg, etcd: await etcdState() };
       if (!redis) return pg;
       const keys = await redisKeys();
       const values = await Promise.all(keys.map(async (k) => [k, await redis.type(k), (await redis.pttl(k)) > 0]));
       return { ...pg, redis: values };
     },
     async locksWithoutExpiry() {
+      if (etcd) return (await etcdState()).keys.filter(([, leased]) => !leased).map(([key]) => key);
       if (redis) {
         const keys = (await redisKeys()).filter((k) => k.includes('}:lock:') || k.includes('}:grant:'));
         const ttls = await Promise.all(keys.map(async (k) => [k, await redis.pttl(k)] as const));
@@ -435,6 +451,8 @@ async function serverBackend(kind: BackendKind): Promise<Backend> {
     async close() {
       await opened.close();
       redis?.disconnect();
+      etcd?.close();
+      await cluster?.stop();
       await database.close();
     },
   };
@@ -449,6 +467,9 @@ const backends: { name: string; open: () => Promise<Backend> }[] = [
       ]
     : []),
   ...(needs('DATABASE_URL') && needs('REDIS_URL') ? [{ name: 'redis', open: () => serverBackend('redis') }] : []),
+  ...(needs('DATABASE_URL') && needs('ETCD')
+    ? [{ name: 'etcd (a one-member cluster of its own)', open: () => serverBackend('etcd') }]
+    : []),
 ];
 
 const BAD_TTLS: [string, unknown][] = [
@@ -603,3 +624,4 @@ describe.each(backends)('lock manager bad input on $name', ({ open }) => {
 // The lease backend on PGlite runs always; the server backends mark themselves here for global-setup.
 void needs('DATABASE_URL');
 void needs('REDIS_URL');
+void needs('ETCD');
