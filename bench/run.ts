@@ -12,6 +12,7 @@
  * without one, REDIS_URL with a key prefix), SYNCGUARD_PATH (optional: a
  * syncguard build, see the results file for how to make one).
  */
+import { spawnSync } from 'node:child_process';
 import { mkdirSync, writeFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -80,6 +81,9 @@ async function main(): Promise<void> {
       `${JSON.stringify({ meta, tables: report.tables, goals: report.goals, notes: report.notes, raw: report.raw }, bigintJson, 2)}\n`,
     );
     writeFileSync(join(out, `${base}.md`), renderMarkdown(meta, report));
+    // The JSON is linted with the rest of bench/: let the project's formatter lay it out.
+    const biome = join(dirname(fileURLToPath(import.meta.url)), '..', 'node_modules', '.bin', 'biome');
+    spawnSync(biome, ['format', '--write', join(out, `${base}.json`)], { stdio: 'ignore', timeout: 60_000 });
     console.log(`\nwrote bench/results/${base}.md and ${base}.json`);
   } finally {
     process.off('SIGINT', onSignal);

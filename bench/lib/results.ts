@@ -111,7 +111,7 @@ export function renderMarkdown(meta: RunMeta, report: Report): string {
   lines.push(`Load average: ${meta.loadAverage}. Redis: ${meta.redisServer}.`, '');
   lines.push(
     'All numbers come from this one run; compare the ratios, not the absolute numbers (a shared 2-core machine).',
-    'Medians over rotated rounds; p50/p99 are per call. Regenerate with `npm run bench`.',
+    'Medians over rotated rounds; p50/p99 are per call; per-round numbers are in latest.json (at 16 clients single rounds vary by tens of percent here, so small differences there are noise). Regenerate with `npm run bench`.',
     '',
   );
   if (report.goals.length > 0) {
