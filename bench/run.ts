@@ -81,9 +81,12 @@ async function main(): Promise<void> {
       `${JSON.stringify({ meta, tables: report.tables, goals: report.goals, notes: report.notes, raw: report.raw }, bigintJson, 2)}\n`,
     );
     writeFileSync(join(out, `${base}.md`), renderMarkdown(meta, report));
-    // The JSON is linted with the rest of bench/: let the project's formatter lay it out.
+    // Both files are linted with the rest of bench/: let the project's formatter lay them out.
     const biome = join(dirname(fileURLToPath(import.meta.url)), '..', 'node_modules', '.bin', 'biome');
-    spawnSync(biome, ['format', '--write', join(out, `${base}.json`)], { stdio: 'ignore', timeout: 60_000 });
+    spawnSync(biome, ['format', '--write', join(out, `${base}.json`), join(out, `${base}.md`)], {
+      stdio: 'ignore',
+      timeout: 60_000,
+    });
     console.log(`\nwrote bench/results/${base}.md and ${base}.json`);
   } finally {
     process.off('SIGINT', onSignal);
