@@ -10,6 +10,7 @@
  * its own redis-server on a free loopback port (REDIS_URL's server is not
  * touched; it gates the suite so that a machine without Redis skips it).
  */
+import { rmSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { type ChaosBackend, runChaos } from '../../scripts/chaos.js';
 import { needs } from '../support/services.js';
@@ -31,6 +32,8 @@ async function bounded(backend: ChaosBackend) {
   expect(result.report.staleWrites.rejected, `the faults did not bite${context}`).toBeGreaterThan(0);
   expect(result.report.overlappingHolds, context).toBeGreaterThan(0);
   expect(result.ok, context).toBe(true);
+  // Kept on failure (the history is the evidence); removed after a passing run.
+  rmSync(result.outDir, { recursive: true, force: true });
   return result;
 }
 
