@@ -16,10 +16,13 @@
  *
  * Rows are kept after release (token cleared, `expires_at = -infinity`), so
  * after a lock's first grant every later grant is an UPDATE of its row, and
- * the fence is drawn from the sequence *after* the row is locked. Hence, for
- * one lock, fences increase in the order the grants commit, and a grant
- * attempt that finds the lock held draws no value at all. The table holds
- * one row per lock name ever used.
+ * the fence is taken from the sequence for the row version it locked (a
+ * grant that waited for the row lock re-evaluates its SET list). Hence, for
+ * one lock, fences increase in the order the grants commit. Fences are not
+ * gapless: an attempt that evaluated `nextval` and then found the row taken
+ * by a concurrent grant discards its value (measured: 643 grants reached
+ * fence 1,111 under contention) — harmless, fences only need to increase.
+ * The table holds one row per lock name ever used.
  */
 import { type SQL, sql } from 'drizzle-orm';
 import { type Database, int8, type ListenClient, listen, listenClientOf, prepared } from '../driver.js';

@@ -8,9 +8,9 @@
  * its shape (which columns, which of them are SQL expressions) and can be
  * compiled once and reused; see `statementKey`.
  */
-import { type DriverValueEncoder, is, Param, SQL, sql } from 'drizzle-orm';
+import { type DriverValueEncoder, Param, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
-import type { TableInfo } from './table.js';
+import { isSql, type TableInfo } from './table.js';
 
 /** `reject`: a fence writes a row at most once (`<`). `allow`: `<=`, for several writes per grant. */
 export type SameFence = 'reject' | 'allow';
@@ -36,7 +36,7 @@ const bare = (column: PgColumn) => sql.identifier(column.name);
 
 /** A placeholder encoded by `column`, or the SQL expression itself. */
 function bind(values: Record<string, unknown>, name: string, value: unknown, column: PgColumn): SQL | Param {
-  if (is(value, SQL)) return value;
+  if (isSql(value)) return value;
   values[name] = value;
   return new Param(sql.placeholder(name), nullable(column));
 }
@@ -48,7 +48,7 @@ const nullable = (column: PgColumn): DriverValueEncoder<unknown, unknown> => ({
 });
 
 function shape(method: string, info: TableInfo, same: SameFence, entries: Entries): string | undefined {
-  if (entries.some(([, v]) => is(v, SQL))) return undefined;
+  if (entries.some(([, v]) => isSql(v))) return undefined;
   // The database names and types too: two table objects of one name may differ in them.
   const columns = Object.entries(info.columns).map(([key, c]) => `${key}=${c.name}:${c.getSQLType()}`);
   return `${info.label}|${columns.join(',')}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
@@ -219,6 +219,6 @@ function fillValues(statement: Statement, key: Entries, patch: Entries): void {
     statement.values[`k${i}`] = value;
   });
   patch.forEach(([, value], i) => {
-    if (!is(value, SQL)) statement.values[`v${i}`] = value;
+    if (!isSql(value)) statement.values[`v${i}`] = value;
   });
 }

@@ -26,6 +26,15 @@ export type PatchOf<T extends FencedTable> = { [K in keyof Writable<T>]?: Writab
 /** Values for an upsert: a full insert row (fence columns excluded), values or SQL. */
 export type ValuesOf<T extends FencedTable> = { [K in keyof Writable<T>]: Writable<T>[K] | SQL };
 
+/**
+ * True for a drizzle SQL expression. drizzle's `is()` throws on objects
+ * without a prototype (`Object.create(null)`, a jsonb value built that way),
+ * which are plain values here.
+ */
+export function isSql(value: unknown): value is SQL {
+  return typeof value === 'object' && value !== null && Object.getPrototypeOf(value) !== null && is(value, SQL);
+}
+
 /** The table facts a repository uses on every call. */
 export interface TableInfo {
   readonly table: FencedTable;
@@ -82,7 +91,7 @@ export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
       throw new InvalidArgumentError(`key for ${info.label} is missing ${name}`);
     }
     // Key values are placeholders in cached statements: an SQL expression would be frozen into the text.
-    if (is(value, SQL)) throw new InvalidArgumentError(`key for ${info.label}: ${name} must be a value, not SQL`);
+    if (isSql(value)) throw new InvalidArgumentError(`key for ${info.label}: ${name} must be a value, not SQL`);
     return [name, value];
   });
 }
@@ -93,7 +102,7 @@ export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
  * `allowKey` (an upsert must name its key).
  */
 export function patchEntries(info: TableInfo, patch: unknown, allowKey: boolean): [string, unknown][] {
-  if (patch === null || typeof patch !== 'object' || Array.isArray(patch) || is(patch, SQL)) {
+  if (patch === null || typeof patch !== 'object' || Array.isArray(patch) || isSql(patch)) {
     throw new InvalidArgumentError(`patch for ${info.label} must be an object of column values`);
   }
   const entries: [string, unknown][] = [];
@@ -101,7 +110,8 @@ export function patchEntries(info: TableInfo, patch: unknown, allowKey: boolean)
     if (FENCE_KEYS.has(name) || name === 'last_fence' || name === 'deleted_at') {
       throw new InvalidArgumentError(`patch for ${info.label} may not set ${name}: palisade writes the fence columns`);
     }
-    if (!(name in info.columns)) throw new InvalidArgumentError(`${info.label} has no column ${name}`);
+    // Own properties only: `toString` or `__proto__` are not columns.
+    if (!Object.hasOwn(info.columns, name)) throw new InvalidArgumentError(`${info.label} has no column ${name}`);
     if (!allowKey && info.keyNames.includes(name)) {
       throw new InvalidArgumentError(`patch for ${info.label} may not change key column ${name}`);
     }
