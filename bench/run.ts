@@ -5,6 +5,7 @@
  *   npm run bench                      full run, writes bench/results/latest.{md,json}
  *   npm run bench -- --quick           short run for developing the benchmark (writes bench/results/quick.*)
  *   npm run bench -- --only=1,2        some sections only (never written as latest)
+ *   npm run bench -- --render          rewrite latest.md from latest.json (after editing the findings)
  *
  * Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test;
  * a database of the run's own is created and dropped), a `redis-server`
@@ -13,13 +14,13 @@
  * syncguard build, see the results file for how to make one).
  */
 import { spawnSync } from 'node:child_process';
-import { mkdirSync, writeFileSync } from 'node:fs';
+import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { migrate } from '../src/migrate.js';
 import { type BenchContext, SCALES } from './lib/context.js';
 import { Report } from './lib/report.js';
-import { renderMarkdown, runMeta } from './lib/results.js';
+import { type RunMeta, renderMarkdown, runMeta } from './lib/results.js';
 import { benchDatabase, benchRedis } from './lib/services.js';
 import { endToEnd } from './sections/end-to-end.js';
 import { fenceIssuance } from './sections/fence-issuance.js';
@@ -39,8 +40,33 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
   { id: '7', title: 'Growth', run: growth },
 ];
 
+/** `--render`: rewrites latest.md from latest.json (e.g. after editing the findings), measuring nothing. */
+function renderOnly(): void {
+  const out = join(dirname(fileURLToPath(import.meta.url)), 'results');
+  const saved = JSON.parse(readFileSync(join(out, 'latest.json'), 'utf8')) as {
+    meta: RunMeta;
+    tables: Report['tables'];
+    goals: Report['goals'];
+    notes: string[];
+  };
+  const report = new Report();
+  report.tables.push(...saved.tables);
+  report.goals.push(...saved.goals);
+  report.notes.push(...saved.notes);
+  writeFileSync(join(out, 'latest.md'), renderMarkdown(saved.meta, report));
+  formatResults(join(out, 'latest.md'));
+  console.log('rewrote bench/results/latest.md from latest.json');
+}
+
+/** Both result files are linted with the rest of bench/: let the project's formatter lay them out. */
+function formatResults(...files: string[]): void {
+  const biome = join(dirname(fileURLToPath(import.meta.url)), '..', 'node_modules', '.bin', 'biome');
+  spawnSync(biome, ['format', '--write', ...files], { stdio: 'ignore', timeout: 60_000 });
+}
+
 async function main(): Promise<void> {
   const args = process.argv.slice(2);
+  if (args.includes('--render')) return renderOnly();
   const scale = SCALES[args.includes('--quick') ? 'quick' : 'full'];
   const only = args
     .find((a) => a.startsWith('--only='))
@@ -81,12 +107,7 @@ async function main(): Promise<void> {
       `${JSON.stringify({ meta, tables: report.tables, goals: report.goals, notes: report.notes, raw: report.raw }, bigintJson, 2)}\n`,
     );
     writeFileSync(join(out, `${base}.md`), renderMarkdown(meta, report));
-    // Both files are linted with the rest of bench/: let the project's formatter lay them out.
-    const biome = join(dirname(fileURLToPath(import.meta.url)), '..', 'node_modules', '.bin', 'biome');
-    spawnSync(biome, ['format', '--write', join(out, `${base}.json`), join(out, `${base}.md`)], {
-      stdio: 'ignore',
-      timeout: 60_000,
-    });
+    formatResults(join(out, `${base}.json`), join(out, `${base}.md`));
     console.log(`\nwrote bench/results/${base}.md and ${base}.json`);
   } finally {
     process.off('SIGINT', onSignal);
