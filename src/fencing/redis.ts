@@ -29,7 +29,7 @@
  * The counter can vanish or go back: a restart without persistence, a
  * restart from an older RDB/AOF, `FLUSHDB`/`FLUSHALL`, eviction, a failover
  * to a replica that lagged. The fence state therefore records the identity of
- * the server that runs it (`run_id` and `master_replid` from `INFO`, read by
+ * the server that runs it (`run_id` from `INFO server`, read by
  * the script itself — never a client's cached value). The grant script
  * refuses to issue a fence when the state is missing, belongs to another
  * server identity (restart, failover, promotion) or the counter is used up.
@@ -222,13 +222,14 @@ interface Scripts {
   palisadeBumpEpochV1: ScriptFn;
 }
 
-// The server's identity as the script sees it: a restart changes run_id, a
-// promotion or failover changes master_replid.
+// The server's identity as the script sees it: run_id, new at every start
+// of redis-server. A restart (even one that reloads an older RDB) changes
+// it, and so does a failover: the promoted replica has its own run_id,
+// while the fence state it replicated names the old primary's. One INFO
+// section per grant; the replication section would add cost, not coverage.
 const IDENTITY = `
 local function identity()
-  local s = redis.call('INFO', 'server')
-  local r = redis.call('INFO', 'replication')
-  return (string.match(s, 'run_id:(%x+)') or '-') .. '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
+  return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or '-'
 end
 `;
 
