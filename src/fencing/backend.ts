@@ -18,11 +18,24 @@ export interface Grant {
   readonly lost?: AbortSignal;
 }
 
+/** How a grant is asked for. */
+export interface GrantOptions {
+  /**
+   * `true` when the caller is a waiting `acquire` that will retry with the
+   * same token: a backend with a fair order queues the token (and keeps its
+   * place while the caller keeps retrying). `false` or absent: a one-off
+   * attempt (`tryAcquire`) that must not queue. Backends without a queue
+   * ignore it.
+   */
+  readonly waiting?: boolean;
+}
+
 /**
  * The few primitives a lock backend provides; {@link createLockManager}
  * builds waiting, leases, watchdogs and events on top. Each method is one
  * round trip and is only called with validated input. Names are already
- * normalised; tokens are random and unique per grant.
+ * normalised; tokens are random and unique per acquire call (a waiting
+ * acquire re-sends the same token at every attempt).
  */
 export interface LockBackend {
   /** Short name for messages and events: `redis`, `postgres`, `advisory`. */
@@ -34,7 +47,19 @@ export interface LockBackend {
    * token: a re-sent grant for a token that already holds the lock returns
    * the same fence.
    */
-  grant(name: string, token: string, ttlMs: number, holder: string | null): Promise<Grant | null>;
+  grant(
+    name: string,
+    token: string,
+    ttlMs: number,
+    holder: string | null,
+    options?: GrantOptions,
+  ): Promise<Grant | null>;
+  /**
+   * Optional: a waiting acquire of `token` gave up (timeout, abort, error);
+   * drop its place in the backend's queue, if any. Best effort: a backend
+   * with a queue must also forget waiters that stop retrying.
+   */
+  leave?(name: string, token: string): Promise<void>;
   /** Resets the TTL if `token` still holds the lock; false if it does not. */
   extend(name: string, token: string, ttlMs: number): Promise<boolean>;
   /** Frees the lock if `token` still holds it; false if it did not (it was lost). Never touches another holder's lock. */

@@ -26,11 +26,17 @@ export interface LockManager {
   /**
    * Waits (at most `waitMs`, default 10 s; exponential backoff with full
    * jitter, woken early when the lock is released) and returns a lease.
+   * One token for the whole wait, so a backend with a fair order (Redis)
+   * keeps this caller's place in line across its retries.
    * @throws {LockUnavailableError} when the wait ends or `signal` aborts.
    * @throws {InvalidArgumentError} for bad input, before any round trip.
    */
   acquire(name: string, options: AcquireOptions): Promise<Lease>;
-  /** One attempt, no waiting: a lease, or `null` if the lock is held (use `inspect` to see by whom). */
+  /**
+   * One attempt, no waiting: a lease, or `null` if the lock is held (use
+   * `inspect` to see by whom) — or, on a backend with a fair order (Redis),
+   * if callers are waiting in line for it: `tryAcquire` never jumps the queue.
+   */
   tryAcquire(name: string, options: AcquireOptions): Promise<Lease | null>;
   /** Acquires, runs `fn(lease)`, and always releases, whether `fn` returns or throws. */
   using<T>(name: string, options: AcquireOptions, fn: (lease: Lease) => Promise<T> | T): Promise<T>;
@@ -54,10 +60,15 @@ export interface LockManager {
 export function createLockManager(backend: LockBackend): LockManager {
   const events = new Emitter<LockEvents>();
 
-  async function attempt(name: string, opts: CheckedOptions, startedAt: number): Promise<Lease | null> {
-    const token = randomBytes(16).toString('hex');
+  async function attempt(
+    name: string,
+    opts: CheckedOptions,
+    startedAt: number,
+    token: string,
+    waiting: boolean,
+  ): Promise<Lease | null> {
     const sentAt = performance.now();
-    const grant = await backend.grant(name, token, opts.ttlMs, opts.holder);
+    const grant = await backend.grant(name, token, opts.ttlMs, opts.holder, { waiting });
     if (!grant) return null;
     const lease = new ActiveLease({
       backend,
@@ -76,17 +87,32 @@ export function createLockManager(backend: LockBackend): LockManager {
     return lease;
   }
 
+  // One token for the whole call: a backend with a fair order keeps the
+  // token's place in its queue across attempts (a re-sent grant with the
+  // same token returns the same fence, so reuse is safe).
   async function acquireUntil(name: string, opts: CheckedOptions, deadline: number): Promise<Lease> {
     const startedAt = performance.now();
-    for (let tries = 0; ; tries++) {
-      if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
-      const lease = await attempt(name, opts, startedAt);
-      if (lease) return lease;
-      const left = deadline - performance.now();
-      if (left <= 0) throw new LockUnavailableError(name, 'timeout');
-      // Full jitter spreads retries; a release notification cuts the wait short.
-      const backoff = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
-      await backend.waitForRelease(name, Math.min(left, backoff), opts.signal);
+    const token = randomBytes(16).toString('hex');
+    let queued = false;
+    try {
+      for (let tries = 0; ; tries++) {
+        if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
+        queued = true;
+        const lease = await attempt(name, opts, startedAt, token, true);
+        if (lease) {
+          queued = false;
+          return lease;
+        }
+        const left = deadline - performance.now();
+        if (left <= 0) throw new LockUnavailableError(name, 'timeout');
+        // Full jitter spreads retries (and, in a queue, refreshes our place);
+        // a release notification cuts the wait short.
+        const backoff = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
+        await backend.waitForRelease(name, Math.min(left, backoff), opts.signal);
+      }
+    } finally {
+      // Gave up (timeout, abort, error): leave the queue, best effort, without delaying the throw.
+      if (queued) backend.leave?.(name, token).catch(() => {});
     }
   }
 
@@ -103,7 +129,7 @@ export function createLockManager(backend: LockBackend): LockManager {
     async tryAcquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
-      return attempt(checked, opts, performance.now());
+      return attempt(checked, opts, performance.now(), randomBytes(16).toString('hex'), false);
     },
 
     async using(name, options, fn) {

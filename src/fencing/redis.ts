@@ -11,12 +11,33 @@
  * - `{palisade:<ns>}:lock:<name>` — the lock: a string holding the owner token, with the TTL.
  * - `{palisade:<ns>}:grant:<name>` — what `inspect` shows: token, fence, holder, grant time (same TTL).
  * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, server identity.
+ * - `{palisade:<ns>}:queue:<name>` — the waiters in line: a sorted set of token → place (1, 2, …).
+ * - `{palisade:<ns>}:seen:<name>` — when each waiter last retried: token → Redis `TIME` in ms.
  * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here.
  *
  * The namespace is restricted to `[A-Za-z0-9_.-]`, so it cannot close the
- * hash tag early; the lock name only ever follows a fixed `:lock:` or
- * `:grant:` prefix after the closing `}`, so a name with `{`, `}` or `:`
- * neither moves the hash tag nor collides with a key of another type.
+ * hash tag early; the lock name only ever follows a fixed `:lock:`,
+ * `:grant:`, `:queue:` or `:seen:` prefix after the closing `}`, so a name
+ * with `{`, `}` or `:` neither moves the hash tag nor collides with a key of
+ * another type.
+ *
+ * ## Fair order
+ *
+ * A waiting `acquire` keeps one token for the whole wait. When its grant
+ * finds the lock held — or free but promised to an earlier waiter — the
+ * script puts the token at the end of the lock's queue (or, if it is
+ * already there, only notes that it is still alive) and answers BUSY. A free
+ * lock goes only to the head of the queue; `tryAcquire` gets it only when
+ * nobody waits. So among the waiters of one lock name, grants follow the
+ * order in which they first found the lock taken, and a releaser that
+ * acquires again goes to the back instead of barging in.
+ *
+ * A waiter that stops retrying (killed, paused, cut off) for longer than
+ * {@link REDIS_QUEUE_STALE_MS} loses its place: the next grant drops it, so
+ * it delays the lock by at most about that long; if it comes back it queues
+ * again at the end. A waiter that gives up (timeout, abort) leaves the queue
+ * at once (best effort). The queue keys expire a few seconds after their
+ * last write, so nothing stays behind.
  *
  * ## Fences
  *
@@ -70,6 +91,16 @@ export const REDIS_MAX_EPOCH = (1n << 24n) - 1n;
 /** The highest counter within one epoch: 2^39 − 1; the next grant takes a new epoch. */
 export const REDIS_MAX_COUNTER = (1n << BigInt(REDIS_COUNTER_BITS)) - 1n;
 
+/**
+ * A queued waiter that has not retried for this long (by the Redis server's
+ * clock) loses its place in the lock's queue. Waiting acquires retry at
+ * least every 250 ms (the lock manager's backoff cap) and at every release.
+ */
+export const REDIS_QUEUE_STALE_MS = 1_000;
+/** The queue keys expire this long after their last write. */
+const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
+/** At most this many dead entries are dropped from a queue per grant (the rest at the next ones). */
+const MAX_PRUNE = 64;
 const DEFAULT_COMMAND_TIMEOUT_MS = 5_000;
 const MAX_GRANT_ROUNDS = 200;
 const MAX_EPOCH_ATTEMPTS = 25;
@@ -135,6 +166,10 @@ export interface RedisKeyNames {
   lock(name: string): string;
   /** The grant record (what `inspect` shows) of a lock name. */
   grant(name: string): string;
+  /** The waiters in line for a lock name: a sorted set, token → place. */
+  queue(name: string): string;
+  /** When each queued waiter of a lock name last retried: a sorted set, token → Redis time in ms. */
+  seen(name: string): string;
 }
 
 /**
@@ -151,6 +186,8 @@ export function redisKeyNames(namespace: string): RedisKeyNames {
     channel: `${tag}:released`,
     lock: (name) => `${tag}:lock:${name}`,
     grant: (name) => `${tag}:grant:${name}`,
+    queue: (name) => `${tag}:queue:${name}`,
+    seen: (name) => `${tag}:seen:${name}`,
   };
 }
 
@@ -170,7 +207,10 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  * - the grant is idempotent per token (a re-sent grant returns the same
  *   fence); release and extend act only for the token that holds the lock;
  * - no Redis command or Postgres statement waits longer than
- *   `commandTimeoutMs`; waiters wake on a release (pub/sub), else poll.
+ *   `commandTimeoutMs`; waiters wake on a release (pub/sub), else poll;
+ * - a fair order among the waiting `acquire` calls of one lock name in one
+ *   namespace on one Redis: first come (first found the lock taken), first
+ *   served; `tryAcquire` does not jump the line (see "Fair order" above).
  *
  * Does not guarantee:
  * - mutual exclusion. A lease can expire while its holder is paused; a
@@ -193,7 +233,13 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  * - that `release()` says `'released'` when ioredis re-sent a release
  *   whose reply was lost: the second run finds the lock gone and says
  *   `'lost'` (the lock is free either way);
- * - a wake-up on expiry (Redis does not publish it): waiters then poll.
+ * - a wake-up on expiry (Redis does not publish it): waiters then poll;
+ * - a waiter's place in line when it stops retrying for more than
+ *   {@link REDIS_QUEUE_STALE_MS} (a long pause, an event loop blocked, a
+ *   grant that took that long): it queues again at the end. The order is
+ *   per lock name only (not across the names of `acquireAll`), and is lost
+ *   with the queue keys (a flush, a failover, a restart without persistence);
+ *   clients of an older palisade, whose grant script knows no queue, ignore it.
  *
  * Needs: Redis ≥ 6 (scripts call `INFO`, `TIME`, `PUBLISH`; an ACL user
  * needs them), a single node, primary/replicas, or a Redis Cluster (an
@@ -213,7 +259,8 @@ type Reply = string[];
 type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
 
 interface Scripts {
-  palisadeGrantV1: ScriptFn;
+  palisadeGrantV2: ScriptFn;
+  palisadeLeaveV1: ScriptFn;
   palisadeExtendV1: ScriptFn;
   palisadeReleaseV1: ScriptFn;
   palisadeInspectV1: ScriptFn;
@@ -233,15 +280,52 @@ local function identity()
 end
 `;
 
-// KEYS: lock, grant record, fence state. ARGV: token, ttl ms, holder, has holder ('1'/'0'), max counter.
+// KEYS: lock, grant record, fence state, queue, seen.
+// ARGV: token, ttl ms, holder, has holder ('1'/'0'), max counter, waiting ('1'/'0'), stale ms, queue ttl ms, max prune.
 // Replies: {'OK', epoch, counter} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}.
+// The queue: KEYS[4] token → place (order of arrival), KEYS[5] token → last retry (Redis TIME, ms).
 const GRANT = `${IDENTITY}
+local waiting = ARGV[6] == '1'
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function wait_in_line(ms)
+  if not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
+    local last = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')
+    local place = 1
+    if last[2] then place = tonumber(last[2]) + 1 end
+    redis.call('ZADD', KEYS[4], place, ARGV[1])
+  end
+  redis.call('ZADD', KEYS[5], ms, ARGV[1])
+  redis.call('PEXPIRE', KEYS[4], ARGV[8])
+  redis.call('PEXPIRE', KEYS[5], ARGV[8])
+  return {'BUSY'}
+end
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
   local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
   if g[1] == ARGV[1] then return {'OK', g[2], g[3]} end
 elseif current then
+  if waiting then return wait_in_line(now()) end
   return {'BUSY'}
+else
+  -- Free: it goes to the head of the line, once waiters that stopped retrying are dropped.
+  local ms = now()
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ms - tonumber(ARGV[7]), 'LIMIT', 0, tonumber(ARGV[9]))
+  for _, t in ipairs(dead) do
+    redis.call('ZREM', KEYS[4], t)
+    redis.call('ZREM', KEYS[5], t)
+  end
+  for _ = 1, tonumber(ARGV[9]) do
+    local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+    if not head or head == ARGV[1] then break end
+    if redis.call('ZSCORE', KEYS[5], head) then
+      if waiting then return wait_in_line(ms) end
+      return {'BUSY'}
+    end
+    redis.call('ZREM', KEYS[4], head)
+  end
 end
 local st = redis.call('HMGET', KEYS[3], 'state', 'epoch', 'counter', 'id')
 if not st[1] then return {'NOEPOCH', 'missing', ''} end
@@ -265,7 +349,21 @@ redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at)
 if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
+if waiting then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('ZREM', KEYS[5], ARGV[1])
+end
 return {'OK', st[2], counter}
+`;
+
+// A waiter gave up. KEYS: lock, queue, seen. ARGV: token, channel, lock name.
+// If it was the head and the lock is free, the next waiter is woken. Replies: LEFT | ABSENT.
+const LEAVE = `
+local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+redis.call('ZREM', KEYS[3], ARGV[1])
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 'ABSENT' end
+if head == ARGV[1] and redis.call('EXISTS', KEYS[1]) == 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+return 'LEFT'
 `;
 
 // KEYS: lock, grant record. ARGV: token, ttl ms.
@@ -351,7 +449,8 @@ return 'ACTIVE'
 `;
 
 const DEFINITIONS: Record<keyof Scripts, { lua: string; numberOfKeys: number; readOnly?: boolean }> = {
-  palisadeGrantV1: { lua: GRANT, numberOfKeys: 3 },
+  palisadeGrantV2: { lua: GRANT, numberOfKeys: 5 },
+  palisadeLeaveV1: { lua: LEAVE, numberOfKeys: 3 },
   palisadeExtendV1: { lua: EXTEND, numberOfKeys: 2 },
   palisadeReleaseV1: { lua: RELEASE, numberOfKeys: 2 },
   palisadeInspectV1: { lua: INSPECT, numberOfKeys: 2, readOnly: true },
@@ -496,19 +595,31 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     return newEpochInRedis(reason === 'missing' ? '' : observed);
   }
 
-  async function grantOnce(name: string, token: string, ttlMs: number, holder: string | null): Promise<Grant | null> {
+  async function grantOnce(
+    name: string,
+    token: string,
+    ttlMs: number,
+    holder: string | null,
+    waiting: boolean,
+  ): Promise<Grant | null> {
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
       const reply = (await script(
-        'palisadeGrantV1',
+        'palisadeGrantV2',
         keys.lock(name),
         keys.grant(name),
         keys.fence,
+        keys.queue(name),
+        keys.seen(name),
         token,
         ttlMs,
         holder ?? '',
         holder === null ? '0' : '1',
         REDIS_MAX_COUNTER.toString(),
+        waiting ? '1' : '0',
+        REDIS_QUEUE_STALE_MS,
+        QUEUE_TTL_MS,
+        MAX_PRUNE,
       )) as Reply;
       if (reply[0] === 'OK') return { fence: fenceOf(reply[1], reply[2]) };
       if (reply[0] === 'BUSY') return null;
@@ -524,9 +635,9 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
   return {
     kind: 'redis',
 
-    async grant(name, token, ttlMs, holder) {
+    async grant(name, token, ttlMs, holder, grantOptions) {
       try {
-        return await grantOnce(name, token, ttlMs, holder);
+        return await grantOnce(name, token, ttlMs, holder, grantOptions?.waiting === true);
       } catch (err) {
         // The script may still have run (a timeout, a dropped connection): free what it may have taken.
         if (!(err instanceof FenceSourceError)) {
@@ -560,6 +671,10 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
         acquiredAt: at && /^\d+$/.test(at) ? new Date(Number(at)) : null,
         remainingMs: Number.isFinite(remaining) && remaining >= 0 ? remaining : null,
       };
+    },
+
+    async leave(name, token) {
+      await script('palisadeLeaveV1', keys.lock(name), keys.queue(name), keys.seen(name), token, keys.channel, name);
     },
 
     waitForRelease: (name, ms, signal) => notifier.wait(name, ms, signal),

@@ -15,6 +15,7 @@ import {
   CommandTimeoutError,
   REDIS_COUNTER_BITS,
   REDIS_MAX_COUNTER,
+  REDIS_QUEUE_STALE_MS,
   redisLockBackend,
   redisLockManager,
   splitRedisFence,
@@ -357,6 +358,85 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
       await extension.catch(() => {});
       expect(await timers.live()).toBe(0);
     }
+  });
+
+  it('grants a contended lock to its waiters in the order they queued: the releaser and tryAcquire do not jump the line', async () => {
+    const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
+    const inLine = async (n: number) => {
+      for (let i = 0; i < 500; i++) {
+        if ((await redis.zcard(keys.queue('fair'))) === n) return;
+        await new Promise((r) => setTimeout(r, 10));
+      }
+      throw new Error(`the queue never held ${n} waiters`);
+    };
+    const order: string[] = [];
+    const waitFor = (who: string, m: typeof manager) =>
+      m.acquire('fair', { ttlMs: 30_000, waitMs: 20_000, holder: who }).then((lease) => {
+        order.push(who);
+        return lease;
+      });
+
+    const a = await manager.acquire('fair', { ttlMs: 30_000, holder: 'A' });
+    const w1 = waitFor('W1', open());
+    await inLine(1);
+    const w2 = waitFor('W2', open());
+    await inLine(2);
+    expect(await open().tryAcquire('fair', { ttlMs: 30_000 })).toBeNull();
+    expect(await redis.zcard(keys.queue('fair'))).toBe(2); // tryAcquire never queues
+
+    expect(await a.release()).toBe('released');
+    const again = waitFor('A', manager); // the releaser wants it back at once: it goes to the back
+    const first = await w1;
+    await inLine(2); // W2, then A
+    expect(order).toEqual(['W1']);
+    expect(await first.release()).toBe('released');
+    const second = await w2;
+    expect(order).toEqual(['W1', 'W2']);
+    expect(await second.release()).toBe('released');
+    const third = await again;
+    expect(order).toEqual(['W1', 'W2', 'A']);
+    expect([a.fence < first.fence, first.fence < second.fence, second.fence < third.fence]).toEqual([true, true, true]);
+    expect(await redis.exists(keys.queue('fair'), keys.seen('fair'))).toBe(0); // the line is empty, its keys gone
+    expect(await third.release()).toBe('released');
+  });
+
+  it('a waiter that stops retrying loses its place, and one that gives up leaves the line', async () => {
+    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
+    const client = connect(REDIS_URL);
+    const backend = redisLockBackend({ redis: client, namespace, epochs: test.db });
+    onTestFinished(async () => {
+      await backend.close();
+      client.disconnect();
+    });
+    const lease = await manager.acquire('stuck', { ttlMs: 30_000 });
+    const ghost = randomBytes(16).toString('hex');
+    // A waiting grant that is never retried: a waiter killed or paused right after queueing.
+    expect(await backend.grant('stuck', ghost, 30_000, 'ghost', { waiting: true })).toBeNull();
+    expect(await redis.zrange(keys.queue('stuck'), '0', '-1')).toEqual([ghost]);
+    expect(await redis.pttl(keys.queue('stuck'))).toBeGreaterThan(REDIS_QUEUE_STALE_MS);
+    expect(await redis.pttl(keys.seen('stuck'))).toBeGreaterThan(REDIS_QUEUE_STALE_MS);
+
+    expect(await lease.release()).toBe('released');
+    // Free, but promised to the queued waiter (alive until the staleness bound): tryAcquire does not jump the line.
+    expect(await manager.tryAcquire('stuck', { ttlMs: 30_000 })).toBeNull();
+    // Once the ghost is stale, a waiting acquire gets the lock (waitMs bounds this).
+    const next = await manager.acquire('stuck', { ttlMs: 30_000, waitMs: 10_000 });
+    expect(next.fence).toBeGreaterThan(lease.fence);
+    expect(await redis.zscore(keys.queue('stuck'), ghost)).toBeNull();
+
+    // A waiting acquire that times out leaves the line (best effort, right after it gives up).
+    await expect(manager.acquire('stuck', { ttlMs: 30_000, waitMs: 50 })).rejects.toBeInstanceOf(LockUnavailableError);
+    for (let i = 0; i < 200 && (await redis.zcard(keys.queue('stuck'))) > 0; i++) {
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    expect(await redis.zcard(keys.queue('stuck'))).toBe(0);
+    // leave() of a queued token removes it; of an unknown one, nothing.
+    expect(await backend.grant('stuck', ghost, 30_000, 'ghost', { waiting: true })).toBeNull();
+    expect(await redis.zcard(keys.queue('stuck'))).toBe(1);
+    await backend.leave?.('stuck', ghost);
+    await backend.leave?.('stuck', randomBytes(16).toString('hex'));
+    expect(await redis.exists(keys.queue('stuck'), keys.seen('stuck'))).toBe(0);
+    expect(await next.release()).toBe('released');
   });
 
   it('acquireAll takes every lock or none', async () => {
