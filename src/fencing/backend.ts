@@ -68,8 +68,10 @@ export interface LockBackend {
   /**
    * Resolves when the lock may have been released (a notification) or after
    * `ms`, whichever is first, or when `signal` aborts. Never rejects.
+   * `token`: the waiting acquire's token; a backend with a queue may then
+   * wake only the waiter whose turn it is (the others retry at `ms`).
    */
-  waitForRelease(name: string, ms: number, signal: AbortSignal | undefined): Promise<void>;
+  waitForRelease(name: string, ms: number, signal: AbortSignal | undefined, token?: string): Promise<void>;
   /** Frees what the backend holds (subscriptions, reserved connections). Not the caller's clients. */
   close(): Promise<void>;
 }

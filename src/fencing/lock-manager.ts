@@ -108,7 +108,7 @@ export function createLockManager(backend: LockBackend): LockManager {
         // Full jitter spreads retries (and, in a queue, refreshes our place);
         // a release notification cuts the wait short.
         const backoff = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
-        await backend.waitForRelease(name, Math.min(left, backoff), opts.signal);
+        await backend.waitForRelease(name, Math.min(left, backoff), opts.signal, token);
       }
     } finally {
       // Gave up (timeout, abort, error): leave the queue, best effort, without delaying the throw.

@@ -13,7 +13,8 @@
  * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, server identity.
  * - `{palisade:<ns>}:queue:<name>` — the waiters in line: a sorted set of token → place (1, 2, …).
  * - `{palisade:<ns>}:seen:<name>` — when each waiter last retried: token → Redis `TIME` in ms.
- * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here.
+ * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here,
+ *   followed by NUL and the token of the live waiter at the head of the line, if any.
  *
  * The namespace is restricted to `[A-Za-z0-9_.-]`, so it cannot close the
  * hash tag early; the lock name only ever follows a fixed `:lock:`,
@@ -26,7 +27,9 @@
  * A waiting `acquire` keeps one token for the whole wait. When its grant
  * finds the lock held — or free but promised to an earlier waiter — the
  * script puts the token at the end of the lock's queue (or, if it is
- * already there, only notes that it is still alive) and answers BUSY. A free
+ * already there, only notes that it is still alive) and answers BUSY. A
+ * release wakes only the head of the line (the other waiters retry at their
+ * backoff, at most every 250 ms, which keeps their places). A free
  * lock goes only to the head of the queue; `tryAcquire` gets it only when
  * nobody waits. So among the waiters of one lock name, grants follow the
  * order in which they first found the lock taken, and a releaser that
@@ -262,7 +265,7 @@ interface Scripts {
   palisadeGrantV2: ScriptFn;
   palisadeLeaveV1: ScriptFn;
   palisadeExtendV1: ScriptFn;
-  palisadeReleaseV1: ScriptFn;
+  palisadeReleaseV2: ScriptFn;
   palisadeInspectV1: ScriptFn;
   palisadeInstallEpochV1: ScriptFn;
   palisadeActivateEpochV1: ScriptFn;
@@ -362,7 +365,10 @@ const LEAVE = `
 local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
 redis.call('ZREM', KEYS[3], ARGV[1])
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 'ABSENT' end
-if head == ARGV[1] and redis.call('EXISTS', KEYS[1]) == 0 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+if head == ARGV[1] and redis.call('EXISTS', KEYS[1]) == 0 then
+  local next = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if next then redis.call('PUBLISH', ARGV[2], ARGV[3] .. string.char(0) .. next) end
+end
 return 'LEFT'
 `;
 
@@ -376,10 +382,20 @@ end
 return 'LOST'
 `;
 
-// KEYS: lock, grant record. ARGV: token, channel, lock name.
+// KEYS: lock, grant record, queue, seen. ARGV: token, channel, lock name, stale ms.
+// Publishes "<name>\0<token>" when a live waiter heads the queue (only it needs to wake), else "<name>" (wake all).
 const RELEASE = `
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1], KEYS[2])
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  local seen = head and redis.call('ZSCORE', KEYS[4], head)
+  if seen then
+    local t = redis.call('TIME')
+    if tonumber(seen) >= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[4]) then
+      redis.call('PUBLISH', ARGV[2], ARGV[3] .. string.char(0) .. head)
+      return 'RELEASED'
+    end
+  end
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 'RELEASED'
 end
@@ -452,7 +468,7 @@ const DEFINITIONS: Record<keyof Scripts, { lua: string; numberOfKeys: number; re
   palisadeGrantV2: { lua: GRANT, numberOfKeys: 5 },
   palisadeLeaveV1: { lua: LEAVE, numberOfKeys: 3 },
   palisadeExtendV1: { lua: EXTEND, numberOfKeys: 2 },
-  palisadeReleaseV1: { lua: RELEASE, numberOfKeys: 2 },
+  palisadeReleaseV2: { lua: RELEASE, numberOfKeys: 4 },
   palisadeInspectV1: { lua: INSPECT, numberOfKeys: 2, readOnly: true },
   palisadeInstallEpochV1: { lua: INSTALL_EPOCH, numberOfKeys: 1 },
   palisadeActivateEpochV1: { lua: ACTIVATE_EPOCH, numberOfKeys: 1 },
@@ -632,6 +648,20 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     throw new FenceSourceError('the Redis fence counter did not settle on a new epoch in time');
   }
 
+  function releaseScript(name: string, token: string): Promise<unknown> {
+    return script(
+      'palisadeReleaseV2',
+      keys.lock(name),
+      keys.grant(name),
+      keys.queue(name),
+      keys.seen(name),
+      token,
+      keys.channel,
+      name,
+      REDIS_QUEUE_STALE_MS,
+    );
+  }
+
   return {
     kind: 'redis',
 
@@ -641,7 +671,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       } catch (err) {
         // The script may still have run (a timeout, a dropped connection): free what it may have taken.
         if (!(err instanceof FenceSourceError)) {
-          script('palisadeReleaseV1', keys.lock(name), keys.grant(name), token, keys.channel, name).catch(() => {});
+          releaseScript(name, token).catch(() => {});
         }
         throw err;
       }
@@ -652,8 +682,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     },
 
     async release(name, token) {
-      const reply = await script('palisadeReleaseV1', keys.lock(name), keys.grant(name), token, keys.channel, name);
-      return reply === 'RELEASED';
+      return (await releaseScript(name, token)) === 'RELEASED';
     },
 
     async inspect(name): Promise<LockInfo | null> {
@@ -677,7 +706,9 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       await script('palisadeLeaveV1', keys.lock(name), keys.queue(name), keys.seen(name), token, keys.channel, name);
     },
 
-    waitForRelease: (name, ms, signal) => notifier.wait(name, ms, signal),
+    // A waiter with a token sleeps until a release names it as the head of the queue (or names nobody).
+    waitForRelease: (name, ms, signal, token) =>
+      notifier.wait(token === undefined ? name : `${name}\0${token}`, ms, signal),
 
     close: () => notifier.close(),
   };
@@ -696,8 +727,15 @@ function releaseListener(redis: RedisClient, channel: string): ReleaseListener {
       ? (redis as Cluster).duplicate([], { enableOfflineQueue: true }) // same startup nodes; PUBLISH reaches every node
       : (redis as Redis).duplicate({ enableOfflineQueue: true, autoResubscribe: true, lazyConnect: false });
     subscriber.on('error', () => {}); // reconnects by itself; waits fall back to their timeouts meanwhile
-    subscriber.on('message', (from: string, name: string) => {
-      if (from === channel) onReleased(name);
+    subscriber.on('message', (from: string, message: string) => {
+      if (from !== channel) return;
+      const cut = message.indexOf('\0');
+      if (cut < 0) {
+        onReleased(message, `${message}\0`); // no live waiter in line: wake every waiter of the name
+      } else {
+        onReleased(message); // the head of the line (name\0token) …
+        onReleased(message.slice(0, cut)); // … and waiters that gave no token
+      }
     });
     try {
       await subscriber.subscribe(channel);

@@ -47,13 +47,17 @@ export function releasePayload(namespace: string, name: string): string {
  * timeouts: waiting still works, by polling.
  */
 export class ReleaseListener {
-  readonly #subscribe: ((onPayload: (payload: string) => void) => Promise<() => Promise<void>>) | undefined;
+  readonly #subscribe:
+    | ((onPayload: (payload: string, prefix?: string) => void) => Promise<() => Promise<void>>)
+    | undefined;
   readonly #waiters = new Map<string, Set<() => void>>();
   #opening: Promise<void> | undefined;
   #unlisten: (() => Promise<void>) | undefined;
   #closed = false;
 
-  constructor(subscribe: ((onPayload: (payload: string) => void) => Promise<() => Promise<void>>) | undefined) {
+  constructor(
+    subscribe: ((onPayload: (payload: string, prefix?: string) => void) => Promise<() => Promise<void>>) | undefined,
+  ) {
     this.#subscribe = subscribe;
   }
 
@@ -94,7 +98,7 @@ export class ReleaseListener {
 
   #open(): void {
     if (this.#opening || !this.#subscribe) return;
-    this.#opening = this.#subscribe((payload) => this.#wake(payload)).then(
+    this.#opening = this.#subscribe((payload, prefix) => this.#wake(payload, prefix)).then(
       async (unlisten) => {
         if (this.#closed) await unlisten().catch(() => {});
         else this.#unlisten = unlisten;
@@ -105,8 +109,13 @@ export class ReleaseListener {
     );
   }
 
-  #wake(payload: string): void {
+  /** Wakes the waiters of `payload`, and with `prefix` also those of every payload that starts with it. */
+  #wake(payload: string, prefix?: string): void {
     const set = this.#waiters.get(payload);
     if (set) for (const done of [...set]) done();
+    if (prefix === undefined) return;
+    for (const [key, waiters] of [...this.#waiters]) {
+      if (key.startsWith(prefix)) for (const done of [...waiters]) done();
+    }
   }
 }
