@@ -439,6 +439,37 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(await next.release()).toBe('released');
   });
 
+  it('a release wakes the head of the line and waiters without a token, not the rest of the line', async () => {
+    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
+    const client = connect(REDIS_URL);
+    const backend = redisLockBackend({ redis: client, namespace, epochs: test.db });
+    onTestFinished(() => client.disconnect());
+    const lease = await manager.acquire('bell', { ttlMs: 30_000 });
+    const [head, second] = [randomBytes(16).toString('hex'), randomBytes(16).toString('hex')];
+    expect(await backend.grant('bell', head, 30_000, null, { waiting: true })).toBeNull();
+    expect(await backend.grant('bell', second, 30_000, null, { waiting: true })).toBeNull();
+    expect(await redis.zrange(keys.queue('bell'), '0', '-1')).toEqual([head, second]);
+
+    const woken: string[] = [];
+    const hour = 3_600_000; // only a notification (or close) ends these waits in time
+    const waits = [
+      backend.waitForRelease('bell', hour, undefined, head).then(() => woken.push('head')),
+      backend.waitForRelease('bell', hour, undefined, second).then(() => woken.push('second')),
+      backend.waitForRelease('bell', hour, undefined).then(() => woken.push('no token')),
+    ];
+    for (let i = 0; i < 200; i++) {
+      const [, subscribers] = (await redis.pubsub('NUMSUB', keys.channel)) as [string, number];
+      if (Number(subscribers) > 0) break;
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    await lease.release();
+    await Promise.all([waits[0], waits[2]]);
+    expect(woken.sort()).toEqual(['head', 'no token']); // one message woke both; the second in line sleeps on
+    await backend.close(); // ends the remaining wait
+    await waits[1];
+    expect(woken).toContain('second');
+  });
+
   it('acquireAll takes every lock or none', async () => {
     const { manager, open } = await redisScenario(REDIS_URL);
     const leases = await manager.acquireAll(['b', 'a', 'c', 'a'], { ttlMs: 30_000 });
