@@ -298,6 +298,8 @@ async function leaseChurn(ctx: BenchContext): Promise<void> {
         `${c.label}: scaled down to ${c.churned.toLocaleString('en-US')} of ${scale.churnCycles.toLocaleString('en-US')} cycles (time cap; ${ops(c.churned / c.churnSecs)} cycles/s with synchronous_commit off for the churn client).`,
       );
     }
+    // The goal is the table as migrated; the indexed run is the comparison that shows why.
+    if (c !== asMigrated) continue;
     report.goal({
       section: '7c',
       goal: `lease table after churn vs fresh ≥ 0.9× (${c.label})`,
