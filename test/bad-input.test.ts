@@ -26,10 +26,8 @@ import { PGlite } from '@electric-sql/pglite';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
-import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import { Etcd3 } from 'etcd3';
 import { Redis } from 'ioredis';
-import type { Sql } from 'postgres';
 import { afterAll, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../src/driver.js';
 import { InvalidArgumentError, PalisadeError } from '../src/errors.js';
@@ -40,6 +38,7 @@ import { postgresLockManager } from '../src/fencing/postgres.js';
 import { migrate } from '../src/migrate.js';
 import { type FencedRepository, fencedRepository } from '../src/repo/index.js';
 import { fenceColumns } from '../src/schema/index.js';
+import { withQueryLog } from './repo/fixtures.js';
 import { drivers, postgresDatabase, type TestDatabase } from './support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from './support/etcd-cluster.js';
 import { type BackendKind, openManager } from './support/managers.js';
@@ -193,18 +192,6 @@ const BAD_KEYS: [string, unknown][] = [
   ['an SQL expression as the key value', { id: sql`'a'` }],
 ];
 
-/** A drizzle database on the same client that records every statement sent. */
-function loggedDb(test: TestDatabase): { db: Database; queries: string[] } {
-  const queries: string[] = [];
-  const logger = { logQuery: (query: string) => void queries.push(query) };
-  const client = (test.db as unknown as { $client: unknown }).$client;
-  const db =
-    test.driver === 'pglite'
-      ? (drizzlePglite(client as PGlite, { logger }) as unknown as Database)
-      : (drizzlePostgres(client as Sql, { logger }) as unknown as Database);
-  return { db, queries };
-}
-
 describe.each(drivers)('repository bad input on $name', ({ open }) => {
   let test: TestDatabase;
   let logged: { db: Database; queries: string[] };
@@ -217,7 +204,7 @@ describe.each(drivers)('repository bad input on $name', ({ open }) => {
       id text primary key, n integer not null default 0, last_fence bigint not null default 0, deleted_at timestamptz)`);
     await test.db.execute(sql`create table "we""ird" (
       "i""d" text primary key, "va""l; drop table x" text, last_fence bigint not null default 0, deleted_at timestamptz)`);
-    logged = loggedDb(test);
+    logged = withQueryLog(test);
     repo = fencedRepository(logged.db, items);
   });
   afterAll(async () => {
