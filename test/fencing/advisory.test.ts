@@ -29,6 +29,7 @@ import {
   aborted,
   badInputCalls,
   eventually,
+  expectFencesIncreaseAcrossProcesses,
   expectInvalid,
   lockWorker,
   pendingFencingTimers,
@@ -179,25 +180,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
   });
 
   it('fences strictly increase over 1,000 grants from four processes, and every fenced write applies', async () => {
-    const workers = [0, 1, 2, 3].map(() =>
-      lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 10_000, waitMs: 60_000 }),
-    );
-    await ready(...workers);
-    const results = await Promise.all(
-      workers.map((w) => request(w, { cmd: 'fencedGrants', count: 250 }, 'fencedGrants', 120_000)),
-    );
-    const all: bigint[] = [];
-    for (const result of results) {
-      const fences = (result.fences as string[]).map(BigInt);
-      expect(fences).toHaveLength(250);
-      for (let i = 1; i < fences.length; i++) expect(fences[i]).toBeGreaterThan(fences[i - 1] as bigint);
-      expect(result.statuses).toEqual({ applied: 250 });
-      all.push(...fences);
-    }
-    expect(new Set(all).size).toBe(1000);
-    let highest = 0n;
-    for (const fence of all) if (fence > highest) highest = fence;
-    expect((await resourceRow(test)).lastFence).toBe(highest);
+    await expectFencesIncreaseAcrossProcesses(test, 'advisory', namespace);
   });
 
   it('fences above 2^53 come back exact, from the grant and from inspect', async () => {

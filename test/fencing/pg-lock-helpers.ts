@@ -152,3 +152,35 @@ export function badInputCalls(manager: LockManager): (() => unknown)[] {
   );
   return calls;
 }
+
+/**
+ * 1,000 grants from four processes (250 each), each followed by a fenced
+ * write: every process sees its fences strictly increase, all 1,000 are
+ * distinct, every write applies (grants came in fence order across
+ * processes) and the row ends at the highest fence.
+ */
+export async function expectFencesIncreaseAcrossProcesses(
+  test: TestDatabase,
+  kind: BackendKind,
+  namespace: string,
+): Promise<void> {
+  const workers = [0, 1, 2, 3].map(() =>
+    lockWorker(test, kind, namespace, { lock: 'job', ttlMs: 10_000, waitMs: 60_000 }),
+  );
+  await ready(...workers);
+  const results = await Promise.all(
+    workers.map((w) => request(w, { cmd: 'fencedGrants', count: 250 }, 'fencedGrants', 120_000)),
+  );
+  const all: bigint[] = [];
+  for (const result of results) {
+    const fences = (result.fences as string[]).map(BigInt);
+    expect(fences).toHaveLength(250);
+    for (let i = 1; i < fences.length; i++) expect(fences[i]).toBeGreaterThan(fences[i - 1] as bigint);
+    expect(result.statuses).toEqual({ applied: 250 });
+    all.push(...fences);
+  }
+  expect(new Set(all).size).toBe(1000);
+  let highest = 0n;
+  for (const fence of all) if (fence > highest) highest = fence;
+  expect((await resourceRow(test)).lastFence).toBe(highest);
+}

@@ -22,6 +22,7 @@ import { needs } from '../support/services.js';
 import {
   aborted,
   badInputCalls,
+  expectFencesIncreaseAcrossProcesses,
   expectInvalid,
   lockWorker,
   pendingFencingTimers,
@@ -148,26 +149,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
   });
 
   it('fences strictly increase over 1,000 grants from four processes, and every fenced write applies', async () => {
-    const workers = [0, 1, 2, 3].map(() =>
-      lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 10_000, waitMs: 60_000 }),
-    );
-    await ready(...workers);
-    const results = await Promise.all(
-      workers.map((w) => request(w, { cmd: 'fencedGrants', count: 250 }, 'fencedGrants', 120_000)),
-    );
-    const all: bigint[] = [];
-    for (const result of results) {
-      const fences = (result.fences as string[]).map(BigInt);
-      expect(fences).toHaveLength(250);
-      for (let i = 1; i < fences.length; i++) expect(fences[i]).toBeGreaterThan(fences[i - 1] as bigint);
-      // Grants came in the order of their fences across processes: no write saw a higher fence before it.
-      expect(result.statuses).toEqual({ applied: 250 });
-      all.push(...fences);
-    }
-    expect(new Set(all).size).toBe(1000);
-    let highest = 0n;
-    for (const fence of all) if (fence > highest) highest = fence;
-    expect((await resourceRow(test)).lastFence).toBe(highest);
+    await expectFencesIncreaseAcrossProcesses(test, 'postgres', namespace);
   });
 
   it('fences above 2^53 come back exact; at 2^63−1 the sequence refuses instead of wrapping', async () => {
