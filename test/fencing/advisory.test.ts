@@ -31,6 +31,7 @@ import {
   eventually,
   expectFencesIncreaseAcrossProcesses,
   expectInvalid,
+  expectReleaseWakesWaiter,
   lockWorker,
   pendingFencingTimers,
   ready,
@@ -350,17 +351,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
   it('a waiter is woken by the release notification, not only by its timeout', async () => {
     const backend = advisoryLockBackend({ sql: client, namespace });
     try {
-      let woke = false;
-      const waiting = backend.waitForRelease('job', 50_000, undefined).then(() => {
-        woke = true;
-      });
-      for (let i = 0; i < 100 && !woke; i++) {
-        const lease = await manager.acquire('job', { ttlMs: 10_000 });
-        await lease.release();
-        await new Promise((r) => setTimeout(r, 20));
-      }
-      expect(woke).toBe(true);
-      await waiting;
+      await expectReleaseWakesWaiter(backend, manager);
     } finally {
       await backend.close();
     }

@@ -8,6 +8,7 @@ import { sql } from 'drizzle-orm';
 import { expect } from 'vitest';
 import { execute } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
+import type { LockBackend } from '../../src/fencing/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { AcquireOptions } from '../../src/fencing/options.js';
 import type { TestDatabase } from '../support/databases.js';
@@ -183,4 +184,23 @@ export async function expectFencesIncreaseAcrossProcesses(
   let highest = 0n;
   for (const fence of all) if (fence > highest) highest = fence;
   expect((await resourceRow(test)).lastFence).toBe(highest);
+}
+
+/**
+ * A release wakes a waiter through the backend's notification (LISTEN/NOTIFY),
+ * long before the waiter's 50 s timeout. The backend's LISTEN opens lazily,
+ * so releases repeat (bounded) until the waiter wakes.
+ */
+export async function expectReleaseWakesWaiter(backend: LockBackend, manager: LockManager): Promise<void> {
+  let woke = false;
+  const waiting = backend.waitForRelease('job', 50_000, undefined).then(() => {
+    woke = true;
+  });
+  for (let i = 0; i < 100 && !woke; i++) {
+    const lease = await manager.acquire('job', { ttlMs: 10_000 });
+    await lease.release();
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  expect(woke).toBe(true);
+  await waiting;
 }

@@ -24,6 +24,7 @@ import {
   badInputCalls,
   expectFencesIncreaseAcrossProcesses,
   expectInvalid,
+  expectReleaseWakesWaiter,
   lockWorker,
   pendingFencingTimers,
   ready,
@@ -245,18 +246,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
   it('a waiter is woken by the release notification, not only by its timeout', async () => {
     const backend = postgresLockBackend({ db: test.db, namespace });
     try {
-      let woke = false;
-      const waiting = backend.waitForRelease('job', 50_000, undefined).then(() => {
-        woke = true;
-      });
-      // Releases until the waiter wakes; the LISTEN is opened lazily, so the first ones may come too early.
-      for (let i = 0; i < 100 && !woke; i++) {
-        const lease = await manager.acquire('job', { ttlMs: 10_000 });
-        await lease.release();
-        await new Promise((r) => setTimeout(r, 20));
-      }
-      expect(woke).toBe(true);
-      await waiting;
+      await expectReleaseWakesWaiter(backend, manager);
     } finally {
       await backend.close();
     }
@@ -381,17 +371,7 @@ describe('postgres lease backend on PGlite (embedded, no server needed)', () => 
     const namespace = uniqueNamespace('lite');
     const backend = postgresLockBackend({ db, namespace });
     const manager = postgresLockManager({ db, namespace });
-    let woke = false;
-    const waiting = backend.waitForRelease('job', 50_000, undefined).then(() => {
-      woke = true;
-    });
-    for (let i = 0; i < 100 && !woke; i++) {
-      const lease = await manager.acquire('job', { ttlMs: 10_000 });
-      await lease.release();
-      await new Promise((r) => setTimeout(r, 20));
-    }
-    expect(woke).toBe(true);
-    await waiting;
+    await expectReleaseWakesWaiter(backend, manager);
     await backend.close();
     await manager.close();
   });

@@ -1,0 +1,110 @@
+/**
+ * What every lock manager gets from `createLockManager`, whatever the
+ * backend: events, the watchdog's `maxHoldMs`, and a wait that a signal or
+ * `waitMs` ends. Run on the Postgres lease backend over embedded PGlite, so
+ * it needs no server.
+ */
+import { PGlite } from '@electric-sql/pglite';
+import { drizzle } from 'drizzle-orm/pglite';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { Database } from '../../src/driver.js';
+import { LeaseLostError, LockUnavailableError } from '../../src/errors.js';
+import type { LockEvents } from '../../src/fencing/events.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { postgresLockManager } from '../../src/fencing/postgres.js';
+import { migrate } from '../../src/migrate.js';
+import { uniqueNamespace } from '../support/scenario.js';
+
+/** Resolves with the signal's reason once it aborts (bounded by the test's timeout). */
+function aborted(signal: AbortSignal): Promise<unknown> {
+  return new Promise((resolve) => {
+    if (signal.aborted) resolve(signal.reason);
+    else signal.addEventListener('abort', () => resolve(signal.reason), { once: true });
+  });
+}
+
+describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
+  let client: PGlite;
+  let db: Database;
+  let manager: LockManager;
+
+  beforeAll(async () => {
+    client = new PGlite();
+    db = drizzle(client) as unknown as Database;
+    await migrate(db);
+  });
+  afterAll(async () => {
+    await client?.close();
+  });
+
+  function fresh(): LockManager {
+    manager = postgresLockManager({ db, namespace: uniqueNamespace('lm'), listen: false });
+    return manager;
+  }
+
+  it('reports acquired, extended, released and lost, with the lease they are about', async () => {
+    const locks = fresh();
+    const seen: { type: keyof LockEvents; event: LockEvents[keyof LockEvents] }[] = [];
+    for (const type of ['acquired', 'extended', 'released', 'lost'] as const) {
+      locks.events.on(type, (event) => seen.push({ type, event }));
+    }
+
+    const lease = await locks.acquire('job', { ttlMs: 10_000, holder: 'worker-1' });
+    await lease.extend(20_000);
+    expect(await lease.release()).toBe('released');
+    const short = await locks.acquire('job', { ttlMs: 100 });
+    await aborted(short.signal); // nobody extends it: the local deadline passes
+
+    expect(seen.map((s) => s.type)).toEqual(['acquired', 'extended', 'released', 'acquired', 'lost']);
+    expect(seen[0]?.event).toMatchObject({ name: 'job', fence: lease.fence, holder: 'worker-1' });
+    expect((seen[0]?.event as LockEvents['acquired']).waitedMs).toBeGreaterThanOrEqual(0);
+    expect(seen[1]?.event).toEqual({ name: 'job', fence: lease.fence, ttlMs: 20_000 });
+    expect(seen[2]?.event).toEqual({ name: 'job', fence: lease.fence, wasHeld: true });
+    expect(seen[4]?.event).toMatchObject({
+      name: 'job',
+      fence: short.fence,
+      reason: expect.stringMatching(/TTL ran out/),
+    });
+    await short.release();
+    await locks.close();
+  });
+
+  it('autoExtend keeps a lease past its TTL, and stops at maxHoldMs so the lease then runs out', async () => {
+    const locks = fresh();
+    let extensions = 0;
+    locks.events.on('extended', () => extensions++);
+
+    const lease = await locks.acquire('stuck-job', { ttlMs: 1500, autoExtend: true, maxHoldMs: 3000 });
+    const reason = await aborted(lease.signal);
+
+    // It was extended (so it outlived one TTL), then the watchdog gave up and the TTL ran out.
+    expect(extensions).toBeGreaterThanOrEqual(1);
+    expect(reason).toBeInstanceOf(LeaseLostError);
+    expect((reason as Error).message).toMatch(/TTL ran out without a confirmed extension/);
+    const next = await locks.acquire('stuck-job', { ttlMs: 1000, waitMs: 10_000 });
+    expect(next.fence).toBeGreaterThan(lease.fence);
+    await next.release();
+    await lease.release();
+    await locks.close();
+  });
+
+  it('a wait ends with LockUnavailableError: reason timeout after waitMs, reason aborted on the signal', async () => {
+    const locks = fresh();
+    const held = await locks.acquire('busy', { ttlMs: 60_000 });
+
+    const timedOut = await locks.acquire('busy', { ttlMs: 1000, waitMs: 50 }).catch((e: unknown) => e);
+    expect(timedOut).toBeInstanceOf(LockUnavailableError);
+    expect(timedOut).toMatchObject({ code: 'lock_unavailable', lockName: 'busy', reason: 'timeout' });
+
+    const controller = new AbortController();
+    const waiting = locks
+      .acquire('busy', { ttlMs: 1000, waitMs: 60_000, signal: controller.signal })
+      .catch((e: unknown) => e);
+    controller.abort();
+    expect(await waiting).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
+
+    expect(await locks.tryAcquire('busy', { ttlMs: 1000 })).toBeNull();
+    await held.release();
+    await locks.close();
+  });
+});
