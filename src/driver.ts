@@ -128,17 +128,6 @@ export function sqlStateOf(err: unknown): string | undefined {
   return undefined;
 }
 
-/** The name of the violated constraint: postgres.js says `constraint_name`, PGlite `constraint`. */
-export function constraintOf(err: unknown): string | undefined {
-  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
-    const c =
-      (e as { constraint_name?: unknown; constraint?: unknown }).constraint_name ??
-      (e as { constraint?: unknown }).constraint;
-    if (typeof c === 'string') return c;
-  }
-  return undefined;
-}
-
 /**
  * Maps a driver error to palisade's: our own errors pass through, 40001 and
  * 40P01 become {@link RetryableWriteError}, the rest {@link DatabaseError}

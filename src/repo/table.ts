@@ -8,6 +8,7 @@ import { getTableColumns, is, SQL } from 'drizzle-orm';
 import { getTableConfig, type PgColumn, type PgTable } from 'drizzle-orm/pg-core';
 import type { RawRow } from '../driver.js';
 import { InvalidArgumentError } from '../errors.js';
+import { FENCE_COLUMN_NAMES } from '../schema/fence-columns.js';
 
 /** A drizzle `pgTable` that spreads `fenceColumns()`. */
 export type FencedTable = PgTable & { lastFence: PgColumn; deletedAt: PgColumn };
@@ -46,7 +47,8 @@ export interface TableInfo {
   readonly keyNames: readonly string[];
 }
 
-const FENCE_KEYS = new Set(['lastFence', 'deletedAt']);
+// By TypeScript key and by database name: neither spelling may be patched.
+const FENCE_KEYS = new Set<string>(['lastFence', 'deletedAt', ...FENCE_COLUMN_NAMES]);
 
 /**
  * Inspects `table` and checks it is fenced and has a primary key.
@@ -107,7 +109,7 @@ export function patchEntries(info: TableInfo, patch: unknown, allowKey: boolean)
   }
   const entries: [string, unknown][] = [];
   for (const [name, value] of Object.entries(patch)) {
-    if (FENCE_KEYS.has(name) || name === 'last_fence' || name === 'deleted_at') {
+    if (FENCE_KEYS.has(name)) {
       throw new InvalidArgumentError(`patch for ${info.label} may not set ${name}: palisade writes the fence columns`);
     }
     // Own properties only: `toString` or `__proto__` are not columns.

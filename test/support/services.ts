@@ -23,9 +23,6 @@ export const binaries = {
 
 export type BinaryName = keyof typeof binaries;
 
-export const hasPostgres = Boolean(services.postgres.url);
-export const hasRedis = Boolean(services.redis.url);
-
 /**
  * Marks a suite as needing a service: returns true when it is configured.
  * Use as `describe.runIf(needs('DATABASE_URL'))(…)`; global-setup names
