@@ -57,7 +57,8 @@ describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
 
     expect(seen.map((s) => s.type)).toEqual(['acquired', 'extended', 'released', 'acquired', 'lost']);
     expect(seen[0]?.event).toMatchObject({ name: 'job', fence: lease.fence, holder: 'worker-1' });
-    expect((seen[0]?.event as LockEvents['acquired']).waitedMs).toBeGreaterThanOrEqual(0);
+    const acquired = seen[0]?.event as LockEvents['acquired'] | undefined;
+    expect(acquired?.waitedMs).toBeGreaterThanOrEqual(0);
     expect(seen[1]?.event).toEqual({ name: 'job', fence: lease.fence, ttlMs: 20_000 });
     expect(seen[2]?.event).toEqual({ name: 'job', fence: lease.fence, wasHeld: true });
     expect(seen[4]?.event).toMatchObject({
