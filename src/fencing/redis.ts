@@ -106,7 +106,6 @@ const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
 const MAX_PRUNE = 64;
 const DEFAULT_COMMAND_TIMEOUT_MS = 5_000;
 const MAX_GRANT_ROUNDS = 200;
-const MAX_EPOCH_ATTEMPTS = 25;
 const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
 
 /**
@@ -262,24 +261,44 @@ type Reply = string[];
 type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
 
 interface Scripts {
-  palisadeGrantV2: ScriptFn;
+  palisadeGrantV3: ScriptFn;
   palisadeLeaveV1: ScriptFn;
   palisadeExtendV1: ScriptFn;
   palisadeReleaseV2: ScriptFn;
   palisadeInspectV1: ScriptFn;
-  palisadeInstallEpochV1: ScriptFn;
-  palisadeActivateEpochV1: ScriptFn;
-  palisadeBumpEpochV1: ScriptFn;
+  palisadeInstallEpochV2: ScriptFn;
+  palisadeActivateEpochV2: ScriptFn;
+  palisadeBumpEpochV2: ScriptFn;
 }
 
-// The server's identity as the script sees it: run_id, new at every start
-// of redis-server. A restart (even one that reloads an older RDB) changes
-// it, and so does a failover: the promoted replica has its own run_id,
-// while the fence state it replicated names the old primary's. One INFO
-// section per grant; the replication section would add cost, not coverage.
+// The data history the server's keys belong to, as the script sees it (never
+// a client's cached value): `run_id/master_replid`, or false unless the
+// server is a primary. Why this names a history, not a process:
+// - the fence state only ever changes forward on one primary's dataset
+//   (HINCRBY), so a state whose id is the current identity was written on
+//   the dataset the server holds now, with every fence it ever issued;
+// - a dataset is replaced or forked only by a restart (a new process:
+//   run_id changes, even when it reloads an older RDB/AOF), by a flush (the
+//   state is gone) or by replication: a server that follows another (full or
+//   partial resync) takes its primary's master_replid and, being a replica,
+//   grants nothing (role check: a replica reports its primary's replid, and
+//   even a writable replica's keys are not its primary's); a promotion —
+//   failover, failback, REPLICAOF NO ONE — draws a new random master_replid;
+// - so the old primary of a failback (same process, same run_id, but R's
+//   dataset after the resync and a new replid after its promotion) and a
+//   promoted replica (its primary's state, its own run_id) both see a
+//   foreign id and take a new epoch.
+// Not covered: an in-place reload (DEBUG RELOAD of an older file) and hand
+// edits of palisade's keys keep the identity. Two INFO sections (Redis 6
+// has no multi-section INFO); the lock and queue paths never call it.
 const IDENTITY = `
 local function identity()
-  return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or '-'
+  local replication = redis.call('INFO', 'replication')
+  if not string.find(replication, 'role:master', 1, true) then return false end
+  local replid = string.match(replication, 'master_replid:(%x+)')
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+  if not replid or not run then return false end
+  return run .. '/' .. replid
 end
 `;
 
@@ -330,9 +349,10 @@ else
     redis.call('ZREM', KEYS[4], head)
   end
 end
+local id = identity()
+if not id then return {'NOEPOCH', 'replica', ''} end
 local st = redis.call('HMGET', KEYS[3], 'state', 'epoch', 'counter', 'id')
 if not st[1] then return {'NOEPOCH', 'missing', ''} end
-local id = identity()
 if st[1] ~= 'active' then
   if st[4] == id then return {'NOEPOCH', 'pending', st[2] or ''} end
   return {'NOEPOCH', 'server', st[2] or ''}
@@ -412,42 +432,56 @@ local pttl = redis.call('PTTL', KEYS[1])
 return {'HELD', g[2], g[3], g[4] or '', g[4] and '1' or '0', g[5], tostring(pttl)}
 `;
 
-// KEYS: fence state. ARGV: epoch, nonce, pending ttl ms, max counter.
-// Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (a higher pending install) | BEHIND (an epoch ≥ ours is there).
+// Step 1 of a new epoch: a placeholder (state pending, epoch 0, the caller's
+// nonce), only over a missing, foreign (another history, another palisade
+// version) or used-up state. It keeps the epoch there as `floor`. While it
+// lives, no other client can install or activate anything here.
+// KEYS: fence state. ARGV: nonce, pending ttl ms, max counter.
+// Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (another client's placeholder) | REPLICA.
 const INSTALL_EPOCH = `${IDENTITY}
 local id = identity()
+if not id then return 'REPLICA' end
 local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id', 'nonce')
-if st[1] then
-  if st[1] == 'active' and st[4] == id and tonumber(st[3]) < tonumber(ARGV[4]) then return 'ACTIVE' end
-  if st[1] == 'pending' and st[5] == ARGV[2] then return 'INSTALLED' end
-  if tonumber(st[2]) >= tonumber(ARGV[1]) then
-    if st[1] == 'pending' and st[4] == id then return 'WAIT' end
-    return 'BEHIND'
+if st[4] == id then
+  if st[1] == 'active' and tonumber(st[3]) < tonumber(ARGV[3]) then return 'ACTIVE' end
+  if st[1] == 'pending' then
+    if st[5] == ARGV[1] then return 'INSTALLED' end
+    return 'WAIT'
   end
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'state', 'pending', 'epoch', ARGV[1], 'counter', '0', 'id', id, 'nonce', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'pending', 'epoch', '0', 'counter', '0', 'id', id, 'nonce', ARGV[1], 'floor', st[2] or '0')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 'INSTALLED'
 `;
 
-// KEYS: fence state. ARGV: epoch, nonce. Replies: ACTIVE | GONE.
+// Step 3: the epoch taken (step 2) after the placeholder was in place becomes
+// active, only if that very placeholder is still there on the same history.
+// An epoch at or below the floor means epoch_seq went back (a restore): the
+// state is left used up at the floor, so every grant refuses until the
+// sequence is set above it.
+// KEYS: fence state. ARGV: nonce, epoch, max counter. Replies: ACTIVE | GONE | BEHIND.
 const ACTIVATE_EPOCH = `${IDENTITY}
-local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'id', 'nonce')
-if st[2] == ARGV[1] and st[4] == ARGV[2] and st[3] == identity() then
-  if st[1] == 'pending' then
-    redis.call('HSET', KEYS[1], 'state', 'active', 'counter', '0')
-    redis.call('PERSIST', KEYS[1])
-  end
-  return 'ACTIVE'
+local id = identity()
+local st = redis.call('HMGET', KEYS[1], 'state', 'id', 'nonce', 'floor')
+if st[1] ~= 'pending' or st[3] ~= ARGV[1] or st[2] ~= id then return 'GONE' end
+if tonumber(ARGV[2]) <= tonumber(st[4] or '0') then
+  redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', st[4], 'counter', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'nonce', 'floor')
+  redis.call('PERSIST', KEYS[1])
+  return 'BEHIND'
 end
-return 'GONE'
+redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', ARGV[2], 'counter', '0')
+redis.call('HDEL', KEYS[1], 'nonce', 'floor')
+redis.call('PERSIST', KEYS[1])
+return 'ACTIVE'
 `;
 
 // Without a durable floor. KEYS: fence state. ARGV: observed epoch ('' = was missing), max counter, max epoch.
-// Replies: ACTIVE | RETRY (the state changed meanwhile) | EXHAUSTED.
+// Replies: ACTIVE | RETRY (the state changed meanwhile) | EXHAUSTED | REPLICA.
 const BUMP_EPOCH = `${IDENTITY}
 local id = identity()
+if not id then return 'REPLICA' end
 local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id')
 local epoch
 if ARGV[1] == '' then
@@ -465,14 +499,14 @@ return 'ACTIVE'
 `;
 
 const DEFINITIONS: Record<keyof Scripts, { lua: string; numberOfKeys: number; readOnly?: boolean }> = {
-  palisadeGrantV2: { lua: GRANT, numberOfKeys: 5 },
+  palisadeGrantV3: { lua: GRANT, numberOfKeys: 5 },
   palisadeLeaveV1: { lua: LEAVE, numberOfKeys: 3 },
   palisadeExtendV1: { lua: EXTEND, numberOfKeys: 2 },
   palisadeReleaseV2: { lua: RELEASE, numberOfKeys: 4 },
   palisadeInspectV1: { lua: INSPECT, numberOfKeys: 2, readOnly: true },
-  palisadeInstallEpochV1: { lua: INSTALL_EPOCH, numberOfKeys: 1 },
-  palisadeActivateEpochV1: { lua: ACTIVATE_EPOCH, numberOfKeys: 1 },
-  palisadeBumpEpochV1: { lua: BUMP_EPOCH, numberOfKeys: 1 },
+  palisadeInstallEpochV2: { lua: INSTALL_EPOCH, numberOfKeys: 1 },
+  palisadeActivateEpochV2: { lua: ACTIVATE_EPOCH, numberOfKeys: 1 },
+  palisadeBumpEpochV2: { lua: BUMP_EPOCH, numberOfKeys: 1 },
 };
 
 /**
@@ -548,58 +582,75 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     return toFence((e << BigInt(REDIS_COUNTER_BITS)) | c);
   }
 
-  /** Takes a new epoch from Postgres and installs it (install, confirm, activate). Returns when the grant may be retried. */
-  async function newEpochFromPostgres(deadline: number): Promise<void> {
+  /**
+   * Installs a new epoch from Postgres: a placeholder in Redis first, then
+   * `nextval`, then activation if the placeholder is still ours on the same
+   * history. The epoch is taken only once nobody else can install one here,
+   * so it is above every epoch active here before; an epoch taken by a client
+   * that then paused can no longer be activated (its placeholder expired or
+   * was replaced). Nothing is compared with other namespaces' epochs, so many
+   * namespaces recover at once without getting in each other's way. Returns
+   * when the grant may be retried.
+   */
+  async function newEpochFromPostgres(): Promise<void> {
     await checkSequence();
-    for (let attempt = 0; attempt < MAX_EPOCH_ATTEMPTS && performance.now() < deadline; attempt++) {
-      const [next] = await postgres('nextval', sql`select nextval('palisade.epoch_seq') as epoch`);
-      const epoch = int8(next?.epoch);
-      if (epoch === null || epoch < 1n) throw new FenceSourceError('nextval of palisade.epoch_seq returned nothing');
-      if (epoch > REDIS_MAX_EPOCH) {
-        throw new FenceSourceError(`palisade.epoch_seq passed ${REDIS_MAX_EPOCH}: Redis fences have no epochs left`);
-      }
-      const nonce = randomBytes(16).toString('hex');
-      const installed = await script(
-        'palisadeInstallEpochV1',
-        keys.fence,
-        epoch.toString(),
-        nonce,
-        pendingTtlMs,
-        REDIS_MAX_COUNTER.toString(),
-      );
-      if (installed === 'ACTIVE') return;
-      if (installed === 'WAIT') return sleep(jitter(5, 30));
-      if (installed === 'BEHIND') continue; // an epoch at or above ours is there: take a newer one
-      if (installed !== 'INSTALLED')
-        throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
-      // Was a higher epoch handed out since ours? Then ours may be older than fences already issued: retry.
-      const [seq] = await postgres('epoch confirm', sql`select last_value from palisade.epoch_seq`);
-      if (int8(seq?.last_value) !== epoch) {
-        await sleep(jitter(0, 20));
-        continue;
-      }
-      await script('palisadeActivateEpochV1', keys.fence, epoch.toString(), nonce);
-      return; // ACTIVE, or GONE (replaced meanwhile): the grant retries either way
+    const nonce = randomBytes(16).toString('hex');
+    const installed = await script(
+      'palisadeInstallEpochV2',
+      keys.fence,
+      nonce,
+      pendingTtlMs,
+      REDIS_MAX_COUNTER.toString(),
+    );
+    if (installed === 'ACTIVE') return;
+    if (installed === 'WAIT') return sleep(jitter(5, 30));
+    if (installed === 'REPLICA') throw replicaError();
+    if (installed !== 'INSTALLED') {
+      throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
     }
-    throw new FenceSourceError(
-      'could not install a new fence epoch in Redis (too much contention, or epoch_seq is behind)',
+    const [next] = await postgres('nextval', sql`select nextval('palisade.epoch_seq') as epoch`);
+    const epoch = int8(next?.epoch);
+    if (epoch === null || epoch < 1n) throw new FenceSourceError('nextval of palisade.epoch_seq returned nothing');
+    if (epoch > REDIS_MAX_EPOCH) {
+      throw new FenceSourceError(`palisade.epoch_seq passed ${REDIS_MAX_EPOCH}: Redis fences have no epochs left`);
+    }
+    const activated = await script(
+      'palisadeActivateEpochV2',
+      keys.fence,
+      nonce,
+      epoch.toString(),
+      REDIS_MAX_COUNTER.toString(),
+    );
+    if (activated === 'BEHIND') {
+      throw new FenceSourceError(
+        `palisade.epoch_seq (${epoch}) is at or below the epoch already in Redis for namespace ${JSON.stringify(options.namespace)}: the sequence went back (a restore?) or another database is in use; grants refuse until it is set above that epoch`,
+      );
+    }
+    // ACTIVE, or GONE (the placeholder expired or the history changed meanwhile): the grant retries either way.
+  }
+
+  function replicaError(): FenceSourceError {
+    return new FenceSourceError(
+      'the Redis server is not a primary (role is not master): a replica grants nothing, connect to the primary',
     );
   }
 
   async function newEpochInRedis(observed: string): Promise<void> {
     const bumped = await script(
-      'palisadeBumpEpochV1',
+      'palisadeBumpEpochV2',
       keys.fence,
       observed,
       REDIS_MAX_COUNTER.toString(),
       REDIS_MAX_EPOCH.toString(),
     );
     if (bumped === 'EXHAUSTED') throw new FenceSourceError('the Redis fence counter has no epochs left');
+    if (bumped === 'REPLICA') throw replicaError();
   }
 
-  async function recover(reason: string, observed: string, deadline: number): Promise<void> {
+  async function recover(reason: string, observed: string): Promise<void> {
     if (reason === 'pending') return sleep(jitter(5, 30));
-    if (epochs) return newEpochFromPostgres(deadline);
+    if (reason === 'replica') throw replicaError();
+    if (epochs) return newEpochFromPostgres();
     if (reason === 'exhausted') return newEpochInRedis(observed); // the state is intact: the next epoch is above it
     if (!allowFresh) {
       throw new FenceSourceError(
@@ -621,7 +672,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
       const reply = (await script(
-        'palisadeGrantV2',
+        'palisadeGrantV3',
         keys.lock(name),
         keys.grant(name),
         keys.fence,
@@ -643,7 +694,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
         throw new FenceSourceError(`unexpected reply to the grant script: ${JSON.stringify(reply)}`);
       }
       if (performance.now() >= deadline) break;
-      await recover(String(reply[1]), String(reply[2] ?? ''), deadline);
+      await recover(String(reply[1]), String(reply[2] ?? ''));
     }
     throw new FenceSourceError('the Redis fence counter did not settle on a new epoch in time');
   }

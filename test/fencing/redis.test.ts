@@ -185,13 +185,16 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(splitRedisFence(afterMove.fence).epoch).toBeGreaterThan(splitRedisFence(afterLoss.fence).epoch);
   });
 
-  it('never installs an epoch taken before a flush, even from a client that paused in between', async () => {
+  it('never activates an epoch taken by a client that paused while the counter was lost and others went on', async () => {
     const { manager, open, redis, keys, test } = await redisScenario(REDIS_URL);
-    // The paused client's Postgres answers nextval, then the client stops until we let it go on.
+    // The paused client put its placeholder in Redis and took an epoch; then it stops until we let it go on.
     const gate = pauseAfter(test.db, 'nextval');
+    onTestFinished(gate.open);
     const paused = open({ epochs: gate.db });
     const pausedLease = paused.acquire('p', { ttlMs: 5_000 });
     const staleEpoch = await gate.reached;
+    expect(await redis.hget(keys.fence, 'state')).toBe('pending');
+    await redis.del(keys.fence); // the counter, and the placeholder with it, is lost while the client is paused
 
     const issued: bigint[] = [];
     for (let i = 0; i < 3; i++) {
@@ -200,25 +203,26 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
       await lease.release();
     }
     expect(splitRedisFence(issued[0] as never).epoch).toBeGreaterThan(staleEpoch);
-    await redis.del(keys.fence); // the counter is lost while the client is paused
     gate.open();
 
     const lease = await pausedLease;
     expect(lease.fence).toBeGreaterThan(issued[2] as bigint);
-    expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(splitRedisFence(issued[2] as never).epoch);
+    // It found its placeholder gone and joined the newer epoch instead of activating its own.
+    expect(splitRedisFence(lease.fence).epoch).toBe(splitRedisFence(issued[2] as never).epoch);
+    expect(await redis.hget(keys.fence, 'epoch')).toBe(String(splitRedisFence(issued[2] as never).epoch));
     await lease.release();
   });
 
-  it('an epoch install abandoned half-way (the client stalls before confirming) expires; others go on above it', async () => {
+  it('an epoch install abandoned half-way (the client stalls after nextval) expires; others go on above it', async () => {
     const { manager, open, redis, keys, test } = await redisScenario(REDIS_URL);
-    const gate = pauseAfter(test.db, 'last_value');
+    const gate = pauseAfter(test.db, 'nextval');
     onTestFinished(gate.open);
     const stalled = open({ epochs: gate.db, commandTimeoutMs: 400 }); // its pending install lives 1 s
     const stalledAcquire = stalled.acquire('a', { ttlMs: 5_000 }).catch((e: unknown) => e);
-    const abandoned = await gate.reached; // it installed this epoch as pending, then stalled
+    const abandoned = await gate.reached; // it put its placeholder in Redis and took this epoch, then stalled
     expect(await redis.hget(keys.fence, 'state')).toBe('pending');
 
-    const lease = await manager.acquire('b', { ttlMs: 5_000 }); // waits for the pending install to expire
+    const lease = await manager.acquire('b', { ttlMs: 5_000 }); // waits for the placeholder to expire
     expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(abandoned);
     expect(await stalledAcquire).toBeInstanceOf(CommandTimeoutError);
     gate.open();
@@ -500,8 +504,8 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
 
 /**
  * The epochs database of a client that pauses (as a GC pause or SIGSTOP
- * would) right after the first statement containing `marker` — `nextval`
- * or the confirming `last_value` read — until `open()`. `reached` gives
+ * would) right after the first statement containing `marker` (`nextval`:
+ * after it put its placeholder in Redis and took an epoch) until `open()`. `reached` gives
  * the first value of the first row that statement returned.
  */
 function pauseAfter(
