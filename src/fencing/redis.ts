@@ -10,7 +10,7 @@
  *
  * - `{palisade:<ns>}:lock:<name>` — the lock: a string holding the owner token, with the TTL.
  * - `{palisade:<ns>}:grant:<name>` — what `inspect` shows: token, fence, holder, grant time (same TTL).
- * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, server identity.
+ * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, data history (`run_id/master_replid`).
  * - `{palisade:<ns>}:queue:<name>` — the waiters in line: a sorted set of token → place (1, 2, …).
  * - `{palisade:<ns>}:seen:<name>` — when each waiter last retried: token → Redis `TIME` in ms.
  * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here,
@@ -44,36 +44,24 @@
  *
  * ## Fences
  *
- * A fence is `epoch << 39 | counter`: a 24-bit epoch (1 … 16,777,215) above a
- * 39-bit counter (1 … 549,755,813,887), so every fence fits in 2^63 − 1 and
- * fences compare by (epoch, counter). The grant script increments the
- * counter and returns epoch and counter as strings (Lua numbers are doubles);
- * the client joins them as a bigint.
+ * A fence is `epoch << 39 | counter` (a 24-bit epoch above a 39-bit
+ * counter: every fence fits in 2^63 − 1 and compares by epoch, then
+ * counter). The fence state records the data history it was written on
+ * (see IDENTITY below for why `run_id/master_replid` names one); the grant
+ * script issues a fence only from an active state of the current history
+ * whose counter is not used up. Otherwise the client takes a new epoch:
  *
- * The counter can vanish or go back: a restart without persistence, a
- * restart from an older RDB/AOF, `FLUSHDB`/`FLUSHALL`, eviction, a failover
- * to a replica that lagged. The fence state therefore records the identity of
- * the server that runs it (`run_id` from `INFO server`, read by
- * the script itself — never a client's cached value). The grant script
- * refuses to issue a fence when the state is missing, belongs to another
- * server identity (restart, failover, promotion) or the counter is used up.
- * The client then takes a new epoch from Postgres (`nextval` of
- * `palisade.epoch_seq`) and installs it in three steps:
+ * 1. a placeholder in Redis (state pending, the client's nonce), only over a
+ *    missing, foreign or used-up state — while it lives nobody else installs;
+ * 2. `nextval` of `palisade.epoch_seq` in Postgres, taken only now, so it is
+ *    above every epoch taken before — every epoch ever active here included;
+ * 3. activation, only if that very placeholder is still there on the same
+ *    history (a client that paused past the placeholder's TTL, or across a
+ *    flush or a failover, activates nothing and retries).
  *
- * 1. *install* it as `pending` (only over a missing, foreign-identity or
- *    used-up state, or a lower pending one; never over a healthy one, never
- *    with an epoch at or below the one present; the pending state expires);
- * 2. *confirm* in Postgres that no higher epoch was handed out meanwhile
- *    (`last_value` of the sequence is still ours) — an epoch taken before a
- *    flush by a client that then paused must never be installed after fences
- *    of a later epoch were issued;
- * 3. *activate* it, only if the very pending state it installed (same nonce,
- *    same server identity) is still there.
- *
- * Grants only ever use an active state, so every fence issued under a new
- * epoch is above every fence issued before it. Concurrent clients that find
- * the state missing race through these steps; the highest confirmed epoch
- * wins and the epoch never goes down.
+ * No step compares with other namespaces, so a recovery of many namespaces at
+ * once never starves one. The README (Lock managers → Redis, and what each
+ * guarantees) is the manual.
  */
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
@@ -134,8 +122,8 @@ export interface RedisLockManagerOptions {
   /**
    * Only without `epochs`. `false` (the default): when the counter is missing
    * (a flush, an eviction, a restart without persistence — indistinguishable
-   * from the first use of a namespace) or belongs to another server identity
-   * (a restart, a failover), grants fail with `FenceSourceError` — nothing
+   * from the first use of a namespace) or belongs to another data history
+   * (a restart, a failover, a failback), grants fail with `FenceSourceError` — nothing
    * in Redis alone can prove the next fence would be above the last.
    * `true`: start a missing counter at epoch 1 and move a foreign one to the
    * next epoch. **Unsafe after a reset**: fences can then go *down*, and a
@@ -204,8 +192,12 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  *
  * Guarantees:
  * - fences of a namespace strictly increase across all its lock names, and
- *   — with `epochs` — across losses of the Redis counter (restart without
- *   persistence, flush, eviction, failover, restart from an older snapshot);
+ *   — with `epochs` — the first fence after any change of the data history
+ *   (restart without persistence or from an older snapshot, flush,
+ *   eviction, failover, failback, a resync followed by a promotion) is above
+ *   every fence issued before it; many namespaces recover at once without
+ *   waiting for each other;
+ * - a replica grants nothing (`FenceSourceError`), even a writable one;
  * - the grant is idempotent per token (a re-sent grant returns the same
  *   fence); release and extend act only for the token that holds the lock;
  * - no Redis command or Postgres statement waits longer than
@@ -225,13 +217,16 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  *   (a restore of an old backup), when managers of one namespace use
  *   different Redis servers or different Postgres databases, when someone
  *   edits palisade's keys by hand (or an in-place reload such as `DEBUG
- *   RELOAD` of an older file keeps the server identity), or without
+ *   RELOAD` of an older file keeps the data history), or without
  *   `epochs` and with `allowFreshCounter` (see there);
  * - a single order across a split brain: an old primary cut off by a
  *   failover may keep granting fences of its old epoch — below the new
  *   primary's, so its holders lose every row the new holders wrote (the
  *   safe direction) — until it is demoted (`min-replicas-to-write` bounds
- *   that window);
+ *   that window). If the old primary loses its counter during the split,
+ *   its new epoch is above the new primary's: the new primary's holders are
+ *   then refused (never applied stale) on rows the old one's holders wrote,
+ *   until the new primary's next epoch;
  * - that `release()` says `'released'` when ioredis re-sent a release
  *   whose reply was lost: the second run finds the lock gone and says
  *   `'lost'` (the lock is free either way);
@@ -246,10 +241,10 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  * Needs: Redis ≥ 6 (scripts call `INFO`, `TIME`, `PUBLISH`; an ACL user
  * needs them), a single node, primary/replicas, or a Redis Cluster (an
  * ioredis `Cluster`: a namespace's keys share one slot; a failover to a
- * replica changes the server identity, so the next grant takes a new
- * epoch). Epoch recovery
- * takes a few round trips and may make one grant wait, bounded, while
- * other clients finish installing an epoch; it is not counted in `waitMs`.
+ * replica changes the data history, so the next grant takes a new
+ * epoch). Epoch recovery takes three round trips (two to Redis, one to
+ * Postgres) and may make a grant wait, bounded, while another client of the
+ * namespace finishes installing an epoch; it is not counted in `waitMs`.
  *
  * @throws {InvalidArgumentError} for bad options.
  */
@@ -656,7 +651,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       throw new FenceSourceError(
         reason === 'missing'
           ? `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} is missing (flushed, evicted, restarted without persistence, or never used) and no epochs database is configured: refusing to start fences again`
-          : `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} was written by another server (restart or failover) and no epochs database is configured: it may be behind fences already issued`,
+          : `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} was written on another data history (a restart, failover or failback) and no epochs database is configured: it may be behind fences already issued`,
       );
     }
     return newEpochInRedis(reason === 'missing' ? '' : observed);
