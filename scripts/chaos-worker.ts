@@ -199,7 +199,7 @@ async function main(): Promise<void> {
       }
       const fence = lease.fence.toString();
       record({ type: 'ok', op: 'acquire', lock, fence, ...(server ? { server } : {}) });
-      say('acquired', { fence });
+      say('acquired', { fence, ...(server ? { server } : {}) });
 
       await sleep(Math.random() * args.holdMs);
 

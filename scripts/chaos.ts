@@ -186,6 +186,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     return r;
   };
   const replication = { failovers: 0, failbacks: 0 };
+  /** Grants the workers reported, per Redis server (their `acquired` lines), as they happen. */
+  const grantsSeen = new Map<string, number>();
   const splitBrains: { from: number; to: number; old: string; new: string }[] = [];
   const handles: Handle[] = [];
   const crashes: string[] = [];
@@ -247,7 +249,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       handle.ready = new Promise((resolve) => {
         child.once('exit', () => resolve());
         createInterface({ input: child.stdout as NodeJS.ReadableStream }).on('line', (line) => {
-          let m: { event?: string; fence?: string };
+          let m: { event?: string; fence?: string; server?: string };
           try {
             m = JSON.parse(line);
           } catch {
@@ -259,6 +261,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
           } else if (m.event === 'acquired') {
             handle.state = 'holding';
             handle.fence = m.fence;
+            if (m.server) grantsSeen.set(m.server, (grantsSeen.get(m.server) ?? 0) + 1);
           } else if (m.event === 'wrote' || m.event === 'skipped') handle.state = 'wrote';
           else if (m.event === 'released') handle.state = 'idle';
         });
@@ -320,9 +323,16 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       // A failback's workers stay on the old primary (maybe all of them): nobody grants on the new one.
       const early = handles.filter(() => random() < (back ? 0.25 : 0.5));
       if (back && random() < 0.5) early.length = 0;
+      // A failover always moves someone at once, so that both sides grant during the split.
+      if (!back && early.length === 0) early.push(handles[Math.floor(random() * handles.length)] as Handle);
       tell(early, next);
-      // Long enough for the lock keys the new primary replicated to expire, so that both sides grant.
+      const grantedBefore = grantsSeen.get(String(next.port)) ?? 0;
+      // Long enough for the lock keys the new primary replicated to expire, so that both sides grant …
       await sleep(between(1.2, 3) * o.ttlMs);
+      // … and, in a failover, until the new primary has granted at least once (bounded: 5 TTLs more).
+      for (let i = 0; !back && i < 250 && (grantsSeen.get(String(next.port)) ?? 0) === grantedBefore; i++) {
+        await sleep(o.ttlMs / 50);
+      }
       await redisAdmin(old).replicaof('127.0.0.1', String(next.port));
       splitBrains.push({ from, to: historyTime(), old: String(old.port), new: String(next.port) });
       topology = { primary: next, replica: old };
@@ -353,6 +363,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       // The run's minimum of failbacks, spread over its length.
       const due = ((replication.failbacks + 1) / (o.minFailbacks + 1)) * o.seconds * 1000;
       if (topology && replication.failbacks < o.minFailbacks && Date.now() - started > due) kind = 'failback';
+      // And at least one failover in the first fifth, with workers on both sides of its split brain.
+      if (topology && replication.failovers === 0 && Date.now() - started > o.seconds * 200) kind = 'failover';
       try {
         if (kind === 'failover' || kind === 'failback') {
           const began = Date.now();
