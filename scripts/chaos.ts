@@ -305,6 +305,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         ? ['pause', 'pause', 'kill', 'flush', 'restart']
         : ['pause', 'pause', 'kill', 'terminate', 'terminate'];
     const started = Date.now();
+    let failedOver = false;
     const tell = (to: readonly Handle[], server: PrivateRedis) => {
       for (const h of to)
         if (h.state !== 'exited') h.child.stdin?.write(`${JSON.stringify({ primary: server.port })}\n`);
@@ -363,10 +364,11 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       // The run's minimum of failbacks, spread over its length.
       const due = ((replication.failbacks + 1) / (o.minFailbacks + 1)) * o.seconds * 1000;
       if (topology && replication.failbacks < o.minFailbacks && Date.now() - started > due) kind = 'failback';
-      // And at least one failover in the first fifth, with workers on both sides of its split brain.
-      if (topology && replication.failovers === 0 && Date.now() - started > o.seconds * 200) kind = 'failover';
+      // And one failover (not a failback) in the first fifth, with workers on both sides of its split brain.
+      if (topology && !failedOver && Date.now() - started > o.seconds * 200) kind = 'failover';
       try {
         if (kind === 'failover' || kind === 'failback') {
+          if (kind === 'failover') failedOver = true;
           const began = Date.now();
           await failover(kind === 'failback');
           log(`nemesis: ${kind} took ${Date.now() - began} ms`);
