@@ -5,8 +5,10 @@
  * each with its own `--dir`, moved about with `REPLICAOF`. After every such
  * change, every new fence must be above every fence issued before it.
  */
+import { PgDialect } from 'drizzle-orm/pg-core';
 import type { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
+import { type Database, execute } from '../../src/driver.js';
 import { FenceSourceError } from '../../src/errors.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/redis.js';
@@ -54,6 +56,38 @@ async function inSync(replica: Redis, primary: Redis, key: string): Promise<void
     await sleep(20);
   }
   throw new Error('the replica did not catch up within 500 polls');
+}
+
+/**
+ * The epochs database of a client that pauses right after its first `nextval` (it has put its placeholder
+ * in Redis and taken an epoch) until `open()`; `reached` gives the epoch it took.
+ */
+function pauseAfterNextval(db: Database): { db: Database; reached: Promise<bigint>; open: () => void } {
+  const dialect = new PgDialect();
+  let reached!: (epoch: bigint) => void;
+  let open!: () => void;
+  const atGate = new Promise<bigint>((resolve) => {
+    reached = resolve;
+  });
+  const gate = new Promise<void>((resolve) => {
+    open = resolve;
+  });
+  let paused = false;
+  const gated = new Proxy(db, {
+    get(target, property, receiver) {
+      if (property !== 'execute') return Reflect.get(target, property, receiver);
+      return async (query: Parameters<Database['execute']>[0]) => {
+        const rows = await execute(target, query as never);
+        if (!paused && dialect.sqlToQuery(query as never).sql.includes('nextval')) {
+          paused = true;
+          reached(BigInt(String(rows[0]?.epoch)));
+          await gate;
+        }
+        return rows;
+      };
+    },
+  });
+  return { db: gated, reached: atGate, open };
 }
 
 interface Pair {
@@ -151,6 +185,34 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       // Every history change took an epoch of its own.
       const epochs = new Set(all.map((f) => splitRedisFence(f as never).epoch));
       expect(epochs.size).toBeGreaterThanOrEqual(4);
+    });
+
+    it('an epoch install caught by a failback (placeholder replicated, resynced back, promoted): no fence of the epoch it took', async () => {
+      const s = await redisScenario(REDIS_URL);
+      const { servers, clients, fenceKey } = await primaryAndReplica(s);
+      const [onP, onR] = clients;
+      // A client on P puts its placeholder in Redis and takes an epoch, then pauses before activating it.
+      const gate = pauseAfterNextval(s.test.db);
+      onTestFinished(gate.open);
+      const paused = s.open({ redis: connect(servers[0].url), epochs: gate.db, commandTimeoutMs: 20_000 });
+      const pausedLease = paused.acquire('job', { ttlMs: 5_000, waitMs: 20_000 });
+      const taken = await gate.reached;
+      await inSync(onR, onP, fenceKey);
+      expect(await onR.hget(fenceKey, 'state')).toBe('pending'); // the placeholder reached the replica
+
+      // Failover and failback while it is paused: P is resynced from R (placeholder and all) and promoted again.
+      await onR.replicaof('NO', 'ONE');
+      await onP.replicaof('127.0.0.1', String(servers[1].port));
+      await inSync(onP, onR, fenceKey);
+      await onP.replicaof('NO', 'ONE');
+      await onR.replicaof('127.0.0.1', String(servers[0].port));
+      expect(await onP.hget(fenceKey, 'state')).toBe('pending'); // its own placeholder, nonce and all, on a new history
+      gate.open();
+
+      const lease = await pausedLease;
+      // No fence of the epoch taken on the old history: the grant took a new one on the new history.
+      expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(taken);
+      await lease.release();
     });
 
     it('a restart that reloads an older RDB takes a new epoch: fences issued after the snapshot are not re-issued', async () => {
