@@ -453,8 +453,8 @@ return 'INSTALLED'
 // Step 3: the epoch taken (step 2) after the placeholder was in place becomes
 // active, only if that very placeholder is still there on the same history.
 // An epoch at or below the floor means epoch_seq went back (a restore): the
-// state is left used up at the floor, so every grant refuses until the
-// sequence is set above it.
+// state is left used up at the floor, so grants keep refusing (each attempt
+// takes one more value) until the sequence passes the floor.
 // KEYS: fence state. ARGV: nonce, epoch, max counter. Replies: ACTIVE | GONE | BEHIND.
 const ACTIVATE_EPOCH = `${IDENTITY}
 local id = identity()
@@ -618,7 +618,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     );
     if (activated === 'BEHIND') {
       throw new FenceSourceError(
-        `palisade.epoch_seq (${epoch}) is at or below the epoch already in Redis for namespace ${JSON.stringify(options.namespace)}: the sequence went back (a restore?) or another database is in use; grants refuse until it is set above that epoch`,
+        `palisade.epoch_seq (${epoch}) is at or below the epoch already in Redis for namespace ${JSON.stringify(options.namespace)}: the sequence went back (a restore?) or another database is in use; grants refuse until the sequence passes that epoch`,
       );
     }
     // ACTIVE, or GONE (the placeholder expired or the history changed meanwhile): the grant retries either way.

@@ -230,6 +230,27 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     await lease.release();
   });
 
+  it('refuses to go below the epoch in Redis when epoch_seq went back (a restored database), until it passes it', async () => {
+    const { manager, redis, keys, test } = await redisScenario(REDIS_URL);
+    await test.db.execute(sql`select setval('palisade.epoch_seq', 50)`);
+    const first = await manager.acquire('r', { ttlMs: 5_000 });
+    await first.release();
+    const { epoch } = splitRedisFence(first.fence);
+    expect(epoch).toBe(51n);
+    await test.db.execute(sql`select setval('palisade.epoch_seq', 1)`); // as a restore of an older backup would
+    await redis.hset(keys.fence, 'id', 'another-run/another-replid'); // and the history changes: a new epoch is due
+
+    const refused = await manager.acquire('r', { ttlMs: 5_000 }).catch((e: unknown) => e);
+    expect(refused).toBeInstanceOf(FenceSourceError);
+    expect(await manager.acquire('r', { ttlMs: 5_000 }).catch((e: unknown) => e)).toBeInstanceOf(FenceSourceError);
+    expect(await redis.hget(keys.fence, 'epoch')).toBe(String(epoch)); // the floor stays in Redis
+
+    await test.db.execute(sql`select setval('palisade.epoch_seq', ${String(epoch + 10n)}::bigint)`);
+    const after = await manager.acquire('r', { ttlMs: 5_000 });
+    expect(after.fence).toBeGreaterThan(first.fence);
+    await after.release();
+  });
+
   it('without an epochs database, refuses a missing counter unless told it may start fresh', async () => {
     const { namespace, redis, keys } = await redisScenario(REDIS_URL);
     const strict = redisLockManager({ redis, namespace });
