@@ -14,13 +14,26 @@
  * (invoke, then ok / fail / unknown); stdout carries short JSON messages the
  * runner uses to aim its faults (`acquired`, `wrote`, `released`).
  *
+ * With `namespaces` > 1 it runs one such loop per namespace at once (each
+ * its own lock and counter row), so a Redis reset makes every namespace
+ * recover its epoch together. With `redisPorts` (the replication nemesis) it
+ * keeps a client and managers per Redis server and acquires on the one the
+ * runner last named as primary (`{"primary": port}` on stdin); a runner that
+ * tells some workers late leaves them granting on the old primary — the
+ * split brain — and the history's `server` field says which server granted.
+ *
  * argv[2]: JSON {@link ChaosWorkerArgs}.
  */
 import { createInterface } from 'node:readline';
 import { pathToFileURL } from 'node:url';
 import { bigint, bigserial, integer, pgTable, text } from 'drizzle-orm/pg-core';
-import { transaction } from '../src/driver.js';
+import { drizzle } from 'drizzle-orm/postgres-js';
+import { Redis } from 'ioredis';
+import postgres from 'postgres';
+import { type Database, transaction } from '../src/driver.js';
 import type { Lease } from '../src/fencing/lease.js';
+import type { LockManager } from '../src/fencing/lock-manager.js';
+import { redisLockManager } from '../src/fencing/redis.js';
 import { fencedRepository } from '../src/repo/repository.js';
 import { fenceColumns } from '../src/schema/fence-columns.js';
 import { historyRecorder } from '../src/testing/history.js';
@@ -47,6 +60,28 @@ export interface ChaosWorkerArgs {
   readonly checkSignal: boolean;
   /** The worker exits on its own after this long, even if never told to stop. */
   readonly maxRunMs: number;
+  /** Redis only: this many namespaces (`<namespace>-<i>`, counter row `<key>-<i>`), one loop each (default 1: `namespace`, `key`). */
+  readonly namespaces?: number;
+  /** Redis only, the replication nemesis: the loopback ports of every Redis server, and the primary to start on. */
+  readonly redisPorts?: readonly number[];
+  readonly primary?: number;
+}
+
+/** One lock and counter row a worker loop fights over. */
+export interface ChaosSlot {
+  readonly namespace: string;
+  readonly lock: string;
+  readonly key: string;
+}
+
+/** The (namespace, lock, counter row) of each loop, the same in the runner and its workers. */
+export function chaosSlots(namespace: string, lock: string, key: string, namespaces = 1): ChaosSlot[] {
+  if (namespaces <= 1) return [{ namespace, lock, key }];
+  return Array.from({ length: namespaces }, (_, i) => ({
+    namespace: `${namespace}-${i}`,
+    lock: `${lock}:${i}`, // distinct in the history too, where holds of one lock name are compared
+    key: `${key}-${i}`,
+  }));
 }
 
 /** The shared counter: a fenced table. */
@@ -73,89 +108,144 @@ export const CHAOS_DDL = [
      process text not null, value integer not null)`,
 ];
 
+/** Lock managers for each slot: on the one Redis (or Postgres) of the run, or on whichever server is the primary. */
+interface Managers {
+  readonly db: Database;
+  /** The manager to acquire with now, and the server it talks to (replication nemesis only). */
+  current(slot: ChaosSlot): { manager: LockManager; server?: string };
+  close(): Promise<void>;
+}
+
+async function openManagers(args: ChaosWorkerArgs, slots: ChaosSlot[]): Promise<Managers> {
+  if (args.kind !== 'redis' || (slots.length === 1 && !args.redisPorts)) {
+    const { manager, db, close } = await openManager(args);
+    return { db, current: () => ({ manager }), close };
+  }
+  // One loop per namespace shares this pool: wide enough that a statement rarely waits past its bound for a connection.
+  const client = postgres(args.databaseUrl, { max: slots.length > 1 ? 10 : 4, onnotice: () => {} });
+  const db = drizzle(client) as unknown as Database;
+  const ports = args.redisPorts ?? [Number(new URL(args.redisUrl ?? '').port)];
+  const clients = new Map<number, Redis>();
+  const managers = new Map<string, LockManager>();
+  for (const port of ports) {
+    const redis = new Redis(port, '127.0.0.1', { commandTimeout: 2_000, maxRetriesPerRequest: 1 });
+    redis.on('error', () => {}); // reconnects by itself; commands fail (bounded) meanwhile
+    clients.set(port, redis);
+    for (const slot of slots) {
+      managers.set(
+        `${port} ${slot.namespace}`,
+        redisLockManager({ redis, namespace: slot.namespace, epochs: db, commandTimeoutMs: 3_000 }),
+      );
+    }
+  }
+  let primary = args.primary ?? (ports[0] as number);
+  createInterface({ input: process.stdin }).on('line', (line) => {
+    if (!line.startsWith('{')) return;
+    const told = (JSON.parse(line) as { primary?: unknown }).primary;
+    if (typeof told === 'number' && clients.has(told)) primary = told;
+  });
+  return {
+    db,
+    current(slot) {
+      const manager = managers.get(`${primary} ${slot.namespace}`) as LockManager;
+      return args.redisPorts ? { manager, server: String(primary) } : { manager };
+    },
+    async close() {
+      for (const manager of managers.values()) await manager.close().catch(() => {});
+      for (const redis of clients.values()) redis.disconnect();
+      await client.end({ timeout: 5 });
+    },
+  };
+}
+
 async function main(): Promise<void> {
   const args = JSON.parse(process.argv[2] ?? '{}') as ChaosWorkerArgs;
-  const record = historyRecorder(args.history, args.process);
   const say = (event: string, data: Record<string, unknown> = {}) =>
     process.stdout.write(`${JSON.stringify({ event, ...data })}\n`);
   const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
   const codeOf = (err: unknown) => String((err as { code?: unknown })?.code ?? (err as Error)?.name ?? 'error');
 
-  record({ type: 'ok', op: 'start' });
-  const { manager, db, close } = await openManager(args);
+  const slots = chaosSlots(args.namespace, args.lock, args.key, args.namespaces);
+  // The history's "process" is one sequential loop: `w1`, or `w1.0`, `w1.1`, … with one loop per namespace.
+  const labelOf = (i: number) => (slots.length > 1 ? `${args.process}.${i}` : args.process);
+  for (let i = 0; i < slots.length; i++) historyRecorder(args.history, labelOf(i))({ type: 'ok', op: 'start' });
+  const managers = await openManagers(args, slots);
+  const { db } = managers;
   const stopAt = Date.now() + args.maxRunMs;
   let stopping = false;
   createInterface({ input: process.stdin }).on('line', (line) => {
-    if (line.includes('stop')) stopping = true;
+    if (line.trim() === 'stop') stopping = true;
   });
   // Tell the runner which backend sessions to aim at, and that we are up.
   say('ready', { pid: process.pid });
 
-  while (!stopping && Date.now() < stopAt) {
-    record({ type: 'invoke', op: 'acquire', lock: args.lock });
-    let lease: Lease;
-    try {
-      lease = await manager.acquire(args.lock, { ttlMs: args.ttlMs, waitMs: args.waitMs, holder: args.process });
-    } catch (err) {
-      const code = codeOf(err);
-      // A bounded wait that ended is a certain failure; anything else (a dropped connection) may have granted.
-      record({ type: code === 'lock_unavailable' ? 'fail' : 'unknown', op: 'acquire', lock: args.lock, reason: code });
-      await sleep(20 + Math.random() * 80);
-      continue;
-    }
-    const fence = lease.fence.toString();
-    record({ type: 'ok', op: 'acquire', lock: args.lock, fence });
-    say('acquired', { fence });
-
-    await sleep(Math.random() * args.holdMs);
-
-    if (args.checkSignal && lease.signal.aborted) {
-      say('skipped', { fence });
-    } else {
-      record({ type: 'invoke', op: 'increment', key: args.key, fence });
+  const loop = async (slot: ChaosSlot, i: number) => {
+    const { lock, key } = slot;
+    const label = labelOf(i);
+    const record = historyRecorder(args.history, label);
+    while (!stopping && Date.now() < stopAt) {
+      record({ type: 'invoke', op: 'acquire', lock });
+      const { manager, server } = managers.current(slot);
+      let lease: Lease;
       try {
-        const result = await transaction(db, async (tx) => {
-          const r = await fencedRepository(tx, chaosCounter).modify({ id: args.key }, lease.fence, (row) => ({
-            n: row.n + 1,
-          }));
-          if (r.status === 'applied') {
-            await tx
-              .insert(chaosAudit)
-              .values({ key: args.key, fence: lease.fence, process: args.process, value: r.row.n });
-          }
-          return r;
-        });
-        if (result.status === 'applied') {
-          record({ type: 'ok', op: 'increment', key: args.key, fence, value: result.row.n });
-        } else {
-          record({ type: 'fail', op: 'increment', key: args.key, fence, reason: result.status });
-        }
-        say('wrote', { fence, status: result.status });
+        lease = await manager.acquire(lock, { ttlMs: args.ttlMs, waitMs: args.waitMs, holder: label });
       } catch (err) {
         const code = codeOf(err);
-        // `retryable` (40001/40P01) rolled back: certainly not applied. Anything else: the commit may have landed.
-        record({
-          type: code === 'retryable' ? 'fail' : 'unknown',
-          op: 'increment',
-          key: args.key,
-          fence,
-          reason: code,
-        });
-        say('wrote', { fence, status: code });
+        // A bounded wait that ended is a certain failure; anything else (a dropped connection) may have granted.
+        record({ type: code === 'lock_unavailable' ? 'fail' : 'unknown', op: 'acquire', lock, reason: code });
+        if (code !== 'lock_unavailable') process.stderr.write(`acquire: ${String(err)}\n`);
+        await sleep(20 + Math.random() * 80);
+        continue;
       }
-    }
+      const fence = lease.fence.toString();
+      record({ type: 'ok', op: 'acquire', lock, fence, ...(server ? { server } : {}) });
+      say('acquired', { fence, ...(server ? { server } : {}) });
 
-    record({ type: 'invoke', op: 'release', lock: args.lock, fence });
-    try {
-      const released = await lease.release();
-      record({ type: 'ok', op: 'release', lock: args.lock, fence, reason: released });
-    } catch (err) {
-      record({ type: 'unknown', op: 'release', lock: args.lock, fence, reason: codeOf(err) });
-    }
-    say('released', { fence });
-  }
+      await sleep(Math.random() * args.holdMs);
 
-  await close();
+      if (args.checkSignal && lease.signal.aborted) {
+        say('skipped', { fence });
+      } else {
+        record({ type: 'invoke', op: 'increment', key, fence });
+        try {
+          const result = await transaction(db, async (tx) => {
+            const r = await fencedRepository(tx, chaosCounter).modify({ id: key }, lease.fence, (row) => ({
+              n: row.n + 1,
+            }));
+            if (r.status === 'applied') {
+              await tx.insert(chaosAudit).values({ key, fence: lease.fence, process: label, value: r.row.n });
+            }
+            return r;
+          });
+          if (result.status === 'applied') {
+            record({ type: 'ok', op: 'increment', key, fence, value: result.row.n });
+          } else {
+            record({ type: 'fail', op: 'increment', key, fence, reason: result.status });
+          }
+          say('wrote', { fence, status: result.status });
+        } catch (err) {
+          const code = codeOf(err);
+          // `retryable` (40001/40P01) rolled back: certainly not applied. Anything else: the commit may have landed.
+          record({ type: code === 'retryable' ? 'fail' : 'unknown', op: 'increment', key, fence, reason: code });
+          say('wrote', { fence, status: code });
+        }
+      }
+
+      record({ type: 'invoke', op: 'release', lock, fence });
+      try {
+        const released = await lease.release();
+        record({ type: 'ok', op: 'release', lock, fence, reason: released });
+      } catch (err) {
+        record({ type: 'unknown', op: 'release', lock, fence, reason: codeOf(err) });
+      }
+      say('released', { fence });
+      // Many loops in one process: a pause between rounds keeps the machine (and Postgres) breathing.
+      if (slots.length > 1) await sleep(50 + Math.random() * 150);
+    }
+  };
+  await Promise.all(slots.map(loop));
+
+  await managers.close();
   say('exit');
   process.exit(0);
 }

@@ -5,6 +5,7 @@
  *
  * ```sh
  * npm run chaos -- --backend redis|postgres|advisory --workers 4 --seconds 20 [--ttl 1000] [--out DIR] [--seed N]
+ * npm run chaos -- --backend redis --nemesis replication [--namespaces 50] [--min-failbacks 2] …
  * ```
  *
  * Faults, at random intervals (seeded; the timing itself is the machine's):
@@ -14,7 +15,24 @@
  * - redis: FLUSHDB of, or kill -9 and restart of, a redis-server this runner
  *   started itself on a free loopback port (the shared 6379 is never used);
  * - postgres / advisory: `pg_terminate_backend` of the holder's connections
- *   (its pool, and for advisory the session that holds the lock).
+ *   (its pool, and for advisory the session that holds the lock);
+ * - redis `--nemesis replication`: the runner owns a primary and a replica
+ *   (two redis-servers, each its own `--dir`) and tells the workers which is
+ *   the primary (a line on their stdin). Failover: the replica is promoted,
+ *   some workers (maybe none) are told at once while the others go on
+ *   granting on the old primary for 0.3–1.5 s — a split brain — then the old
+ *   primary is made a replica of the new one (a full resync) and everyone is
+ *   told. Failback: the same, then at once the old primary is promoted back
+ *   and the other follows it (the old primary now holds the other's, older,
+ *   counter under its own run_id). Also: the replica restarted empty (a full
+ *   resync), the primary restarted empty, FLUSHALL, pauses and kills. The
+ *   report counts failovers, failbacks and the grants on each side of every
+ *   split brain; a run with fewer than `--min-failbacks` failbacks, or without
+ *   grants on both sides of a split brain, failed to bite.
+ *
+ * With `--namespaces N` (redis) every worker runs one loop per namespace, each
+ * its own lock and counter row: a flush or restart makes all N namespaces
+ * recover their fence epoch at the same moment.
  *
  * Each run gets a fresh database (CREATE DATABASE on DATABASE_URL, dropped
  * afterwards unless `--keep`) and a namespace of its own. When the time is
@@ -35,15 +53,19 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../src/driver.js';
+import type { LockManager } from '../src/fencing/lock-manager.js';
+import { redisLockManager } from '../src/fencing/redis.js';
 import { migrate } from '../src/migrate.js';
 import { type AuditRow, checkHistory, formatReport, type Report } from '../src/testing/checker.js';
-import { historyRecorder, readHistory } from '../src/testing/history.js';
+import { historyRecorder, historyTime, readHistory } from '../src/testing/history.js';
 import { openManager } from '../test/support/managers.js';
 import { type PrivateRedis, startPrivateRedis } from '../test/support/redis-server.js';
-import { CHAOS_DDL, type ChaosWorkerArgs } from './chaos-worker.js';
+import { CHAOS_DDL, type ChaosSlot, type ChaosWorkerArgs, chaosSlots } from './chaos-worker.js';
 
 /** Backends the chaos run knows how to fault. */
 export type ChaosBackend = 'redis' | 'postgres' | 'advisory';
+/** Which faults: the backend's own (`standard`), or Redis failovers and failbacks (`replication`, redis only). */
+export type ChaosNemesis = 'standard' | 'replication';
 
 /** Options of {@link runChaos}. */
 export interface ChaosOptions {
@@ -66,6 +88,24 @@ export interface ChaosOptions {
   readonly keepDatabase?: boolean;
   /** Progress lines (default: none). */
   readonly log?: (line: string) => void;
+  /** Default `standard`; `replication` needs the redis backend. */
+  readonly nemesis?: ChaosNemesis;
+  /** Redis only: namespaces, each with its own lock and counter row (default 1). */
+  readonly namespaces?: number;
+  /** The replication nemesis: the fewest failbacks a run must make (default 2). */
+  readonly minFailbacks?: number;
+}
+
+/** What the replication nemesis did, and the grants on each side of its split brains. */
+export interface ReplicationSummary {
+  readonly failovers: number;
+  /** Failovers back to a server that had been the primary before. */
+  readonly failbacks: number;
+  readonly splitBrains: number;
+  /** Grants by the old primary while the new one was already promoted. */
+  readonly grantsOnOldPrimary: number;
+  /** Grants by the new primary while the old one was not yet demoted. */
+  readonly grantsOnNewPrimary: number;
 }
 
 /** What a chaos run found. */
@@ -81,6 +121,8 @@ export interface ChaosResult {
   readonly counter: number;
   /** Workers that exited without being killed or stopped (restarted, and reported). */
   readonly crashes: readonly string[];
+  /** The replication nemesis only. */
+  readonly replication?: ReplicationSummary;
 }
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url));
@@ -129,7 +171,24 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
   const runUrl = withDatabase(o.databaseUrl, dbName);
   const client = postgres(runUrl, { max: 2, onnotice: () => {} });
   const db = drizzle(client) as unknown as Database;
+  const slots = chaosSlots(namespace, LOCK, KEY, o.namespaces);
+  // The Redis servers the run owns: one, or a primary and a replica (the replication nemesis).
   let redis: PrivateRedis | undefined;
+  let topology: { primary: PrivateRedis; replica: PrivateRedis } | undefined;
+  const redisAdmins = new Map<PrivateRedis, Redis>();
+  const redisAdmin = (server: PrivateRedis): Redis => {
+    let r = redisAdmins.get(server);
+    if (!r) {
+      r = new Redis(server.port, '127.0.0.1', { commandTimeout: 10_000, maxRetriesPerRequest: 2 });
+      r.on('error', () => {});
+      redisAdmins.set(server, r);
+    }
+    return r;
+  };
+  const replication = { failovers: 0, failbacks: 0 };
+  /** Grants the workers reported, per Redis server (their `acquired` lines), as they happen. */
+  const grantsSeen = new Map<string, number>();
+  const splitBrains: { from: number; to: number; old: string; new: string }[] = [];
   const handles: Handle[] = [];
   const crashes: string[] = [];
   // Until the workers are up, a crash is restarted as during the run.
@@ -137,15 +196,28 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
   try {
     await migrate(db);
     for (const ddl of CHAOS_DDL) await client.unsafe(ddl);
-    await client`insert into chaos_counter (id, n) values (${KEY}, 0)`;
-    if (o.backend === 'redis') redis = await startPrivateRedis();
-    log(`database ${dbName}, namespace ${namespace}${redis ? `, redis-server on ${redis.url}` : ''}, out ${outDir}`);
+    for (const slot of slots) await client`insert into chaos_counter (id, n) values (${slot.key}, 0)`;
+    if (o.nemesis === 'replication') {
+      // Each its own --dir (startPrivateRedis); a full resync starts at once instead of after 5 s.
+      const pair = [await startPrivateRedis(PROMPT_SYNC), await startPrivateRedis(PROMPT_SYNC)] as const;
+      topology = { primary: pair[0], replica: pair[1] };
+      await redisAdmin(pair[1]).replicaof('127.0.0.1', String(pair[0].port));
+      await inSync(redisAdmin(pair[1]));
+      redis = pair[0];
+    } else if (o.backend === 'redis') redis = await startPrivateRedis();
+    log(
+      `database ${dbName}, namespace ${namespace}${o.namespaces > 1 ? ` (×${o.namespaces})` : ''}${topology ? `, redis primary ${topology.primary.port} and replica ${topology.replica.port}` : redis ? `, redis-server on ${redis.url}` : ''}, out ${outDir}`,
+    );
 
     const workerArgs = (label: string): ChaosWorkerArgs => ({
       kind: o.backend,
       namespace,
       databaseUrl: runUrl,
       ...(redis ? { redisUrl: redis.url } : {}),
+      ...(topology
+        ? { redisPorts: [topology.primary.port, topology.replica.port].sort(), primary: topology.primary.port }
+        : {}),
+      ...(o.namespaces > 1 ? { namespaces: o.namespaces } : {}),
       process: label,
       lock: LOCK,
       key: KEY,
@@ -177,7 +249,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       handle.ready = new Promise((resolve) => {
         child.once('exit', () => resolve());
         createInterface({ input: child.stdout as NodeJS.ReadableStream }).on('line', (line) => {
-          let m: { event?: string; fence?: string };
+          let m: { event?: string; fence?: string; server?: string };
           try {
             m = JSON.parse(line);
           } catch {
@@ -189,6 +261,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
           } else if (m.event === 'acquired') {
             handle.state = 'holding';
             handle.fence = m.fence;
+            if (m.server) grantsSeen.set(m.server, (grantsSeen.get(m.server) ?? 0) + 1);
           } else if (m.event === 'wrote' || m.event === 'skipped') handle.state = 'wrote';
           else if (m.event === 'released') handle.state = 'idle';
         });
@@ -226,14 +299,100 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       }
       return undefined;
     };
-    const kinds =
-      o.backend === 'redis'
+    const kinds = topology
+      ? ['pause', 'kill', 'failover', 'failback', 'resync', 'restart', 'flush']
+      : o.backend === 'redis'
         ? ['pause', 'pause', 'kill', 'flush', 'restart']
         : ['pause', 'pause', 'kill', 'terminate', 'terminate'];
+    const started = Date.now();
+    let failedOver = false;
+    const tell = (to: readonly Handle[], server: PrivateRedis) => {
+      for (const h of to)
+        if (h.state !== 'exited') h.child.stdin?.write(`${JSON.stringify({ primary: server.port })}\n`);
+    };
+    /**
+     * Promotes the replica while the old primary goes on granting to the workers not told yet (a split
+     * brain of 1.2–3 TTLs), then makes the old primary a replica of the new one (a full resync). With
+     * `back`, the old primary is promoted again at once and the other follows it: the failback.
+     */
+    const failover = async (back: boolean) => {
+      if (!topology) return;
+      const { primary: old, replica: next } = topology;
+      await redisAdmin(next).replicaof('NO', 'ONE');
+      const from = historyTime();
+      replication.failovers++;
+      // A failback's workers stay on the old primary (maybe all of them): nobody grants on the new one.
+      const early = handles.filter(() => random() < (back ? 0.25 : 0.5));
+      if (back && random() < 0.5) early.length = 0;
+      // A failover always moves someone at once, so that both sides grant during the split.
+      if (!back && early.length === 0) early.push(handles[Math.floor(random() * handles.length)] as Handle);
+      tell(early, next);
+      const grantedBefore = grantsSeen.get(String(next.port)) ?? 0;
+      // Long enough for the lock keys the new primary replicated to expire, so that both sides grant …
+      await sleep(between(1.2, 3) * o.ttlMs);
+      // … and, in a failover, until the new primary has granted at least once (bounded: 5 TTLs more).
+      for (let i = 0; !back && i < 250 && (grantsSeen.get(String(next.port)) ?? 0) === grantedBefore; i++) {
+        await sleep(o.ttlMs / 50);
+      }
+      await redisAdmin(old).replicaof('127.0.0.1', String(next.port));
+      splitBrains.push({ from, to: historyTime(), old: String(old.port), new: String(next.port) });
+      topology = { primary: next, replica: old };
+      if (back) {
+        await inSync(redisAdmin(old));
+        await redisAdmin(old).replicaof('NO', 'ONE');
+        await redisAdmin(next).replicaof('127.0.0.1', String(old.port));
+        replication.failovers++;
+        replication.failbacks++;
+        topology = { primary: old, replica: next };
+        tell(handles, old);
+        fault(
+          'failback',
+          `${next.port} promoted, ${early.length} worker(s) told; ${old.port} granted on, was resynced from it and promoted back`,
+        );
+        await inSync(redisAdmin(next));
+      } else {
+        if (replication.failovers > 1) replication.failbacks++; // two servers: every later failover goes back
+        tell(handles, next);
+        fault('failover', `${next.port} promoted, ${early.length} worker(s) told at once; ${old.port} demoted after`);
+        await inSync(redisAdmin(old));
+      }
+    };
     while (Date.now() < deadline) {
       await sleepUntil(between(200, 800));
       if (Date.now() >= deadline) break;
-      const kind = kinds[Math.floor(random() * kinds.length)] as string;
+      let kind = kinds[Math.floor(random() * kinds.length)] as string;
+      // The run's minimum of failbacks, spread over its length.
+      const due = ((replication.failbacks + 1) / (o.minFailbacks + 1)) * o.seconds * 1000;
+      if (topology && replication.failbacks < o.minFailbacks && Date.now() - started > due) kind = 'failback';
+      // And one failover (not a failback) in the first fifth, with workers on both sides of its split brain.
+      if (topology && !failedOver && Date.now() - started > o.seconds * 200) kind = 'failover';
+      try {
+        if (kind === 'failover' || kind === 'failback') {
+          if (kind === 'failover') failedOver = true;
+          const began = Date.now();
+          await failover(kind === 'failback');
+          log(`nemesis: ${kind} took ${Date.now() - began} ms`);
+          continue;
+        }
+        if (kind === 'resync' && topology) {
+          const { primary, replica } = topology;
+          fault('resync', `replica ${replica.port} restarted empty, full resync from ${primary.port}`);
+          await replica.restart();
+          await redisAdmin(replica).replicaof('127.0.0.1', String(primary.port));
+          await inSync(redisAdmin(replica));
+          continue;
+        }
+        if (kind === 'restart' && topology) {
+          fault('restart', `kill -9 and restart of the primary ${topology.primary.port} (empty; its replica resyncs)`);
+          await topology.primary.restart();
+          await inSync(redisAdmin(topology.replica));
+          continue;
+        }
+        if (kind === 'flush' && topology) redis = topology.primary;
+      } catch (err) {
+        log(`nemesis: ${kind} failed: ${String(err)}`);
+        continue;
+      }
       if (kind === 'pause') {
         const h = (await holder(2 * o.ttlMs)) ?? handles[Math.floor(random() * handles.length)];
         if (!h || h.state === 'exited') continue;
@@ -255,14 +414,18 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         const index = handles.indexOf(h);
         const fresh = spawnWorker(h.label);
         handles[index] = fresh;
-        await withTimeout(fresh.ready, 60_000, `${h.label} did not restart`);
+        // Not awaited: the faults go on while it starts (seconds on a busy machine); the drain waits for its exit.
       } else if (kind === 'flush' && redis) {
         const r = new Redis(redis.url, { maxRetriesPerRequest: 1, lazyConnect: true });
         r.on('error', () => {});
         try {
           await r.connect();
-          await r.flushdb();
-          fault('flush', 'FLUSHDB on the private redis-server (locks and fence counter gone)');
+          if (topology) await r.flushall();
+          else await r.flushdb();
+          fault(
+            'flush',
+            `${topology ? 'FLUSHALL on the primary' : 'FLUSHDB on the private redis-server'} (locks and fence counter gone)`,
+          );
         } catch (err) {
           log(`nemesis: FLUSHDB failed: ${String(err)}`);
         } finally {
@@ -301,41 +464,95 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     }
 
     log('workers stopped; probe');
-    // Nothing wedged: an acquire after the faults, waiting at most one TTL.
+    // Nothing wedged: an acquire per lock after the faults, each waiting at most one TTL.
     const probeRecord = historyRecorder(historyPath, 'probe');
-    const probe = await openManager({
-      kind: o.backend,
-      namespace,
-      databaseUrl: runUrl,
-      ...(redis ? { redisUrl: redis.url } : {}),
-    });
-    try {
-      probeRecord({ type: 'invoke', op: 'probe', lock: LOCK });
+    const probeWith = async (manager: LockManager, slot: ChaosSlot) => {
+      probeRecord({ type: 'invoke', op: 'probe', lock: slot.lock });
       try {
-        const lease = await probe.manager.acquire(LOCK, { ttlMs: o.ttlMs, waitMs: o.ttlMs, holder: 'probe' });
-        probeRecord({ type: 'ok', op: 'probe', lock: LOCK, fence: lease.fence.toString() });
+        const lease = await manager.acquire(slot.lock, { ttlMs: o.ttlMs, waitMs: o.ttlMs, holder: 'probe' });
+        probeRecord({ type: 'ok', op: 'probe', lock: slot.lock, fence: lease.fence.toString() });
         await lease.release();
       } catch (err) {
-        probeRecord({ type: 'fail', op: 'probe', lock: LOCK, reason: String((err as { code?: unknown }).code ?? err) });
+        probeRecord({
+          type: 'fail',
+          op: 'probe',
+          lock: slot.lock,
+          reason: String((err as { code?: unknown }).code ?? err),
+        });
       }
-    } finally {
-      await probe.close();
+    };
+    if (redis && (topology || slots.length > 1)) {
+      const primary = topology?.primary ?? redis;
+      const r = new Redis(primary.port, '127.0.0.1', { commandTimeout: 2_000, maxRetriesPerRequest: 1 });
+      r.on('error', () => {});
+      try {
+        for (const slot of slots) {
+          const manager = redisLockManager({
+            redis: r,
+            namespace: slot.namespace,
+            epochs: db,
+            commandTimeoutMs: 3_000,
+          });
+          await probeWith(manager, slot).finally(() => manager.close());
+        }
+      } finally {
+        r.disconnect();
+      }
+    } else {
+      const probe = await openManager({
+        kind: o.backend,
+        namespace,
+        databaseUrl: runUrl,
+        ...(redis ? { redisUrl: redis.url } : {}),
+      });
+      try {
+        await probeWith(probe.manager, slots[0] as ChaosSlot);
+      } finally {
+        await probe.close();
+      }
     }
 
     log('probe done; checking');
     const audit = (await client`select id, key, fence, process from chaos_audit order by id`) as unknown as AuditRow[];
-    const [counterRow] = await client<{ n: number }[]>`select n from chaos_counter where id = ${KEY}`;
-    const counter = Number(counterRow?.n ?? -1);
-    const report = checkHistory({ history: readHistory(historyPath), audit, counters: { [KEY]: counter } });
+    const counters: Record<string, number> = {};
+    for (const row of await client<{ id: string; n: number }[]>`select id, n from chaos_counter`) {
+      counters[row.id] = Number(row.n);
+    }
+    const counter = Object.values(counters).reduce((a, b) => a + b, 0);
+    const history = readHistory(historyPath);
+    const report = checkHistory({ history, audit, counters });
+    let summary: ReplicationSummary | undefined;
+    const missed: string[] = [];
+    if (topology) {
+      const grantsOn = (server: string, w: (typeof splitBrains)[number]) =>
+        history.filter(
+          (e) => e.op === 'acquire' && e.type === 'ok' && e.server === server && e.time >= w.from && e.time <= w.to,
+        ).length;
+      summary = {
+        ...replication,
+        splitBrains: splitBrains.length,
+        grantsOnOldPrimary: splitBrains.reduce((n, w) => n + grantsOn(w.old, w), 0),
+        grantsOnNewPrimary: splitBrains.reduce((n, w) => n + grantsOn(w.new, w), 0),
+      };
+      if (summary.failbacks < o.minFailbacks)
+        missed.push(`only ${summary.failbacks} failbacks (at least ${o.minFailbacks})`);
+      if (summary.grantsOnOldPrimary === 0) missed.push('no grant on an old primary during a split brain');
+      if (summary.grantsOnNewPrimary === 0) missed.push('no grant on a new primary during a split brain');
+    }
     const bit = report.staleWrites.rejected > 0;
-    const ok = report.anomalies.length === 0 && bit;
+    const ok = report.anomalies.length === 0 && bit && missed.length === 0;
     const faultLine = Object.entries(faults)
       .map(([k, n]) => `${n} ${k}`)
       .join(', ');
     const text = [
-      `palisade chaos run: backend ${o.backend}, ${o.workers} workers, ${o.seconds} s of faults, TTL ${o.ttlMs} ms, hold ≤ ${o.holdMs} ms, seed ${seed}`,
+      `palisade chaos run: backend ${o.backend}${o.nemesis === 'replication' ? ' (replication nemesis: a primary and a replica)' : ''}, ${o.workers} workers, ${o.namespaces > 1 ? `${o.namespaces} namespaces, ` : ''}${o.seconds} s of faults, TTL ${o.ttlMs} ms, hold ≤ ${o.holdMs} ms, seed ${seed}`,
       `faults injected: ${faultLine || 'none'}`,
-      `counter: ${counter} (audited increments: ${audit.length})`,
+      ...(summary
+        ? [
+            `replication: ${summary.failovers} failovers, ${summary.failbacks} failbacks; ${summary.splitBrains} split brains with ${summary.grantsOnOldPrimary} grants on the old primary and ${summary.grantsOnNewPrimary} on the new one`,
+          ]
+        : []),
+      `counter${slots.length > 1 ? `s (sum of ${slots.length})` : ''}: ${counter} (audited increments: ${audit.length})`,
       formatReport(report),
       ...(crashes.length === 0
         ? ['worker processes that died on their own: 0']
@@ -344,11 +561,12 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
             ...crashes.map((c) => `  - ${c}`),
           ]),
       ...(bit ? [] : ['0 stale writes rejected: the faults did not bite (a failed run)']),
+      ...missed.map((m) => `${m}: the nemesis did not bite (a failed run)`),
       `history: ${historyPath}`,
-      `reproduce: npm run chaos -- --backend ${o.backend} --workers ${o.workers} --seconds ${o.seconds} --ttl ${o.ttlMs} --hold ${o.holdMs} --seed ${seed}`,
+      `reproduce: npm run chaos -- --backend ${o.backend} --workers ${o.workers} --seconds ${o.seconds} --ttl ${o.ttlMs} --hold ${o.holdMs}${o.nemesis === 'replication' ? ` --nemesis replication --min-failbacks ${o.minFailbacks}` : ''}${o.namespaces > 1 ? ` --namespaces ${o.namespaces}` : ''} --seed ${seed}`,
     ].join('\n');
     writeFileSync(join(outDir, 'report.txt'), `${text}\n`);
-    return { report, text, ok, outDir, faults, counter, crashes };
+    return { report, text, ok, outDir, faults, counter, crashes, ...(summary ? { replication: summary } : {}) };
   } finally {
     log('cleaning up');
     for (const h of handles) {
@@ -359,7 +577,9 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       }
     }
     await Promise.all(handles.map((h) => withTimeout(h.exited, 10_000, 'worker did not exit').catch(() => {})));
-    await redis?.stop();
+    for (const r of redisAdmins.values()) r.disconnect();
+    if (topology) await Promise.all([topology.primary.stop(), topology.replica.stop()]);
+    else await redis?.stop();
     await client.end({ timeout: 5 });
     if (!options.keepDatabase) await admin.unsafe(`drop database if exists ${dbName} with (force)`);
     await admin.end({ timeout: 5 });
@@ -369,6 +589,9 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
 
 interface Checked {
   backend: ChaosBackend;
+  nemesis: ChaosNemesis;
+  namespaces: number;
+  minFailbacks: number;
   workers: number;
   seconds: number;
   ttlMs: number;
@@ -389,11 +612,33 @@ function checkOptions(o: ChaosOptions): Checked {
   const holdMs = o.holdMs ?? Math.round(ttlMs / 2);
   if (!Number.isInteger(holdMs) || holdMs < 0 || holdMs > 10 * ttlMs)
     throw new UsageError('--hold must be an integer in 0 … 10 × TTL ms');
+  const nemesis = o.nemesis ?? 'standard';
+  if (nemesis !== 'standard' && nemesis !== 'replication')
+    throw new UsageError('--nemesis must be standard or replication');
+  if (nemesis === 'replication' && o.backend !== 'redis')
+    throw new UsageError('--nemesis replication needs --backend redis');
+  const namespaces = o.namespaces ?? 1;
+  if (!Number.isInteger(namespaces) || namespaces < 1 || namespaces > 100)
+    throw new UsageError('--namespaces must be an integer in 1 … 100');
+  if (namespaces > 1 && o.backend !== 'redis') throw new UsageError('--namespaces needs --backend redis');
+  const minFailbacks = o.minFailbacks ?? 2;
+  if (!Number.isInteger(minFailbacks) || minFailbacks < 0 || minFailbacks > 1000)
+    throw new UsageError('--min-failbacks must be an integer in 0 … 1000');
   if (!o.databaseUrl) throw new UsageError('DATABASE_URL is not set');
   const host = new URL(o.databaseUrl).hostname;
   if (!['127.0.0.1', 'localhost', '[::1]', '::1'].includes(host))
     throw new UsageError('the chaos run only targets a loopback Postgres');
-  return { backend: o.backend, workers: o.workers, seconds: o.seconds, ttlMs, holdMs, databaseUrl: o.databaseUrl };
+  return {
+    backend: o.backend,
+    nemesis,
+    namespaces,
+    minFailbacks,
+    workers: o.workers,
+    seconds: o.seconds,
+    ttlMs,
+    holdMs,
+    databaseUrl: o.databaseUrl,
+  };
 }
 
 /** The last line of a worker's stderr log that names an error (what crashed it), or a pointer to the log. */
@@ -407,6 +652,19 @@ function lastError(path: string): string {
   const error = lines.filter((line) => /^[A-Za-z]*Error\b/.test(line)).at(-1);
   const at = error ? lines[lines.indexOf(error) + 1]?.trim() : undefined;
   return error ? `${error}${at ? ` ${at}` : ''}` : `see ${path}`;
+}
+
+/** A full resync starts at once (Redis 7 otherwise waits 5 s for more replicas to join a diskless transfer). */
+const PROMPT_SYNC = ['--repl-diskless-sync-delay', '0'];
+
+/** Waits (bounded: 15 s) until a replica's link to its primary is up, i.e. its (full or partial) resync is done. */
+async function inSync(replica: Redis): Promise<void> {
+  for (let i = 0; i < 150; i++) {
+    const info = await replica.info('replication').catch(() => '');
+    if (/^master_link_status:up\s*$/m.test(info)) return;
+    await sleep(100);
+  }
+  throw new Error('a replica did not finish its resync within 15 s');
 }
 
 /** A bad command line or option. */
@@ -460,6 +718,9 @@ async function cli(): Promise<number> {
       hold: { type: 'string' },
       out: { type: 'string' },
       seed: { type: 'string' },
+      nemesis: { type: 'string', default: 'standard' },
+      namespaces: { type: 'string', default: '1' },
+      'min-failbacks': { type: 'string', default: '2' },
       'check-signal': { type: 'boolean', default: false },
       keep: { type: 'boolean', default: false },
       quiet: { type: 'boolean', default: false },
@@ -468,6 +729,9 @@ async function cli(): Promise<number> {
   try {
     const result = await runChaos({
       backend: values.backend as ChaosBackend,
+      nemesis: values.nemesis as ChaosNemesis,
+      namespaces: Number(values.namespaces),
+      minFailbacks: Number(values['min-failbacks']),
       workers: Number(values.workers),
       seconds: Number(values.seconds),
       ttlMs: Number(values.ttl),
@@ -485,7 +749,7 @@ async function cli(): Promise<number> {
     if (err instanceof UsageError) {
       console.error(`chaos: ${err.message}`);
       console.error(
-        'usage: npm run chaos -- --backend redis|postgres|advisory [--workers 4] [--seconds 20] [--ttl 1000] [--hold MS] [--out DIR] [--seed N] [--check-signal] [--keep]',
+        'usage: npm run chaos -- --backend redis|postgres|advisory [--nemesis standard|replication] [--namespaces N] [--min-failbacks N] [--workers 4] [--seconds 20] [--ttl 1000] [--hold MS] [--out DIR] [--seed N] [--check-signal] [--keep]',
       );
       return 2;
     }

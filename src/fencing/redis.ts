@@ -10,7 +10,7 @@
  *
  * - `{palisade:<ns>}:lock:<name>` — the lock: a string holding the owner token, with the TTL.
  * - `{palisade:<ns>}:grant:<name>` — what `inspect` shows: token, fence, holder, grant time (same TTL).
- * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, server identity.
+ * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, data history (`run_id/master_replid`).
  * - `{palisade:<ns>}:queue:<name>` — the waiters in line: a sorted set of token → place (1, 2, …).
  * - `{palisade:<ns>}:seen:<name>` — when each waiter last retried: token → Redis `TIME` in ms.
  * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here,
@@ -44,36 +44,24 @@
  *
  * ## Fences
  *
- * A fence is `epoch << 39 | counter`: a 24-bit epoch (1 … 16,777,215) above a
- * 39-bit counter (1 … 549,755,813,887), so every fence fits in 2^63 − 1 and
- * fences compare by (epoch, counter). The grant script increments the
- * counter and returns epoch and counter as strings (Lua numbers are doubles);
- * the client joins them as a bigint.
+ * A fence is `epoch << 39 | counter` (a 24-bit epoch above a 39-bit
+ * counter: every fence fits in 2^63 − 1 and compares by epoch, then
+ * counter). The fence state records the data history it was written on
+ * (see IDENTITY below for why `run_id/master_replid` names one); the grant
+ * script issues a fence only from an active state of the current history
+ * whose counter is not used up. Otherwise the client takes a new epoch:
  *
- * The counter can vanish or go back: a restart without persistence, a
- * restart from an older RDB/AOF, `FLUSHDB`/`FLUSHALL`, eviction, a failover
- * to a replica that lagged. The fence state therefore records the identity of
- * the server that runs it (`run_id` from `INFO server`, read by
- * the script itself — never a client's cached value). The grant script
- * refuses to issue a fence when the state is missing, belongs to another
- * server identity (restart, failover, promotion) or the counter is used up.
- * The client then takes a new epoch from Postgres (`nextval` of
- * `palisade.epoch_seq`) and installs it in three steps:
+ * 1. a placeholder in Redis (state pending, the client's nonce), only over a
+ *    missing, foreign or used-up state — while it lives nobody else installs;
+ * 2. `nextval` of `palisade.epoch_seq` in Postgres, taken only now, so it is
+ *    above every epoch taken before — every epoch ever active here included;
+ * 3. activation, only if that very placeholder is still there on the same
+ *    history (a client that paused past the placeholder's TTL, or across a
+ *    flush or a failover, activates nothing and retries).
  *
- * 1. *install* it as `pending` (only over a missing, foreign-identity or
- *    used-up state, or a lower pending one; never over a healthy one, never
- *    with an epoch at or below the one present; the pending state expires);
- * 2. *confirm* in Postgres that no higher epoch was handed out meanwhile
- *    (`last_value` of the sequence is still ours) — an epoch taken before a
- *    flush by a client that then paused must never be installed after fences
- *    of a later epoch were issued;
- * 3. *activate* it, only if the very pending state it installed (same nonce,
- *    same server identity) is still there.
- *
- * Grants only ever use an active state, so every fence issued under a new
- * epoch is above every fence issued before it. Concurrent clients that find
- * the state missing race through these steps; the highest confirmed epoch
- * wins and the epoch never goes down.
+ * No step compares with other namespaces, so a recovery of many namespaces at
+ * once never starves one. The README (Lock managers → Redis, and what each
+ * guarantees) is the manual.
  */
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
@@ -106,7 +94,6 @@ const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
 const MAX_PRUNE = 64;
 const DEFAULT_COMMAND_TIMEOUT_MS = 5_000;
 const MAX_GRANT_ROUNDS = 200;
-const MAX_EPOCH_ATTEMPTS = 25;
 const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
 
 /**
@@ -135,8 +122,8 @@ export interface RedisLockManagerOptions {
   /**
    * Only without `epochs`. `false` (the default): when the counter is missing
    * (a flush, an eviction, a restart without persistence — indistinguishable
-   * from the first use of a namespace) or belongs to another server identity
-   * (a restart, a failover), grants fail with `FenceSourceError` — nothing
+   * from the first use of a namespace) or belongs to another data history
+   * (a restart, a failover, a failback), grants fail with `FenceSourceError` — nothing
    * in Redis alone can prove the next fence would be above the last.
    * `true`: start a missing counter at epoch 1 and move a foreign one to the
    * next epoch. **Unsafe after a reset**: fences can then go *down*, and a
@@ -205,8 +192,12 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  *
  * Guarantees:
  * - fences of a namespace strictly increase across all its lock names, and
- *   — with `epochs` — across losses of the Redis counter (restart without
- *   persistence, flush, eviction, failover, restart from an older snapshot);
+ *   — with `epochs` — the first fence after any change of the data history
+ *   (restart without persistence or from an older snapshot, flush,
+ *   eviction, failover, failback, a resync followed by a promotion) is above
+ *   every fence issued before it; many namespaces recover at once without
+ *   waiting for each other;
+ * - a replica grants nothing (`FenceSourceError`), even a writable one;
  * - the grant is idempotent per token (a re-sent grant returns the same
  *   fence); release and extend act only for the token that holds the lock;
  * - no Redis command or Postgres statement waits longer than
@@ -226,13 +217,16 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  *   (a restore of an old backup), when managers of one namespace use
  *   different Redis servers or different Postgres databases, when someone
  *   edits palisade's keys by hand (or an in-place reload such as `DEBUG
- *   RELOAD` of an older file keeps the server identity), or without
+ *   RELOAD` of an older file keeps the data history), or without
  *   `epochs` and with `allowFreshCounter` (see there);
  * - a single order across a split brain: an old primary cut off by a
  *   failover may keep granting fences of its old epoch — below the new
  *   primary's, so its holders lose every row the new holders wrote (the
  *   safe direction) — until it is demoted (`min-replicas-to-write` bounds
- *   that window);
+ *   that window). If the old primary loses its counter during the split,
+ *   its new epoch is above the new primary's: the new primary's holders are
+ *   then refused (never applied stale) on rows the old one's holders wrote,
+ *   until the new primary's next epoch;
  * - that `release()` says `'released'` when ioredis re-sent a release
  *   whose reply was lost: the second run finds the lock gone and says
  *   `'lost'` (the lock is free either way);
@@ -247,10 +241,10 @@ export function splitRedisFence(fence: Fence): { epoch: bigint; counter: bigint 
  * Needs: Redis ≥ 6 (scripts call `INFO`, `TIME`, `PUBLISH`; an ACL user
  * needs them), a single node, primary/replicas, or a Redis Cluster (an
  * ioredis `Cluster`: a namespace's keys share one slot; a failover to a
- * replica changes the server identity, so the next grant takes a new
- * epoch). Epoch recovery
- * takes a few round trips and may make one grant wait, bounded, while
- * other clients finish installing an epoch; it is not counted in `waitMs`.
+ * replica changes the data history, so the next grant takes a new
+ * epoch). Epoch recovery takes three round trips (two to Redis, one to
+ * Postgres) and may make a grant wait, bounded, while another client of the
+ * namespace finishes installing an epoch; it is not counted in `waitMs`.
  *
  * @throws {InvalidArgumentError} for bad options.
  */
@@ -262,24 +256,44 @@ type Reply = string[];
 type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
 
 interface Scripts {
-  palisadeGrantV2: ScriptFn;
+  palisadeGrantV3: ScriptFn;
   palisadeLeaveV1: ScriptFn;
   palisadeExtendV1: ScriptFn;
   palisadeReleaseV2: ScriptFn;
   palisadeInspectV1: ScriptFn;
-  palisadeInstallEpochV1: ScriptFn;
-  palisadeActivateEpochV1: ScriptFn;
-  palisadeBumpEpochV1: ScriptFn;
+  palisadeInstallEpochV2: ScriptFn;
+  palisadeActivateEpochV2: ScriptFn;
+  palisadeBumpEpochV2: ScriptFn;
 }
 
-// The server's identity as the script sees it: run_id, new at every start
-// of redis-server. A restart (even one that reloads an older RDB) changes
-// it, and so does a failover: the promoted replica has its own run_id,
-// while the fence state it replicated names the old primary's. One INFO
-// section per grant; the replication section would add cost, not coverage.
+// The data history the server's keys belong to, as the script sees it (never
+// a client's cached value): `run_id/master_replid`, or false unless the
+// server is a primary. Why this names a history, not a process:
+// - the fence state only ever changes forward on one primary's dataset
+//   (HINCRBY), so a state whose id is the current identity was written on
+//   the dataset the server holds now, with every fence it ever issued;
+// - a dataset is replaced or forked only by a restart (a new process:
+//   run_id changes, even when it reloads an older RDB/AOF), by a flush (the
+//   state is gone) or by replication: a server that follows another (full or
+//   partial resync) takes its primary's master_replid and, being a replica,
+//   grants nothing (role check: a replica reports its primary's replid, and
+//   even a writable replica's keys are not its primary's); a promotion —
+//   failover, failback, REPLICAOF NO ONE — draws a new random master_replid;
+// - so the old primary of a failback (same process, same run_id, but R's
+//   dataset after the resync and a new replid after its promotion) and a
+//   promoted replica (its primary's state, its own run_id) both see a
+//   foreign id and take a new epoch.
+// Not covered: an in-place reload (DEBUG RELOAD of an older file) and hand
+// edits of palisade's keys keep the identity. Two INFO sections (Redis 6
+// has no multi-section INFO); the lock and queue paths never call it.
 const IDENTITY = `
 local function identity()
-  return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or '-'
+  local replication = redis.call('INFO', 'replication')
+  if not string.find(replication, 'role:master', 1, true) then return false end
+  local replid = string.match(replication, 'master_replid:(%x+)')
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+  if not replid or not run then return false end
+  return run .. '/' .. replid
 end
 `;
 
@@ -330,9 +344,10 @@ else
     redis.call('ZREM', KEYS[4], head)
   end
 end
+local id = identity()
+if not id then return {'NOEPOCH', 'replica', ''} end
 local st = redis.call('HMGET', KEYS[3], 'state', 'epoch', 'counter', 'id')
 if not st[1] then return {'NOEPOCH', 'missing', ''} end
-local id = identity()
 if st[1] ~= 'active' then
   if st[4] == id then return {'NOEPOCH', 'pending', st[2] or ''} end
   return {'NOEPOCH', 'server', st[2] or ''}
@@ -412,42 +427,56 @@ local pttl = redis.call('PTTL', KEYS[1])
 return {'HELD', g[2], g[3], g[4] or '', g[4] and '1' or '0', g[5], tostring(pttl)}
 `;
 
-// KEYS: fence state. ARGV: epoch, nonce, pending ttl ms, max counter.
-// Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (a higher pending install) | BEHIND (an epoch ≥ ours is there).
+// Step 1 of a new epoch: a placeholder (state pending, epoch 0, the caller's
+// nonce), only over a missing, foreign (another history, another palisade
+// version) or used-up state. It keeps the epoch there as `floor`. While it
+// lives, no other client can install or activate anything here.
+// KEYS: fence state. ARGV: nonce, pending ttl ms, max counter.
+// Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (another client's placeholder) | REPLICA.
 const INSTALL_EPOCH = `${IDENTITY}
 local id = identity()
+if not id then return 'REPLICA' end
 local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id', 'nonce')
-if st[1] then
-  if st[1] == 'active' and st[4] == id and tonumber(st[3]) < tonumber(ARGV[4]) then return 'ACTIVE' end
-  if st[1] == 'pending' and st[5] == ARGV[2] then return 'INSTALLED' end
-  if tonumber(st[2]) >= tonumber(ARGV[1]) then
-    if st[1] == 'pending' and st[4] == id then return 'WAIT' end
-    return 'BEHIND'
+if st[4] == id then
+  if st[1] == 'active' and tonumber(st[3]) < tonumber(ARGV[3]) then return 'ACTIVE' end
+  if st[1] == 'pending' then
+    if st[5] == ARGV[1] then return 'INSTALLED' end
+    return 'WAIT'
   end
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'state', 'pending', 'epoch', ARGV[1], 'counter', '0', 'id', id, 'nonce', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'pending', 'epoch', '0', 'counter', '0', 'id', id, 'nonce', ARGV[1], 'floor', st[2] or '0')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 'INSTALLED'
 `;
 
-// KEYS: fence state. ARGV: epoch, nonce. Replies: ACTIVE | GONE.
+// Step 3: the epoch taken (step 2) after the placeholder was in place becomes
+// active, only if that very placeholder is still there on the same history.
+// An epoch at or below the floor means epoch_seq went back (a restore): the
+// state is left used up at the floor, so grants keep refusing (each attempt
+// takes one more value) until the sequence passes the floor.
+// KEYS: fence state. ARGV: nonce, epoch, max counter. Replies: ACTIVE | GONE | BEHIND.
 const ACTIVATE_EPOCH = `${IDENTITY}
-local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'id', 'nonce')
-if st[2] == ARGV[1] and st[4] == ARGV[2] and st[3] == identity() then
-  if st[1] == 'pending' then
-    redis.call('HSET', KEYS[1], 'state', 'active', 'counter', '0')
-    redis.call('PERSIST', KEYS[1])
-  end
-  return 'ACTIVE'
+local id = identity()
+local st = redis.call('HMGET', KEYS[1], 'state', 'id', 'nonce', 'floor')
+if st[1] ~= 'pending' or st[3] ~= ARGV[1] or st[2] ~= id then return 'GONE' end
+if tonumber(ARGV[2]) <= tonumber(st[4] or '0') then
+  redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', st[4], 'counter', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'nonce', 'floor')
+  redis.call('PERSIST', KEYS[1])
+  return 'BEHIND'
 end
-return 'GONE'
+redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', ARGV[2], 'counter', '0')
+redis.call('HDEL', KEYS[1], 'nonce', 'floor')
+redis.call('PERSIST', KEYS[1])
+return 'ACTIVE'
 `;
 
 // Without a durable floor. KEYS: fence state. ARGV: observed epoch ('' = was missing), max counter, max epoch.
-// Replies: ACTIVE | RETRY (the state changed meanwhile) | EXHAUSTED.
+// Replies: ACTIVE | RETRY (the state changed meanwhile) | EXHAUSTED | REPLICA.
 const BUMP_EPOCH = `${IDENTITY}
 local id = identity()
+if not id then return 'REPLICA' end
 local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id')
 local epoch
 if ARGV[1] == '' then
@@ -465,14 +494,14 @@ return 'ACTIVE'
 `;
 
 const DEFINITIONS: Record<keyof Scripts, { lua: string; numberOfKeys: number; readOnly?: boolean }> = {
-  palisadeGrantV2: { lua: GRANT, numberOfKeys: 5 },
+  palisadeGrantV3: { lua: GRANT, numberOfKeys: 5 },
   palisadeLeaveV1: { lua: LEAVE, numberOfKeys: 3 },
   palisadeExtendV1: { lua: EXTEND, numberOfKeys: 2 },
   palisadeReleaseV2: { lua: RELEASE, numberOfKeys: 4 },
   palisadeInspectV1: { lua: INSPECT, numberOfKeys: 2, readOnly: true },
-  palisadeInstallEpochV1: { lua: INSTALL_EPOCH, numberOfKeys: 1 },
-  palisadeActivateEpochV1: { lua: ACTIVATE_EPOCH, numberOfKeys: 1 },
-  palisadeBumpEpochV1: { lua: BUMP_EPOCH, numberOfKeys: 1 },
+  palisadeInstallEpochV2: { lua: INSTALL_EPOCH, numberOfKeys: 1 },
+  palisadeActivateEpochV2: { lua: ACTIVATE_EPOCH, numberOfKeys: 1 },
+  palisadeBumpEpochV2: { lua: BUMP_EPOCH, numberOfKeys: 1 },
 };
 
 /**
@@ -548,64 +577,81 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     return toFence((e << BigInt(REDIS_COUNTER_BITS)) | c);
   }
 
-  /** Takes a new epoch from Postgres and installs it (install, confirm, activate). Returns when the grant may be retried. */
-  async function newEpochFromPostgres(deadline: number): Promise<void> {
+  /**
+   * Installs a new epoch from Postgres: a placeholder in Redis first, then
+   * `nextval`, then activation if the placeholder is still ours on the same
+   * history. The epoch is taken only once nobody else can install one here,
+   * so it is above every epoch active here before; an epoch taken by a client
+   * that then paused can no longer be activated (its placeholder expired or
+   * was replaced). Nothing is compared with other namespaces' epochs, so many
+   * namespaces recover at once without getting in each other's way. Returns
+   * when the grant may be retried.
+   */
+  async function newEpochFromPostgres(): Promise<void> {
     await checkSequence();
-    for (let attempt = 0; attempt < MAX_EPOCH_ATTEMPTS && performance.now() < deadline; attempt++) {
-      const [next] = await postgres('nextval', sql`select nextval('palisade.epoch_seq') as epoch`);
-      const epoch = int8(next?.epoch);
-      if (epoch === null || epoch < 1n) throw new FenceSourceError('nextval of palisade.epoch_seq returned nothing');
-      if (epoch > REDIS_MAX_EPOCH) {
-        throw new FenceSourceError(`palisade.epoch_seq passed ${REDIS_MAX_EPOCH}: Redis fences have no epochs left`);
-      }
-      const nonce = randomBytes(16).toString('hex');
-      const installed = await script(
-        'palisadeInstallEpochV1',
-        keys.fence,
-        epoch.toString(),
-        nonce,
-        pendingTtlMs,
-        REDIS_MAX_COUNTER.toString(),
-      );
-      if (installed === 'ACTIVE') return;
-      if (installed === 'WAIT') return sleep(jitter(5, 30));
-      if (installed === 'BEHIND') continue; // an epoch at or above ours is there: take a newer one
-      if (installed !== 'INSTALLED')
-        throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
-      // Was a higher epoch handed out since ours? Then ours may be older than fences already issued: retry.
-      const [seq] = await postgres('epoch confirm', sql`select last_value from palisade.epoch_seq`);
-      if (int8(seq?.last_value) !== epoch) {
-        await sleep(jitter(0, 20));
-        continue;
-      }
-      await script('palisadeActivateEpochV1', keys.fence, epoch.toString(), nonce);
-      return; // ACTIVE, or GONE (replaced meanwhile): the grant retries either way
+    const nonce = randomBytes(16).toString('hex');
+    const installed = await script(
+      'palisadeInstallEpochV2',
+      keys.fence,
+      nonce,
+      pendingTtlMs,
+      REDIS_MAX_COUNTER.toString(),
+    );
+    if (installed === 'ACTIVE') return;
+    if (installed === 'WAIT') return sleep(jitter(5, 30));
+    if (installed === 'REPLICA') throw replicaError();
+    if (installed !== 'INSTALLED') {
+      throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
     }
-    throw new FenceSourceError(
-      'could not install a new fence epoch in Redis (too much contention, or epoch_seq is behind)',
+    const [next] = await postgres('nextval', sql`select nextval('palisade.epoch_seq') as epoch`);
+    const epoch = int8(next?.epoch);
+    if (epoch === null || epoch < 1n) throw new FenceSourceError('nextval of palisade.epoch_seq returned nothing');
+    if (epoch > REDIS_MAX_EPOCH) {
+      throw new FenceSourceError(`palisade.epoch_seq passed ${REDIS_MAX_EPOCH}: Redis fences have no epochs left`);
+    }
+    const activated = await script(
+      'palisadeActivateEpochV2',
+      keys.fence,
+      nonce,
+      epoch.toString(),
+      REDIS_MAX_COUNTER.toString(),
+    );
+    if (activated === 'BEHIND') {
+      throw new FenceSourceError(
+        `palisade.epoch_seq (${epoch}) is at or below the epoch already in Redis for namespace ${JSON.stringify(options.namespace)}: the sequence went back (a restore?) or another database is in use; grants refuse until the sequence passes that epoch`,
+      );
+    }
+    // ACTIVE, or GONE (the placeholder expired or the history changed meanwhile): the grant retries either way.
+  }
+
+  function replicaError(): FenceSourceError {
+    return new FenceSourceError(
+      'the Redis server is not a primary (role is not master): a replica grants nothing, connect to the primary',
     );
   }
 
   async function newEpochInRedis(observed: string): Promise<void> {
     const bumped = await script(
-      'palisadeBumpEpochV1',
+      'palisadeBumpEpochV2',
       keys.fence,
       observed,
       REDIS_MAX_COUNTER.toString(),
       REDIS_MAX_EPOCH.toString(),
     );
     if (bumped === 'EXHAUSTED') throw new FenceSourceError('the Redis fence counter has no epochs left');
+    if (bumped === 'REPLICA') throw replicaError();
   }
 
-  async function recover(reason: string, observed: string, deadline: number): Promise<void> {
+  async function recover(reason: string, observed: string): Promise<void> {
     if (reason === 'pending') return sleep(jitter(5, 30));
-    if (epochs) return newEpochFromPostgres(deadline);
+    if (reason === 'replica') throw replicaError();
+    if (epochs) return newEpochFromPostgres();
     if (reason === 'exhausted') return newEpochInRedis(observed); // the state is intact: the next epoch is above it
     if (!allowFresh) {
       throw new FenceSourceError(
         reason === 'missing'
           ? `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} is missing (flushed, evicted, restarted without persistence, or never used) and no epochs database is configured: refusing to start fences again`
-          : `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} was written by another server (restart or failover) and no epochs database is configured: it may be behind fences already issued`,
+          : `the Redis fence counter of namespace ${JSON.stringify(options.namespace)} was written on another data history (a restart, failover or failback) and no epochs database is configured: it may be behind fences already issued`,
       );
     }
     return newEpochInRedis(reason === 'missing' ? '' : observed);
@@ -621,7 +667,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
       const reply = (await script(
-        'palisadeGrantV2',
+        'palisadeGrantV3',
         keys.lock(name),
         keys.grant(name),
         keys.fence,
@@ -643,7 +689,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
         throw new FenceSourceError(`unexpected reply to the grant script: ${JSON.stringify(reply)}`);
       }
       if (performance.now() >= deadline) break;
-      await recover(String(reply[1]), String(reply[2] ?? ''), deadline);
+      await recover(String(reply[1]), String(reply[2] ?? ''));
     }
     throw new FenceSourceError('the Redis fence counter did not settle on a new epoch in time');
   }

@@ -40,7 +40,7 @@ export interface Report {
  *   used it, and no fence was issued twice;
  * - each counter equals its acknowledged increments, within ok … ok + unknown,
  *   and equals its number of audit rows;
- * - after the faults stopped, a `probe` acquire (the runner bounds its wait
+ * - after the faults stopped, every `probe` acquire (the runner bounds its wait
  *   by one TTL) succeeded.
  *
  * An operation invoked and never completed (its process was killed) counts
@@ -104,10 +104,12 @@ export function checkHistory(input: CheckInput): Report {
     if (audited !== value) anomalies.push(`key ${key}: counter ${value} but ${audited} audited writes`);
   }
 
-  // Nothing wedged: a probe acquire after the faults, whose waitMs the runner bounds by one TTL.
-  const probe = history.find((e) => e.op === 'probe' && e.type !== 'invoke');
-  if (probe?.type !== 'ok')
+  // Nothing wedged: a probe acquire per lock after the faults, whose waitMs the runner bounds by one TTL.
+  const probes = history.filter((e) => e.op === 'probe' && e.type !== 'invoke');
+  if (probes.length === 0)
     anomalies.push('no successful probe acquire (waiting at most one TTL) after the faults stopped');
+  for (const probe of probes.filter((e) => e.type !== 'ok'))
+    anomalies.push(`probe of lock ${probe.lock ?? '?'} failed (${probe.reason ?? 'no reason'}): a lock stayed wedged`);
 
   const rejected = history.filter((e) => e.op === 'increment' && e.type === 'fail' && e.reason === 'stale').length;
   return {

@@ -19,6 +19,8 @@ export interface HistoryEvent {
   /** Decimal string: fences exceed 2^53. */
   readonly fence?: string;
   readonly value?: number;
+  /** Which server granted an `acquire`, where the run has several (a Redis primary and replica). */
+  readonly server?: string;
   /** Why a `fail`: `stale`, `duplicate`, `timeout`, … */
   readonly reason?: string;
   /** Milliseconds on a clock shared by the processes of one machine: `performance.timeOrigin + performance.now()`. */

@@ -9,21 +9,28 @@
  * Each run creates its own database on DATABASE_URL and, for Redis, starts
  * its own redis-server on a free loopback port (REDIS_URL's server is not
  * touched; it gates the suite so that a machine without Redis skips it).
+ *
+ * The replication nemesis (a private primary and replica: failovers,
+ * failbacks with a split brain, resyncs, restarts, FLUSHALL) runs over 20
+ * namespaces at once, so every reset is a recovery storm; it must also make
+ * its minimum of failbacks and see grants on both sides of a split brain.
  */
 import { rmSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import { type ChaosBackend, runChaos } from '../../scripts/chaos.js';
+import { type ChaosBackend, type ChaosOptions, runChaos } from '../../scripts/chaos.js';
 import { needs } from '../support/services.js';
 
 const SECONDS = Number(process.env.PALISADE_CHAOS_SECONDS ?? 12);
+const REPLICATION_SECONDS = Number(process.env.PALISADE_CHAOS_REPLICATION_SECONDS ?? 25);
 
-async function bounded(backend: ChaosBackend) {
+async function bounded(backend: ChaosBackend, extra: Partial<ChaosOptions> = {}) {
   const result = await runChaos({
     backend,
     workers: 4,
     seconds: SECONDS,
     ttlMs: 1000,
     databaseUrl: process.env.DATABASE_URL ?? '',
+    ...extra,
   });
   // The whole report on failure: settings, faults, findings, the history's path and the command to reproduce.
   const context = `\n${result.text}`;
@@ -52,5 +59,28 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL') && needs('REDIS_SERVE
   'chaos: redis backend (a private redis-server)',
   () => {
     it(`${SECONDS} s of faults: no anomalies, stale writes rejected`, () => bounded('redis'), timeout);
+  },
+);
+
+describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL') && needs('REDIS_SERVER'))(
+  'chaos: redis replication nemesis (a private primary and replica), 20 namespaces',
+  () => {
+    it(
+      `${REPLICATION_SECONDS} s of failovers, failbacks, split brains, resyncs, restarts, flushes: no anomalies`,
+      async () => {
+        const result = await bounded('redis', {
+          nemesis: 'replication',
+          namespaces: 20,
+          minFailbacks: 2,
+          workers: 3,
+          seconds: REPLICATION_SECONDS,
+        });
+        const context = `\n${result.text}`;
+        expect(result.replication?.failbacks, context).toBeGreaterThanOrEqual(2);
+        expect(result.replication?.grantsOnOldPrimary, context).toBeGreaterThan(0);
+        expect(result.replication?.grantsOnNewPrimary, context).toBeGreaterThan(0);
+      },
+      (REPLICATION_SECONDS + 150) * 1000,
+    );
   },
 );

@@ -4,8 +4,10 @@
  * between grants and while other processes are granting. Every fence
  * issued after a reset must be above every fence issued before it.
  */
+import { sql } from 'drizzle-orm';
 import { Redis } from 'ioredis';
 import { afterAll, afterEach, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
+import { execute } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { CommandTimeoutError, redisKeyNames, redisLockManager, splitRedisFence } from '../../src/fencing/redis.js';
@@ -36,6 +38,16 @@ async function grants(manager: LockManager, name: string, count: number): Promis
   const fences: bigint[] = [];
   for (let i = 0; i < count; i++) fences.push(await grant(manager, name));
   return fences;
+}
+
+/** FLUSHALL from a client of its own. */
+async function flushall(url: string): Promise<void> {
+  const redis = connect(url);
+  try {
+    await redis.flushall();
+  } finally {
+    redis.disconnect();
+  }
 }
 
 /** FLUSHDB from a client of its own. */
@@ -152,6 +164,49 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     expect(new Set(all).size).toBe(all.length);
     const last = await grant(s.manager, 'checkpoint');
     expect(last).toBeGreaterThan(max(all));
+  });
+
+  it('FLUSHALL, then a restart, under 45 namespaces recovering at once: every acquire succeeds above every earlier fence', async () => {
+    const NAMESPACES = 45;
+    const s = await redisScenario(server.url);
+    // Two clients (two "processes") per namespace, each with its own manager: 90 recoveries race per reset.
+    const clients = [connect(server.url), connect(server.url)];
+    const namespaces = Array.from({ length: NAMESPACES }, (_, i) => `${s.namespace}-${i}`);
+    const managers = namespaces.flatMap((namespace) =>
+      clients.map((redis) => redisLockManager({ redis, namespace, epochs: s.test.db })),
+    );
+    onTestFinished(async () => {
+      for (const m of managers) await m.close();
+      for (const c of clients) c.disconnect();
+    });
+    const epochsTaken = async () =>
+      BigInt(String((await execute(s.test.db, sql`select last_value from palisade.epoch_seq`))[0]?.last_value));
+    const everyone = () =>
+      Promise.allSettled(
+        managers.map(async (manager) => {
+          const lease = await manager.acquire('job', { ttlMs: 5_000, waitMs: 10_000 });
+          await lease.release();
+          return lease.fence;
+        }),
+      );
+    const fulfilled = (results: PromiseSettledResult<bigint>[]) => {
+      const failures = results.flatMap((r) => (r.status === 'rejected' ? [String(r.reason)] : []));
+      expect(failures, `${failures.length} of ${results.length} acquires failed`).toEqual([]);
+      return results.map((r) => (r as PromiseFulfilledResult<bigint>).value);
+    };
+
+    let earlier = fulfilled(await everyone());
+    for (const reset of [() => flushall(server.url), () => server.restart()]) {
+      await reset();
+      const taken = await epochsTaken();
+      const later = fulfilled(await everyone()); // all at once, right after the reset
+      // Every namespace found its counter gone; each got a new epoch above every fence issued before the reset.
+      for (const fence of later) expect(fence).toBeGreaterThan(max(earlier));
+      // Bounded: about one epoch per namespace (a client that lost the race to install one waits and joins it).
+      expect(Number((await epochsTaken()) - taken)).toBeLessThanOrEqual(2 * NAMESPACES);
+      earlier = [...earlier, ...later];
+    }
+    expect(new Set(earlier).size).toBe(earlier.length);
   });
 
   it('a failover to a replica that lagged behind: fences on the new primary are above all of the old one', async () => {

@@ -185,13 +185,16 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(splitRedisFence(afterMove.fence).epoch).toBeGreaterThan(splitRedisFence(afterLoss.fence).epoch);
   });
 
-  it('never installs an epoch taken before a flush, even from a client that paused in between', async () => {
+  it('never activates an epoch taken by a client that paused while the counter was lost and others went on', async () => {
     const { manager, open, redis, keys, test } = await redisScenario(REDIS_URL);
-    // The paused client's Postgres answers nextval, then the client stops until we let it go on.
+    // The paused client put its placeholder in Redis and took an epoch; then it stops until we let it go on.
     const gate = pauseAfter(test.db, 'nextval');
+    onTestFinished(gate.open);
     const paused = open({ epochs: gate.db });
     const pausedLease = paused.acquire('p', { ttlMs: 5_000 });
     const staleEpoch = await gate.reached;
+    expect(await redis.hget(keys.fence, 'state')).toBe('pending');
+    await redis.del(keys.fence); // the counter, and the placeholder with it, is lost while the client is paused
 
     const issued: bigint[] = [];
     for (let i = 0; i < 3; i++) {
@@ -200,30 +203,52 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
       await lease.release();
     }
     expect(splitRedisFence(issued[0] as never).epoch).toBeGreaterThan(staleEpoch);
-    await redis.del(keys.fence); // the counter is lost while the client is paused
     gate.open();
 
     const lease = await pausedLease;
     expect(lease.fence).toBeGreaterThan(issued[2] as bigint);
-    expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(splitRedisFence(issued[2] as never).epoch);
+    // It found its placeholder gone and joined the newer epoch instead of activating its own.
+    expect(splitRedisFence(lease.fence).epoch).toBe(splitRedisFence(issued[2] as never).epoch);
+    expect(await redis.hget(keys.fence, 'epoch')).toBe(String(splitRedisFence(issued[2] as never).epoch));
     await lease.release();
   });
 
-  it('an epoch install abandoned half-way (the client stalls before confirming) expires; others go on above it', async () => {
+  it('an epoch install abandoned half-way (the client stalls after nextval) expires; others go on above it', async () => {
     const { manager, open, redis, keys, test } = await redisScenario(REDIS_URL);
-    const gate = pauseAfter(test.db, 'last_value');
+    const gate = pauseAfter(test.db, 'nextval');
     onTestFinished(gate.open);
     const stalled = open({ epochs: gate.db, commandTimeoutMs: 400 }); // its pending install lives 1 s
     const stalledAcquire = stalled.acquire('a', { ttlMs: 5_000 }).catch((e: unknown) => e);
-    const abandoned = await gate.reached; // it installed this epoch as pending, then stalled
+    const abandoned = await gate.reached; // it put its placeholder in Redis and took this epoch, then stalled
     expect(await redis.hget(keys.fence, 'state')).toBe('pending');
 
-    const lease = await manager.acquire('b', { ttlMs: 5_000 }); // waits for the pending install to expire
+    const lease = await manager.acquire('b', { ttlMs: 5_000 }); // waits for the placeholder to expire
     expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(abandoned);
     expect(await stalledAcquire).toBeInstanceOf(CommandTimeoutError);
     gate.open();
     expect(await redis.hget(keys.fence, 'epoch')).toBe(String(splitRedisFence(lease.fence).epoch));
     await lease.release();
+  });
+
+  it('refuses to go below the epoch in Redis when epoch_seq went back (a restored database), until it passes it', async () => {
+    const { manager, redis, keys, test } = await redisScenario(REDIS_URL);
+    await test.db.execute(sql`select setval('palisade.epoch_seq', 50)`);
+    const first = await manager.acquire('r', { ttlMs: 5_000 });
+    await first.release();
+    const { epoch } = splitRedisFence(first.fence);
+    expect(epoch).toBe(51n);
+    await test.db.execute(sql`select setval('palisade.epoch_seq', 1)`); // as a restore of an older backup would
+    await redis.hset(keys.fence, 'id', 'another-run/another-replid'); // and the history changes: a new epoch is due
+
+    const refused = await manager.acquire('r', { ttlMs: 5_000 }).catch((e: unknown) => e);
+    expect(refused).toBeInstanceOf(FenceSourceError);
+    expect(await manager.acquire('r', { ttlMs: 5_000 }).catch((e: unknown) => e)).toBeInstanceOf(FenceSourceError);
+    expect(await redis.hget(keys.fence, 'epoch')).toBe(String(epoch)); // the floor stays in Redis
+
+    await test.db.execute(sql`select setval('palisade.epoch_seq', ${String(epoch + 10n)}::bigint)`);
+    const after = await manager.acquire('r', { ttlMs: 5_000 });
+    expect(after.fence).toBeGreaterThan(first.fence);
+    await after.release();
   });
 
   it('without an epochs database, refuses a missing counter unless told it may start fresh', async () => {
@@ -500,8 +525,8 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
 
 /**
  * The epochs database of a client that pauses (as a GC pause or SIGSTOP
- * would) right after the first statement containing `marker` — `nextval`
- * or the confirming `last_value` read — until `open()`. `reached` gives
+ * would) right after the first statement containing `marker` (`nextval`:
+ * after it put its placeholder in Redis and took an epoch) until `open()`. `reached` gives
  * the first value of the first row that statement returned.
  */
 function pauseAfter(
