@@ -17,7 +17,7 @@ describe('README', () => {
     const dir = join('node_modules', '.cache', `palisade-readme-${process.pid}`);
     mkdirSync(dir, { recursive: true });
     const file = join(dir, 'example.mts');
-    writeFileSync(file, (code as string).replace("from 'palisade'", `from '${resolve('src/index.ts')}'`));
+    writeFileSync(file, (code as string).replace("from 'palisade-db'", `from '${resolve('src/index.ts')}'`));
     try {
       const { stdout } = await run(process.execPath, ['--import', 'tsx', file], { timeout: 120_000 });
       expect(stdout.trim()).toBe('applied');
