@@ -14,7 +14,7 @@ import { type Database, translateError } from '../driver.js';
 import type { Lease } from '../fencing/lease.js';
 import type { LockManager } from '../fencing/lock-manager.js';
 import { postgresLockManager } from '../fencing/postgres.js';
-import { redisLockManager } from '../fencing/redis.js';
+import { redisLockManager } from '../fencing/redis-manager.js';
 import { fencedRepository } from '../repo/repository.js';
 import { demoCounter, postgresOptions, type WorkerCommand, type WorkerConfig } from './demo-shared.js';
 
