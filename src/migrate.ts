@@ -191,7 +191,11 @@ async function applyFolder(
       continue;
     }
     out.report({ type: 'applying', folder: info.folder, tag: info.tag });
-    for (const statement of migration.sql) await tx.execute(sql.raw(statement));
+    for (const statement of migration.sql) {
+      // A chunk of comments only (drizzle-kit's custom-file header before a breakpoint) is no statement.
+      if (isBlank(statement)) continue;
+      await tx.execute(sql.raw(statement));
+    }
     await tx.execute(
       sql`insert into ${table} (hash, created_at) values (${migration.hash}, ${migration.folderMillis})`,
     );
@@ -251,4 +255,8 @@ function journalTags(folder: string): Map<number, string> {
   } catch {
     return new Map();
   }
+}
+
+function isBlank(statement: string): boolean {
+  return statement.replace(/--[^\n]*/g, '').trim() === '';
 }
