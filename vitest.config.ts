@@ -1,6 +1,18 @@
+import { fileURLToPath } from 'node:url';
 import { defineConfig } from 'vitest/config';
 
+// The package's own name resolves to its sources (as tsconfig.json's `paths` do for tsc and tsx),
+// so examples and tests import `palisade-db` exactly as a user does.
+const source = (path: string) => fileURLToPath(new URL(path, import.meta.url));
+
 export default defineConfig({
+  resolve: {
+    alias: [
+      { find: /^palisade-db$/, replacement: source('./src/index.ts') },
+      { find: /^palisade-db\/testing$/, replacement: source('./src/testing/index.ts') },
+      { find: /^palisade-db\/etcd$/, replacement: source('./src/fencing/etcd.ts') },
+    ],
+  },
   test: {
     include: ['test/**/*.test.ts'],
     globalSetup: ['test/support/global-setup.ts'],

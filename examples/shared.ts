@@ -7,8 +7,8 @@ import { realpathSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { type SQL, sql } from 'drizzle-orm';
 import { drizzle } from 'drizzle-orm/postgres-js';
+import { type Database, MIGRATE_LOCK_KEY } from 'palisade-db';
 import postgres from 'postgres';
-import { type Database, MIGRATE_LOCK_KEY } from '../src/index.js';
 
 /** A postgres.js client and a drizzle database on `DATABASE_URL`. */
 export interface Connection {

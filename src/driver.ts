@@ -1,17 +1,20 @@
 /**
  * The one place that knows how drizzle's Postgres drivers differ.
  *
- * palisade runs on drizzle's `postgres-js` and `pglite` drivers (and inside
- * their transactions). They differ in what `execute` returns (an array vs
- * `{ rows }`), how int8 comes back (string vs number/bigint) and how errors
- * are wrapped. Everything above this module sees plain row objects, bigints
- * and {@link PalisadeError}s.
+ * palisade runs on drizzle's `postgres-js`, `node-postgres` and `pglite`
+ * drivers (and inside their transactions). They differ in what `execute`
+ * returns (an array vs `{ rows }`), how int8 comes back (string vs
+ * number/bigint), how errors are wrapped and what a statement name means
+ * (node-postgres sends it to the server as the prepared statement's name,
+ * which Postgres truncates to 63 bytes). Everything above this module sees
+ * plain row objects, bigints and {@link PalisadeError}s.
  */
-import type { SQL } from 'drizzle-orm';
+import { createHash } from 'node:crypto';
+import { entityKind, type SQL } from 'drizzle-orm';
 import type { PgDatabase, PgDialect, PgPreparedQuery, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
-import { PalisadeError, RetryableWriteError } from './errors.js';
+import { InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 
-/** A drizzle Postgres database or transaction (postgres-js or PGlite). */
+/** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
 // biome-ignore lint/suspicious/noExplicitAny: any schema, any driver result — narrowed in this module.
 export type Database = PgDatabase<PgQueryResultHKT, any, any>;
 
@@ -38,6 +41,51 @@ interface Internals {
 // drizzle keeps these public on the instance but not in its declared types.
 function internals(db: Database): Internals {
   return db as unknown as Internals;
+}
+
+/** The drizzle drivers palisade supports. */
+export type DriverName = 'postgres-js' | 'node-postgres' | 'pglite';
+
+// drizzle's session classes, by their entityKind (stable across drizzle versions,
+// and readable without importing the driver modules, which would load pg or PGlite).
+const SESSION_KINDS: Readonly<Record<string, DriverName>> = {
+  PostgresJsSession: 'postgres-js',
+  NodePgSession: 'node-postgres',
+  PgliteSession: 'pglite',
+};
+
+/** Which supported driver `db` runs on, or `undefined` for anything else (neon, vercel, a proxy, not a database). */
+export function driverOf(db: unknown): DriverName | undefined {
+  const session = (db as { session?: unknown } | null | undefined)?.session;
+  if (session === null || typeof session !== 'object') return undefined;
+  const kind = (session.constructor as { [entityKind]?: unknown } | undefined)?.[entityKind];
+  return typeof kind === 'string' ? SESSION_KINDS[kind] : undefined;
+}
+
+/**
+ * Throws {@link InvalidArgumentError} unless `db` is a drizzle database or
+ * transaction on postgres-js, node-postgres or PGlite — before any query, so
+ * an unsupported driver is refused up front, not discovered at a later write.
+ * @param who the caller, for the message (`fencedRepository`).
+ */
+export function assertSupportedDriver(db: unknown, who: string): asserts db is Database {
+  if (driverOf(db) !== undefined) return;
+  const session = (db as { session?: { constructor?: { [entityKind]?: unknown } } } | null | undefined)?.session;
+  const kind = session?.constructor?.[entityKind];
+  throw new InvalidArgumentError(
+    `${who} needs a drizzle database or transaction on postgres-js, node-postgres or pglite` +
+      (typeof kind === 'string' ? ` (got a ${kind})` : ' (got something that is not a drizzle Postgres database)'),
+  );
+}
+
+/**
+ * The server-side name of a prepared statement: short (Postgres truncates
+ * names to 63 bytes, so long names collide) and a function of the statement
+ * itself, so two different statements never share a name and one statement
+ * always gets the same one, on every connection of a pool.
+ */
+export function statementName(key: string, text: string): string {
+  return `palisade_${createHash('sha256').update(key).update('\0').update(text).digest('hex').slice(0, 32)}`;
 }
 
 const preparedBySession = new WeakMap<object, Map<string, PgPreparedQuery<never>>>();
@@ -77,7 +125,10 @@ export function prepared(
     // A name makes drizzle's postgres-js driver send a named (server-side
     // prepared) statement; without one it sends an unnamed statement that
     // postgres.js parses and describes in an extra round trip on every call.
-    query = session.prepareQuery(dialect.sqlToQuery(build()), undefined, key, false) as PgPreparedQuery<never>;
+    // node-postgres sends the name to the server as is: a hash keeps it short and unique.
+    const compiled = dialect.sqlToQuery(build());
+    const name = key === undefined ? undefined : statementName(key, compiled.sql);
+    query = session.prepareQuery(compiled, undefined, name, false) as PgPreparedQuery<never>;
     if (key !== undefined) cache.set(key, query);
   }
   const q = query;
@@ -158,10 +209,69 @@ export interface ListenClient {
   listen(channel: string, onPayload: (payload: string) => void): Promise<any>;
 }
 
-/** The client under a drizzle database, if it can LISTEN (a drizzle transaction cannot). */
+/**
+ * The client under a drizzle database, if it can LISTEN (a drizzle
+ * transaction cannot): postgres.js and PGlite as they are; a node-postgres
+ * `Pool` or `Client` through {@link nodePostgresListener}.
+ */
 export function listenClientOf(db: Database): ListenClient | undefined {
   const client = (db as { $client?: unknown }).$client;
+  if (driverOf(db) === 'node-postgres' && isNodePostgresClient(client)) return nodePostgresListener(client);
   return isListenClient(client) ? client : undefined;
+}
+
+/** The part of a node-postgres `Pool` or `Client` that LISTEN needs. */
+interface NodePostgresClient {
+  query(text: string): Promise<unknown>;
+  connect(): Promise<unknown>;
+  on(event: 'notification', listener: (message: { channel: string; payload?: string }) => void): unknown;
+  removeListener(event: 'notification', listener: (message: { channel: string; payload?: string }) => void): unknown;
+}
+
+function isNodePostgresClient(value: unknown): value is { query: unknown; connect: unknown } {
+  return (
+    typeof value === 'object' &&
+    value !== null &&
+    typeof (value as { query?: unknown }).query === 'function' &&
+    typeof (value as { connect?: unknown }).connect === 'function'
+  );
+}
+
+/**
+ * LISTEN for node-postgres: a `Pool` lends one connection for as long as
+ * the listener lives (released, and destroyed, by the returned unlisten); a
+ * `Client` listens on itself. A dropped connection silently ends the
+ * notifications: waiters then wake on their backoff timers only.
+ */
+function nodePostgresListener(client: { query: unknown; connect: unknown }): ListenClient {
+  const isPool = typeof (client as { totalCount?: unknown }).totalCount === 'number';
+  return {
+    async listen(channel, onPayload) {
+      const connection = (isPool ? await (client as NodePostgresClient).connect() : client) as NodePostgresClient & {
+        release?: (destroy?: boolean) => void;
+      };
+      const onNotification = (message: { channel: string; payload?: string }) => {
+        if (message.channel === channel) onPayload(message.payload ?? '');
+      };
+      connection.on('notification', onNotification);
+      const quoted = `"${channel.replaceAll('"', '""')}"`;
+      try {
+        await connection.query(`listen ${quoted}`);
+      } catch (err) {
+        connection.removeListener('notification', onNotification);
+        connection.release?.(true);
+        throw err;
+      }
+      return async () => {
+        connection.removeListener('notification', onNotification);
+        try {
+          await connection.query(`unlisten ${quoted}`);
+        } finally {
+          connection.release?.(true);
+        }
+      };
+    },
+  };
 }
 
 /** True for a postgres.js `Sql` or a PGlite instance (anything with a `listen` method). */

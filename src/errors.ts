@@ -1,14 +1,41 @@
 /**
+ * Every `code` a {@link PalisadeError} can carry, with what it means. This is
+ * the one list: the README's error table is checked against it
+ * (`test/errors.test.ts`), and `PalisadeErrorCode` is its keys.
+ */
+export const ERROR_CODES = {
+  invalid_argument: 'bad input, caught before any query or command was sent',
+  stale_fence: 'a fenced write was refused: a fence at least as high already wrote the row',
+  row_missing: 'a fenced write found no live row for its key',
+  retryable: 'serialization failure or deadlock (SQLSTATE 40001 / 40P01): nothing was written, retry',
+  lock_unavailable: 'a bounded wait for a lock ended (timeout or abort) without a grant',
+  lease_lost: 'the lease is known or presumed lost',
+  fence_source: 'the fence source cannot prove its next fence is above every earlier one',
+  lock_service: 'the lock service (Redis, etcd) could not be reached or failed; the message says why',
+  command_timeout: 'a Redis command or Postgres statement did not answer within commandTimeoutMs',
+  database: 'Postgres refused a statement for a reason palisade does not interpret (the SQLSTATE is kept)',
+  driver: 'the database driver returned something palisade does not recognise',
+  unsupported_database: 'the database cannot do what was asked (advisory locks on PGlite)',
+  foreign_lock: 'an advisory lock is held by a session that is not a palisade lease',
+  closed: 'the lock manager was closed',
+  missing_dependency: 'an optional peer dependency is not installed; the message names the package',
+  migrations_folder: 'a migrations folder is missing or is not a drizzle-kit folder; the message names the path',
+} as const;
+
+/** A {@link PalisadeError}'s `code`: a key of {@link ERROR_CODES}. */
+export type PalisadeErrorCode = keyof typeof ERROR_CODES;
+
+/**
  * Every error palisade throws is a {@link PalisadeError} with a stable string
  * `code`, so callers can branch on `err.code` without `instanceof` across
  * package copies. Messages name tables, keys' column names, lock names and
  * fences — never row values or query parameters, which may be secrets.
  */
 export class PalisadeError extends Error {
-  /** Stable, machine-readable identifier of the failure. */
-  readonly code: string;
+  /** Stable, machine-readable identifier of the failure: one of {@link ERROR_CODES}. */
+  readonly code: PalisadeErrorCode;
 
-  constructor(code: string, message: string, options?: { cause?: unknown }) {
+  constructor(code: PalisadeErrorCode, message: string, options?: { cause?: unknown }) {
     super(message, options);
     this.code = code;
     this.name = new.target.name;
@@ -93,5 +120,44 @@ export class LeaseLostError extends PalisadeError {
 export class FenceSourceError extends PalisadeError {
   constructor(message: string) {
     super('fence_source', message);
+  }
+}
+
+/**
+ * The lock service (Redis, etcd) could not be reached or failed, so palisade
+ * cannot say whether the lock is free. `acquire` retries such failures
+ * within its `waitMs` and throws this when the wait is spent; the cause (the
+ * client's own error) is kept.
+ */
+export class LockServiceError extends PalisadeError {
+  constructor(
+    /** `redis`, `etcd`, `postgres`, `advisory`: the backend that failed. */
+    readonly service: string,
+    message: string,
+    cause?: unknown,
+  ) {
+    super('lock_service', message, { cause });
+  }
+}
+
+/** An optional peer dependency is not installed: `npm i <packageName>`. */
+export class MissingDependencyError extends PalisadeError {
+  constructor(
+    readonly packageName: string,
+    purpose: string,
+    cause?: unknown,
+  ) {
+    super('missing_dependency', `${purpose} needs the package "${packageName}": npm i ${packageName}`, { cause });
+  }
+}
+
+/** A migrations folder is missing or is not a drizzle-kit folder. */
+export class MigrationsFolderError extends PalisadeError {
+  constructor(
+    readonly folder: string,
+    message: string,
+    cause?: unknown,
+  ) {
+    super('migrations_folder', message, { cause });
   }
 }

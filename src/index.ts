@@ -3,13 +3,18 @@
  * every write through a fenced repository is conditional on it, so the
  * database itself refuses a write from a holder whose lease has expired.
  */
-export { type Database, DatabaseError } from './driver.js';
+export { type Database, DatabaseError, type DriverName } from './driver.js';
 export {
+  ERROR_CODES,
   FenceSourceError,
   InvalidArgumentError,
   LeaseLostError,
+  LockServiceError,
   LockUnavailableError,
+  MigrationsFolderError,
+  MissingDependencyError,
   PalisadeError,
+  type PalisadeErrorCode,
   RetryableWriteError,
   RowMissingError,
   StaleFenceError,

@@ -1,10 +1,10 @@
-import { readFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { existsSync, readFileSync, statSync } from 'node:fs';
+import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
-import { type Database, execute, sqlStateOf, transaction } from './driver.js';
-import { InvalidArgumentError, LockUnavailableError } from './errors.js';
+import { assertSupportedDriver, type Database, execute, sqlStateOf, transaction } from './driver.js';
+import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from './errors.js';
 
 /** Where palisade's own drizzle-kit migrations ship: `drizzle/` at the package root. */
 export const PALISADE_MIGRATIONS = fileURLToPath(new URL('../drizzle', import.meta.url));
@@ -24,8 +24,20 @@ const MAX_LOCK_TIMEOUT_MS = 86_400_000;
 
 /** Options of {@link migrate}. */
 export interface MigrateOptions {
-  /** An application's drizzle-kit migrations folder, applied after palisade's own. */
+  /**
+   * An application's drizzle-kit migrations folder (the one holding
+   * `meta/_journal.json`), applied after palisade's own. A relative path is
+   * resolved against the process's working directory, not the source file:
+   * a bundled app must ship the folder beside the bundle and pass its path.
+   */
   readonly migrationsFolder?: string;
+  /**
+   * Where palisade's own migrations are (default {@link PALISADE_MIGRATIONS},
+   * the package's `drizzle/` folder). Only a bundle that inlines palisade-db
+   * needs it: copy `node_modules/palisade-db/drizzle` beside the bundle and
+   * pass its path.
+   */
+  readonly palisadeMigrationsFolder?: string;
   /** Where the application's applied migrations are recorded (drizzle's default: `drizzle.__drizzle_migrations`). */
   readonly migrationsTable?: string;
   readonly migrationsSchema?: string;
@@ -86,14 +98,27 @@ export interface MigrateResult {
  * transactional DDL (e.g. `CREATE INDEX CONCURRENTLY` cannot run here at
  * all); block on PGlite, whose advisory locks never wait (one process owns it).
  *
+ * Emits no NOTICEs (`client_min_messages` is raised for its own
+ * transaction), so a driver's default notice logging stays quiet.
+ *
  * @throws {LockUnavailableError} (lock name {@link MIGRATE_LOCK_NAME}) if another migrator held the lock past `lockTimeoutMs`.
- * @throws {InvalidArgumentError} for a bad `lockTimeoutMs`; drizzle's error for an unreadable folder.
+ * @throws {InvalidArgumentError} for a bad `lockTimeoutMs` or folder option, or an unsupported driver — before any query.
+ * @throws {MigrationsFolderError} naming the path, if a folder is missing, has no `meta/_journal.json`, or lists a migration file that cannot be read — before any query.
  */
 export async function migrate(db: Database, options: MigrateOptions = {}): Promise<MigrateResult> {
+  assertSupportedDriver(db, 'migrate');
+  if (options === null || typeof options !== 'object')
+    throw new InvalidArgumentError('migrate options must be an object');
   const lockTimeoutMs = options.lockTimeoutMs ?? DEFAULT_LOCK_TIMEOUT_MS;
   if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_LOCK_TIMEOUT_MS) {
     throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_LOCK_TIMEOUT_MS}`);
   }
+  const palisadeFolder =
+    folderOption(options.palisadeMigrationsFolder, 'palisadeMigrationsFolder') ?? PALISADE_MIGRATIONS;
+  const appFolder = folderOption(options.migrationsFolder, 'migrationsFolder');
+  // Read (and so check) every file before the transaction: a bad folder is a setup error, not a database error.
+  const palisadeMigrations = readFolder(palisadeFolder, 'palisade');
+  const appMigrations = appFolder === undefined ? undefined : readFolder(appFolder, 'app');
   const report = (event: MigrateEvent) => {
     try {
       options.onProgress?.(event);
@@ -105,6 +130,8 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
   const skipped: MigrationInfo[] = [];
   let waited = false;
   await transaction(db, async (tx) => {
+    // `create … if not exists` on a rerun would emit NOTICEs, which postgres.js prints by default.
+    await execute(tx, sql`select set_config('client_min_messages', 'warning', true)`);
     const [free] = await execute(tx, sql`select pg_try_advisory_xact_lock(${MIGRATE_LOCK_KEY}) as locked`);
     if (free?.locked !== true) {
       waited = true;
@@ -121,12 +148,12 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
     }
     report({ type: 'locked', waited });
     const folders = [
-      { folder: 'palisade' as const, migrationsFolder: PALISADE_MIGRATIONS, migrationsTable: '__palisade_migrations' },
-      ...(options.migrationsFolder
+      { folder: 'palisade' as const, read: palisadeMigrations, migrationsTable: '__palisade_migrations' },
+      ...(appMigrations
         ? [
             {
               folder: 'app' as const,
-              migrationsFolder: options.migrationsFolder,
+              read: appMigrations,
               ...(options.migrationsTable ? { migrationsTable: options.migrationsTable } : {}),
               ...(options.migrationsSchema ? { migrationsSchema: options.migrationsSchema } : {}),
             },
@@ -142,11 +169,10 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
 // a transaction of its own, which a transaction's session cannot do.
 async function applyFolder(
   tx: Database,
-  config: { folder: 'palisade' | 'app'; migrationsFolder: string; migrationsTable?: string; migrationsSchema?: string },
+  config: { folder: 'palisade' | 'app'; read: ReadFolder; migrationsTable?: string; migrationsSchema?: string },
   out: { applied: MigrationInfo[]; skipped: MigrationInfo[]; report: (event: MigrateEvent) => void },
 ) {
-  const migrations = readMigrationFiles(config);
-  const tags = journalTags(config.migrationsFolder);
+  const { migrations, tags } = config.read;
   const table = sql`${sql.identifier(config.migrationsSchema ?? 'drizzle')}.${sql.identifier(config.migrationsTable ?? '__drizzle_migrations')}`;
   await tx.execute(sql`create schema if not exists ${sql.identifier(config.migrationsSchema ?? 'drizzle')}`);
   await tx.execute(
@@ -165,12 +191,57 @@ async function applyFolder(
       continue;
     }
     out.report({ type: 'applying', folder: info.folder, tag: info.tag });
-    for (const statement of migration.sql) await tx.execute(sql.raw(statement));
+    for (const statement of migration.sql) {
+      // A chunk of comments only (drizzle-kit's custom-file header before a breakpoint) is no statement.
+      if (isBlank(statement)) continue;
+      await tx.execute(sql.raw(statement));
+    }
     await tx.execute(
       sql`insert into ${table} (hash, created_at) values (${migration.hash}, ${migration.folderMillis})`,
     );
     out.applied.push(info);
     out.report({ type: 'applied', folder: info.folder, tag: info.tag });
+  }
+}
+
+interface ReadFolder {
+  readonly migrations: ReturnType<typeof readMigrationFiles>;
+  readonly tags: Map<number, string>;
+}
+
+function folderOption(value: unknown, name: string): string | undefined {
+  if (value === undefined) return undefined;
+  if (typeof value !== 'string' || value.trim() === '' || value.includes('\0')) {
+    throw new InvalidArgumentError(`${name} must be a non-empty path`);
+  }
+  return value;
+}
+
+// Paths in messages are the caller's own configuration, never row data.
+function readFolder(folder: string, which: 'palisade' | 'app'): ReadFolder {
+  const path = resolve(folder);
+  const whose = which === 'palisade' ? "palisade's own migrations" : 'migrations folder';
+  const hint =
+    which === 'palisade'
+      ? 'the package ships them in drizzle/; a bundle that inlines palisade-db must copy that folder and pass palisadeMigrationsFolder'
+      : 'pass the folder drizzle-kit generates into (it holds meta/_journal.json); a bundled app must ship that folder beside the bundle';
+  if (!existsSync(path) || !statSync(path).isDirectory()) {
+    throw new MigrationsFolderError(path, `${whose} not found: ${path} does not exist or is not a directory (${hint})`);
+  }
+  if (!existsSync(join(path, 'meta', '_journal.json'))) {
+    throw new MigrationsFolderError(
+      path,
+      `${whose} ${path} has no meta/_journal.json: not a drizzle-kit folder (${hint})`,
+    );
+  }
+  try {
+    return { migrations: readMigrationFiles({ migrationsFolder: path }), tags: journalTags(path) };
+  } catch (err) {
+    throw new MigrationsFolderError(
+      path,
+      `${whose} ${path} cannot be read: ${err instanceof Error ? err.message : String(err)}`,
+      err,
+    );
   }
 }
 
@@ -184,4 +255,8 @@ function journalTags(folder: string): Map<number, string> {
   } catch {
     return new Map();
   }
+}
+
+function isBlank(statement: string): boolean {
+  return statement.replace(/--[^\n]*/g, '').trim() === '';
 }

@@ -1,28 +1,207 @@
+/**
+ * The README is a claim: every TypeScript block in it is type-checked (strict,
+ * NodeNext, against palisade's sources) and run as written — a fragment
+ * after a small prelude that gives it what the surrounding text assumes
+ * (`db`, `locks`, `repo`). A block without a harness fails the suite, so a
+ * new snippet cannot go untested. The error table is checked against
+ * `ERROR_CODES`.
+ */
 import { execFile } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
 import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
-import { describe, expect, it } from 'vitest';
+import postgres from 'postgres';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { ERROR_CODES } from '../src/errors.js';
+import { withDatabase } from './support/databases.js';
+import { needs, services } from './support/services.js';
 
 const run = promisify(execFile);
+const README = readFileSync('README.md', 'utf8');
 
-/** The README's first example is a claim: run it as written, on embedded PGlite. */
+/** Every ```ts block, dedented (some sit in a list item). */
+const blocks = [...README.matchAll(/^( *)```ts\n([\s\S]*?)^\1```/gm)].map((m) => {
+  const indent = (m[1] as string).length;
+  return (m[2] as string)
+    .split('\n')
+    .map((line) => line.slice(Math.min(indent, line.length - line.trimStart().length)))
+    .join('\n');
+});
+
+const PGLITE_DB = `import { PGlite } from '@electric-sql/pglite';
+import { drizzle } from 'drizzle-orm/pglite';
+const db = drizzle(new PGlite());
+`;
+
+interface Harness {
+  readonly name: string;
+  /** A substring only this block has. */
+  readonly marker: string;
+  readonly prelude?: string;
+  readonly postlude?: string;
+  readonly needs?: readonly ('DATABASE_URL' | 'REDIS_URL')[];
+  readonly cwd?: string;
+  /** What the last line printed on stdout must be. */
+  readonly prints: string;
+}
+
+const harnesses: Harness[] = [
+  { name: 'In twenty lines (PGlite)', marker: 'const db = drizzle(new PGlite());', prints: 'applied' },
+  {
+    name: 'Quick start on your own Postgres',
+    marker: 'stops its LISTEN connection; without it',
+    needs: ['DATABASE_URL'],
+    prints: 'applied',
+  },
+  {
+    name: 'the LockManager interface',
+    marker: "const lease = await locks.acquire('invoice:42'",
+    prelude: `${PGLITE_DB}import { migrate, postgresLockManager } from 'palisade-db';
+await migrate(db);
+const locks = postgresLockManager({ db, namespace: 'readme' });
+const signal = AbortSignal.timeout(60_000);
+const ttlMs = 5_000;
+const log = console;
+`,
+    postlude: `console.log(lease.signal.aborted ? 'released' : 'still held');\nprocess.exit(0);\n`,
+    prints: 'released',
+  },
+  {
+    name: 'Redis',
+    marker: 'new Redis(process.env.REDIS_URL',
+    needs: ['DATABASE_URL', 'REDIS_URL'],
+    prints: 'released',
+  },
+  {
+    name: 'migrate with an application folder',
+    marker: "migrate(db, { migrationsFolder: './drizzle' })",
+    prelude: PGLITE_DB,
+    cwd: 'test/fixtures/app',
+    postlude: `console.log(result.applied.map((m) => m.folder).at(-1));\nprocess.exit(0);\n`,
+    prints: 'app',
+  },
+  {
+    name: 'fence columns on an existing table',
+    marker: 'export const widgets = pgTable(',
+    prelude: `import { integer, pgTable, text } from 'drizzle-orm/pg-core';\nimport { fenceColumns } from 'palisade-db';\n`,
+    postlude: `console.log(widgets.lastFence.name, widgets.deletedAt.name);\n`,
+    prints: 'last_fence deleted_at',
+  },
+  {
+    name: 'palisade-db/testing',
+    marker: 'assertStaleWriteRefused({',
+    prelude: `import { strict as assert } from 'node:assert';
+${PGLITE_DB}import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { fenceColumns, fencedRepository, migrate, postgresLockManager } from 'palisade-db';
+const pending: Promise<void>[] = [];
+const it = (_name: string, fn: () => Promise<void>) => void pending.push(fn());
+const expect = (actual: unknown) => ({ toEqual: (expected: unknown) => assert.deepEqual(actual, expected) });
+await migrate(db);
+const accounts = pgTable('accounts', { id: text('id').primaryKey(), balance: integer('balance').notNull(), ...fenceColumns() });
+await db.execute(sql\`create table accounts (id text primary key, balance int not null,
+  last_fence bigint not null default 0, deleted_at timestamptz)\`);
+await db.execute(sql\`insert into accounts (id, balance) values ('acct-1', 0)\`);
+const locks = postgresLockManager({ db, namespace: 'readme' });
+const repo = fencedRepository(db, accounts);
+`,
+    postlude: `await Promise.all(pending);\nconsole.log('refused');\nprocess.exit(0);\n`,
+    prints: 'refused',
+  },
+];
+
+const dir = resolve('node_modules', '.cache', `palisade-readme-${process.pid}`);
+const files = new Map<Harness, string>();
+const admin = services.postgres.url ? postgres(services.postgres.url, { max: 1, onnotice: () => {} }) : undefined;
+const databases: string[] = [];
+
+function source(harness: Harness, block: string): string {
+  const code = `${harness.prelude ?? ''}${block}\n${harness.postlude ?? ''}`;
+  return code
+    .replaceAll("from 'palisade-db/testing'", `from '${resolve('src/testing/index.ts')}'`)
+    .replaceAll("from 'palisade-db'", `from '${resolve('src/index.ts')}'`)
+    .replaceAll("namespace: 'orders'", `namespace: 'readme-${randomBytes(4).toString('hex')}'`);
+}
+
+beforeAll(() => {
+  mkdirSync(dir, { recursive: true });
+  for (const harness of harnesses) {
+    const block = blocks.find((b) => b.includes(harness.marker));
+    if (!block) continue;
+    const file = join(dir, `${harness.name.replace(/[^a-z0-9]+/gi, '-')}.mts`);
+    writeFileSync(file, source(harness, block));
+    files.set(harness, file);
+  }
+});
+
+afterAll(async () => {
+  rmSync(dir, { recursive: true, force: true });
+  for (const name of databases) await admin?.unsafe(`drop database if exists ${name} with (force)`);
+  await admin?.end({ timeout: 5 });
+});
+
 describe('README', () => {
-  it('"In twenty lines" runs as written and its write applies', async () => {
-    const readme = readFileSync('README.md', 'utf8');
-    const section = readme.slice(readme.indexOf('## In twenty lines'));
-    const code = /```ts\n([\s\S]*?)```/.exec(section)?.[1];
-    expect(code).toBeDefined();
-    // Inside the repository, so its imports resolve from our node_modules.
-    const dir = join('node_modules', '.cache', `palisade-readme-${process.pid}`);
-    mkdirSync(dir, { recursive: true });
-    const file = join(dir, 'example.mts');
-    writeFileSync(file, (code as string).replace("from 'palisade'", `from '${resolve('src/index.ts')}'`));
-    try {
-      const { stdout } = await run(process.execPath, ['--import', 'tsx', file], { timeout: 120_000 });
-      expect(stdout.trim()).toBe('applied');
-    } finally {
-      rmSync(dir, { recursive: true, force: true });
+  it('every TypeScript block has exactly one harness, and every harness a block', () => {
+    expect(blocks.length).toBeGreaterThanOrEqual(7);
+    for (const block of blocks) {
+      expect(harnesses.filter((h) => block.includes(h.marker)).map((h) => h.name)).toHaveLength(1);
     }
+    for (const harness of harnesses) expect(blocks.filter((b) => b.includes(harness.marker))).toHaveLength(1);
+  });
+
+  it('every TypeScript block type-checks (strict, NodeNext)', { timeout: 180_000 }, async () => {
+    const tsconfig = join(dir, 'tsconfig.json');
+    writeFileSync(
+      tsconfig,
+      JSON.stringify({
+        compilerOptions: {
+          target: 'ES2022',
+          module: 'NodeNext',
+          moduleResolution: 'NodeNext',
+          lib: ['ES2023', 'ES2024.String'], // as palisade's own tsconfig: its sources are checked too
+          types: ['node'],
+          strict: true,
+          noUncheckedIndexedAccess: true,
+          skipLibCheck: true,
+          noEmit: true,
+          allowImportingTsExtensions: true,
+        },
+        files: [...files.values()],
+      }),
+    );
+    const tsc = resolve('node_modules/typescript/bin/tsc');
+    const result = await run(process.execPath, [tsc, '-p', tsconfig], { timeout: 170_000 }).then(
+      () => '',
+      (err: { stdout?: string }) => err.stdout ?? String(err),
+    );
+    expect(result).toBe('');
+  });
+
+  for (const harness of harnesses) {
+    const enabled = (harness.needs ?? []).every((variable) => needs(variable));
+    it.runIf(enabled)(`"${harness.name}" runs as written`, { timeout: 180_000 }, async () => {
+      const file = files.get(harness);
+      expect(file).toBeDefined();
+      const env: Record<string, string | undefined> = { ...process.env };
+      if (harness.needs?.includes('DATABASE_URL')) {
+        const name = `palisade_readme_${randomBytes(5).toString('hex')}`;
+        await admin?.unsafe(`create database ${name}`);
+        databases.push(name);
+        env.DATABASE_URL = withDatabase(services.postgres.url as string, name);
+      }
+      const { stdout } = await run(process.execPath, ['--import', 'tsx', file as string], {
+        timeout: 170_000,
+        cwd: harness.cwd ?? '.',
+        env,
+      });
+      expect(stdout.trim().split('\n').at(-1)).toBe(harness.prints);
+    });
+  }
+
+  it('the error table lists exactly the codes of ERROR_CODES', () => {
+    const section = README.slice(README.indexOf('## Errors'), README.indexOf('\n## ', README.indexOf('## Errors') + 5));
+    const codes = [...section.matchAll(/^\| `([a-z_]+)` \|/gm)].map((m) => m[1]);
+    expect(codes.sort()).toEqual(Object.keys(ERROR_CODES).sort());
   });
 });

@@ -42,7 +42,7 @@ import {
   LockUnavailableError,
   migrate,
   postgresLockManager,
-} from '../../src/index.js';
+} from 'palisade-db';
 import { connectFromEnv, createTables, holderLabel, isMain, logEvents } from '../shared.js';
 
 export const subscriptions = pgTable('billing_subscriptions', {

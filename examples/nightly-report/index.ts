@@ -41,7 +41,7 @@ import {
   type LockManager,
   migrate,
   runIfLeader,
-} from '../../src/index.js';
+} from 'palisade-db';
 import { connectFromEnv, createTables, holderLabel, isMain, logEvents } from '../shared.js';
 
 export const orders = pgTable('report_orders', {

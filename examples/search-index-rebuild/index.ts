@@ -43,7 +43,7 @@ import {
   type LockManager,
   migrate,
   postgresLockManager,
-} from '../../src/index.js';
+} from 'palisade-db';
 import { connectFromEnv, createTables, holderLabel, isMain, logEvents } from '../shared.js';
 
 export const products = pgTable('products', {

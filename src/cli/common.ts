@@ -3,7 +3,9 @@
  * usage errors, output streams, and connecting to `DATABASE_URL`.
  */
 import { parseArgs } from 'node:util';
-import postgres from 'postgres';
+import type postgres from 'postgres';
+import { MissingDependencyError } from '../errors.js';
+import { loadPeer } from '../optional.js';
 
 /** A failure to report as one line on stderr, with an exit code (1: failed, 2: bad usage). */
 export class CliError extends Error {
@@ -82,8 +84,14 @@ export function describeUrl(url: string): string {
   }
 }
 
-/** A postgres.js client for one CLI run: one connection, bounded connect time, notices silenced. */
-export function connect(url: string): postgres.Sql {
+/**
+ * A postgres.js client for one CLI run: one connection, bounded connect
+ * time, notices silenced. postgres.js is an optional peer dependency of the
+ * library, but the CLI needs it: a missing one is a one-line error saying
+ * what to install.
+ */
+export async function connect(url: string): Promise<postgres.Sql> {
+  const { default: postgres } = await loadCliPeer<{ default: typeof import('postgres') }>('postgres');
   return postgres(url, {
     max: 1,
     connect_timeout: 10,
@@ -155,4 +163,19 @@ export function table(header: readonly string[], rows: readonly (readonly string
 /** JSON with bigints as decimal strings (fences exceed 2^53). */
 export function toJson(value: unknown): string {
   return JSON.stringify(value, (_key, v) => (typeof v === 'bigint' ? v.toString() : v), 2);
+}
+
+/** Loads an optional peer for a command, or a one-line {@link CliError} naming the package to install. */
+export async function loadCliPeer<T>(name: Parameters<typeof loadPeer>[0]): Promise<T> {
+  try {
+    return await loadPeer<T>(name, 'this palisade command');
+  } catch (err) {
+    if (err instanceof MissingDependencyError) {
+      throw new CliError(
+        `needs the package "${err.packageName}", which is not installed: npm i ${err.packageName} ` +
+          `(or run the CLI with npx -p palisade-db -p ${err.packageName} palisade …)`,
+      );
+    }
+    throw err;
+  }
 }

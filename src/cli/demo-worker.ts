@@ -9,27 +9,32 @@ import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { createInterface } from 'node:readline';
 import { eq } from 'drizzle-orm';
-import { drizzle } from 'drizzle-orm/postgres-js';
-import { Redis } from 'ioredis';
-import postgres from 'postgres';
+import type { Redis } from 'ioredis';
 import { type Database, translateError } from '../driver.js';
 import type { Lease } from '../fencing/lease.js';
 import type { LockManager } from '../fencing/lock-manager.js';
 import { postgresLockManager } from '../fencing/postgres.js';
-import { redisLockManager } from '../fencing/redis.js';
+import { redisLockManager } from '../fencing/redis-manager.js';
 import { fencedRepository } from '../repo/repository.js';
 import { demoCounter, postgresOptions, type WorkerCommand, type WorkerConfig } from './demo-shared.js';
 
 const config = JSON.parse(process.argv[2] ?? '{}') as WorkerConfig;
 const holder = `worker ${config.label} (pid ${process.pid})`;
 
+// Optional peers of the library, loaded here (the demo checked postgres.js before spawning us).
+const { default: postgres } = await import('postgres');
+const { drizzle } = await import('drizzle-orm/postgres-js');
 const client =
   config.connection.kind === 'url'
     ? postgres(config.connection.url, postgresOptions(config.connection))
     : postgres(postgresOptions(config.connection));
 const db = drizzle(client) as unknown as Database;
-const redis = config.redisUrl
-  ? new Redis(config.redisUrl, { commandTimeout: 2000, maxRetriesPerRequest: 1, lazyConnect: true })
+const redis: Redis | undefined = config.redisUrl
+  ? new (await import('ioredis')).Redis(config.redisUrl, {
+      commandTimeout: 2000,
+      maxRetriesPerRequest: 1,
+      lazyConnect: true,
+    })
   : undefined;
 const manager: LockManager = redis
   ? redisLockManager({ redis, namespace: config.namespace, epochs: db })

@@ -28,7 +28,7 @@ import { sql } from 'drizzle-orm';
 import type { Database } from '../driver.js';
 import { execute, int8 } from '../driver.js';
 import { migrate } from '../migrate.js';
-import { CliError, type Command, describeUrl, type Io, parse } from './common.js';
+import { CliError, type Command, describeUrl, type Io, loadCliPeer, parse } from './common.js';
 import type { DemoConnection, WorkerCommand, WorkerConfig } from './demo-shared.js';
 
 const help = `Usage: palisade demo [--ttl MS]
@@ -94,10 +94,12 @@ function embeddedStage(): Stage {
     connection: { kind: 'socket', dir, port },
     description: `embedded PGlite, served to the worker processes on the unix socket ${path}`,
     async start() {
+      // Optional peers of the library; a clone has them (devDependencies).
       const [{ PGlite }, { PGLiteSocketServer }, { drizzle }] = await Promise.all([
-        import('@electric-sql/pglite'),
-        import('@electric-sql/pglite-socket'),
-        import('drizzle-orm/pglite'),
+        loadCliPeer<typeof import('@electric-sql/pglite')>('@electric-sql/pglite'),
+        loadCliPeer<typeof import('@electric-sql/pglite-socket')>('@electric-sql/pglite-socket'),
+        loadCliPeer<typeof import('drizzle-orm/pglite')>('drizzle-orm/pglite'),
+        loadCliPeer<typeof import('postgres')>('postgres'), // the workers connect with postgres.js
       ]);
       const pglite = new PGlite();
       // Two workers with one connection each; a little room for a reconnect.
@@ -124,8 +126,8 @@ function postgresStage(url: string): Stage {
     description: `the Postgres at DATABASE_URL (${describeUrl(url)}); demo tables in the temporary schema ${schema}`,
     async start() {
       const [{ default: postgres }, { drizzle }] = await Promise.all([
-        import('postgres'),
-        import('drizzle-orm/postgres-js'),
+        loadCliPeer<{ default: typeof import('postgres') }>('postgres'),
+        loadCliPeer<typeof import('drizzle-orm/postgres-js')>('drizzle-orm/postgres-js'),
       ]);
       const client = postgres(url, {
         max: 1,

@@ -12,9 +12,11 @@ refuses every UPDATE that does not raise last_fence, and every DELETE of a live
 row (palisade deletes leave tombstones), from any client — psql, other services.
 TABLE must already have palisade's fence columns (spread fenceColumns()).
 
-Typical use, after adding fenceColumns() to the table and generating:
+Typical use, after adding fenceColumns() to the table and generating (the
+output starts with a statement breakpoint, so several tables can be appended
+to one file):
   npx drizzle-kit generate --custom --name fence_trigger_TABLE
-  npx palisade fence-trigger TABLE >> drizzle/NNNN_fence_trigger_TABLE.sql
+  npx palisade fence-trigger TABLE >> "$(ls drizzle/*_fence_trigger_TABLE.sql)"
   npx palisade migrate --migrations-folder drizzle
 
 Options:
@@ -47,9 +49,10 @@ export const fenceTriggerCommand: Command = {
     if (sameFence !== 'reject' && sameFence !== 'allow') throw new CliError('--same-fence must be reject or allow', 2);
     const name = String(positionals[0]);
     const schema = values.schema === undefined ? undefined : String(values.schema);
-    // A leading newline: drizzle-kit's custom file ends in a comment without one.
+    // A leading newline (drizzle-kit's custom file ends in a comment without one) and a statement
+    // breakpoint, so the output can be appended for several tables: each block starts a statement.
     io.out(
-      `\n-- palisade fence trigger on ${schema ? `${schema}.` : ''}${name}\n${fenceTriggerSql(
+      `\n--> statement-breakpoint\n-- palisade fence trigger on ${schema ? `${schema}.` : ''}${name}\n${fenceTriggerSql(
         { name, ...(schema ? { schema } : {}) },
         { sameFence, guardDeletes: values['allow-deletes'] !== true },
       )}`,

@@ -65,7 +65,7 @@ export const locksCommand: Command = {
     if (!Number.isSafeInteger(limit) || limit < 1) throw new CliError('--limit must be a positive integer', 2);
     const namespace = values.namespace === undefined ? null : String(values.namespace);
     const url = requireDatabaseUrl(io, 'palisade locks reads the lease table of a Postgres server');
-    const sql = connect(url);
+    const sql = await connect(url);
     try {
       let rows: Record<string, unknown>[];
       try {

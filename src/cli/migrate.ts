@@ -5,7 +5,6 @@
  */
 import { existsSync } from 'node:fs';
 import { resolve } from 'node:path';
-import { drizzle } from 'drizzle-orm/postgres-js';
 import type { Database } from '../driver.js';
 import { PalisadeError } from '../errors.js';
 import { type MigrateEvent, migrate } from '../migrate.js';
@@ -15,6 +14,7 @@ import {
   connect,
   connectionError,
   describeUrl,
+  loadCliPeer,
   parse,
   requireDatabaseUrl,
   toJson,
@@ -74,8 +74,9 @@ export const migrateCommand: Command = {
       else if (event.type === 'applying') io.err(`applying ${event.folder} migration ${event.tag}…`);
     };
     io.err(`migrating ${describeUrl(url)}${folder ? ` (palisade + ${folder})` : ' (palisade only)'}`);
-    const client = connect(url);
+    const client = await connect(url);
     try {
+      const { drizzle } = await loadCliPeer<typeof import('drizzle-orm/postgres-js')>('drizzle-orm/postgres-js');
       const db = drizzle(client) as unknown as Database;
       const result = await migrate(db, {
         ...(folder ? { migrationsFolder: folder } : {}),

@@ -57,9 +57,10 @@
  */
 import { createHash } from 'node:crypto';
 import { PgDialect } from 'drizzle-orm/pg-core';
-import postgres from 'postgres';
+import type postgres from 'postgres';
 import { int8, listen, type RawRow, translateError } from '../driver.js';
 import { InvalidArgumentError, PalisadeError } from '../errors.js';
+import { loadPeer } from '../optional.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import type { Lease } from './lease.js';
@@ -214,6 +215,7 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
   const listener = new ReleaseListener((onPayload) => listen(sql, RELEASE_CHANNEL, onPayload));
   let ready: Promise<void> | undefined;
   let closed = false;
+  let factory: typeof postgres | undefined;
 
   const run = async (client: postgres.Sql, text: string, params: unknown[]): Promise<RawRow[]> => {
     try {
@@ -225,6 +227,8 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
 
   const ensureReady = (): Promise<void> => {
     ready ??= (async () => {
+      // postgres.js is an optional peer: loaded when the first lease needs a session of its own.
+      factory ??= (await loadPeer<{ default: typeof postgres }>('postgres', 'advisoryLockManager')).default;
       const [server] = await run(sql, `select version() ~* '(pglite|emscripten)' as embedded`, []);
       if (server?.embedded === true) {
         throw new PalisadeError(
@@ -251,7 +255,7 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
     };
     const parsed = sql.options as unknown as Record<string, unknown> & { connection?: Record<string, unknown> };
     // Parsed options (they carry `shared`) pass through postgres() unchanged: the same server, credentials and TLS.
-    (session as { client: postgres.Sql }).client = postgres({
+    (session as { client: postgres.Sql }).client = (factory as typeof postgres)({
       ...parsed,
       max: 1,
       idle_timeout: null,

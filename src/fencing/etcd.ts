@@ -34,7 +34,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import type { Etcd3, IKeyValue, IRequestOp, IResponseHeader, ITxnRequest, ITxnResponse, Watcher } from 'etcd3';
-import { FenceSourceError, InvalidArgumentError } from '../errors.js';
+import { FenceSourceError, InvalidArgumentError, LockServiceError, PalisadeError } from '../errors.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
@@ -229,7 +229,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
 
   async function newLease(seconds: number): Promise<string> {
     const res = await call('lease grant', (o) => client.leaseClient.leaseGrant({ TTL: seconds, ID: 0 }, o));
-    if (res.error) throw new Error(`etcd lease grant failed: ${res.error}`);
+    if (res.error) throw new LockServiceError('etcd', `etcd lease grant failed: ${res.error}`);
     return res.ID;
   }
 
@@ -357,7 +357,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       const kv = firstKv(res, res.succeeded ? 2 : 0);
       if (!kv) {
         revokeLater(leaseId);
-        throw new Error(`etcd grant of ${JSON.stringify(name)}: the transaction returned no key`);
+        throw new LockServiceError('etcd', `etcd grant of ${JSON.stringify(name)}: the transaction returned no key`);
       }
       let granted = leaseId;
       if (!res.succeeded) {
@@ -525,15 +525,16 @@ function isTransient(err: unknown): boolean {
   return TRANSIENT_NAMES.has(err.constructor.name) || TRANSIENT_MESSAGE.test(err.message);
 }
 
+/**
+ * etcd3's (and gRPC's) errors become a {@link LockServiceError} that says
+ * which operation failed and keeps the original as its cause; palisade's
+ * own errors pass through.
+ */
 function withContext(err: unknown, what: string): unknown {
-  if (err instanceof Error && !err.message.startsWith(what)) {
-    try {
-      err.message = `${what}: ${err.message}`;
-    } catch {
-      // read-only message: leave it
-    }
-  }
-  return err;
+  if (err instanceof PalisadeError) return err;
+  const message = err instanceof Error ? err.message : String(err);
+  const hint = isTransient(err) ? ' (the cluster did not answer in time: members down, or an election under way)' : '';
+  return new LockServiceError('etcd', `${what} failed${hint}: ${message}`, err);
 }
 
 function sleep(ms: number): Promise<void> {

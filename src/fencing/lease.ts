@@ -34,7 +34,10 @@ export interface Lease {
   /**
    * Stops the watchdog and frees the lock if this token still holds it.
    * Returns `'lost'` (touching nothing) if another holder has it or it
-   * expired. Safe to call more than once.
+   * expired — and also when the lock service could not be reached to
+   * confirm the release (Redis down, a dropped connection): the lease is
+   * then presumed lost and its TTL frees the lock. Never throws the
+   * client's error. Safe to call more than once.
    */
   release(): Promise<'released' | 'lost'>;
 }
@@ -126,6 +129,9 @@ export class ActiveLease implements Lease {
     let held = false;
     try {
       held = await this.#init.backend.release(this.name, this.token);
+    } catch {
+      // Unconfirmed: presumed lost (the TTL frees it); the caller's fenced writes are refused either way.
+      held = false;
     } finally {
       // An extension in flight when release began may have re-armed the deadline or the watchdog meanwhile.
       this.#stopTimers();

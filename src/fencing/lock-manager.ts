@@ -1,6 +1,6 @@
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
-import { InvalidArgumentError, LockUnavailableError } from '../errors.js';
+import { InvalidArgumentError, LockServiceError, LockUnavailableError, PalisadeError } from '../errors.js';
 import type { LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
 import { ActiveLease, type Lease } from './lease.js';
@@ -9,6 +9,8 @@ import { type AcquireOptions, type CheckedOptions, checkLockName, checkOptions }
 const DEFAULT_WAIT_MS = 10_000;
 const BACKOFF_BASE_MS = 5;
 const BACKOFF_CAP_MS = 250;
+/** The least time an attempt of a waiting acquire gets, even at the very end of the wait. */
+const MIN_ATTEMPT_MS = 100;
 
 /**
  * Grants leases that carry fences. Every backend (Redis, Postgres leases,
@@ -28,7 +30,11 @@ export interface LockManager {
    * jitter, woken early when the lock is released) and returns a lease.
    * One token for the whole wait, so a backend with a fair order (Redis)
    * keeps this caller's place in line across its retries.
+   * A lock service that cannot be reached (Redis down, a connection not
+   * yet up) is retried within the same wait, each attempt cut short at the
+   * deadline.
    * @throws {LockUnavailableError} when the wait ends or `signal` aborts.
+   * @throws {LockServiceError} when the wait ends and the last attempts failed to reach the service (the message says why, e.g. connection refused).
    * @throws {InvalidArgumentError} for bad input, before any round trip.
    */
   acquire(name: string, options: AcquireOptions): Promise<Lease>;
@@ -36,11 +42,15 @@ export interface LockManager {
    * One attempt, no waiting: a lease, or `null` if the lock is held (use
    * `inspect` to see by whom) — or, on a backend with a fair order (Redis),
    * if callers are waiting in line for it: `tryAcquire` never jumps the queue.
+   * @throws {LockServiceError} if the service could not be reached.
    */
   tryAcquire(name: string, options: AcquireOptions): Promise<Lease | null>;
   /** Acquires, runs `fn(lease)`, and always releases, whether `fn` returns or throws. */
   using<T>(name: string, options: AcquireOptions, fn: (lease: Lease) => Promise<T> | T): Promise<T>;
-  /** Who holds `name`, with which fence, since when and for how much longer; `null` if free. */
+  /**
+   * Who holds `name`, with which fence, since when and for how much longer; `null` if free.
+   * @throws {LockServiceError} if the service could not be reached.
+   */
   inspect(name: string): Promise<LockInfo | null>;
   /**
    * Takes several locks in one consistent order (sorted, duplicates removed)
@@ -49,15 +59,27 @@ export interface LockManager {
    * whole call.
    */
   acquireAll(names: readonly string[], options: AcquireOptions): Promise<Lease[]>;
-  /** Frees the backend's own resources. Does not release leases or close the caller's clients. */
+  /**
+   * Frees the backend's own resources: its LISTEN connection or
+   * subscription, and (advisory) the sessions of held leases, which loses
+   * those leases. Call it at shutdown: until then an advisory or Postgres
+   * manager keeps connections open, which keeps the process alive. Does not
+   * close the caller's clients.
+   */
   close(): Promise<void>;
+}
+
+/** What a backend's client can add to the manager's errors. */
+export interface LockManagerHooks {
+  /** The client's last connection error, if it is not connected (what ioredis reported in its `error` event). */
+  readonly lastConnectionError?: () => unknown;
 }
 
 /**
  * Builds a {@link LockManager} from a backend's primitives: validation,
  * bounded waiting, leases with local deadlines and watchdogs, events.
  */
-export function createLockManager(backend: LockBackend): LockManager {
+export function createLockManager(backend: LockBackend, hooks: LockManagerHooks = {}): LockManager {
   const events = new Emitter<LockEvents>();
 
   async function attempt(
@@ -66,9 +88,17 @@ export function createLockManager(backend: LockBackend): LockManager {
     startedAt: number,
     token: string,
     waiting: boolean,
+    deadline = Number.POSITIVE_INFINITY,
   ): Promise<Lease | null> {
     const sentAt = performance.now();
-    const grant = await backend.grant(name, token, opts.ttlMs, opts.holder, { waiting });
+    const grant = await bounded(
+      backend.grant(name, token, opts.ttlMs, opts.holder, { waiting }),
+      deadline,
+      // A grant that lands after we gave up: give it back at once rather than let it sit for its TTL.
+      (late) => {
+        if (late) backend.release(name, token).catch(() => {});
+      },
+    );
     if (!grant) return null;
     const lease = new ActiveLease({
       backend,
@@ -94,17 +124,36 @@ export function createLockManager(backend: LockBackend): LockManager {
     const startedAt = performance.now();
     const token = randomBytes(16).toString('hex');
     let queued = false;
+    let unreachable: unknown;
+    let answered = false;
     try {
       for (let tries = 0; ; tries++) {
         if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
         queued = true;
-        const lease = await attempt(name, opts, startedAt, token, true);
+        let lease: Lease | null = null;
+        try {
+          // With a wait, an attempt is cut short at the deadline (give or take MIN_ATTEMPT_MS):
+          // a client that queues commands while offline must not stretch waitMs to its own timeout.
+          const cutAt = opts.waitMs > 0 ? Math.max(deadline, performance.now() + MIN_ATTEMPT_MS) : Infinity;
+          lease = await attempt(name, opts, startedAt, token, true, cutAt);
+          unreachable = undefined;
+          answered = true;
+        } catch (err) {
+          // The service may come back (a restart, a connection not up yet): retry within the wait.
+          if (!isUnreachable(err, hooks)) throw serviceError(hooks, backend.kind, err);
+          unreachable = err;
+        }
         if (lease) {
           queued = false;
           return lease;
         }
         const left = deadline - performance.now();
-        if (left <= 0) throw new LockUnavailableError(name, 'timeout');
+        if (left <= 0) {
+          // A last attempt cut short after others were answered is a plain timeout, not an outage.
+          const outage = unreachable !== undefined && !(answered && unreachable instanceof AttemptCutShort);
+          if (outage) throw serviceError(hooks, backend.kind, unreachable, opts.waitMs);
+          throw new LockUnavailableError(name, 'timeout');
+        }
         // Full jitter spreads retries (and, in a queue, refreshes our place);
         // a release notification cuts the wait short.
         const backoff = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
@@ -129,7 +178,11 @@ export function createLockManager(backend: LockBackend): LockManager {
     async tryAcquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
-      return attempt(checked, opts, performance.now(), randomBytes(16).toString('hex'), false);
+      try {
+        return await attempt(checked, opts, performance.now(), randomBytes(16).toString('hex'), false);
+      } catch (err) {
+        throw serviceError(hooks, backend.kind, err);
+      }
     },
 
     async using(name, options, fn) {
@@ -143,7 +196,12 @@ export function createLockManager(backend: LockBackend): LockManager {
     },
 
     async inspect(name) {
-      return backend.inspect(checkLockName(name));
+      const checked = checkLockName(name);
+      try {
+        return await backend.inspect(checked);
+      } catch (err) {
+        throw serviceError(hooks, backend.kind, err);
+      }
     },
 
     async acquireAll(names, options) {
@@ -170,4 +228,103 @@ export function createLockManager(backend: LockBackend): LockManager {
 // UTF-16 code-unit order: the same in every process and locale (unlike localeCompare).
 function compareCodePoints(a: string, b: string): number {
   return a < b ? -1 : a > b ? 1 : 0;
+}
+
+const SENTINEL_TIMEOUT = Symbol('deadline');
+
+/**
+ * `work`, or a timeout error at `deadline` (a monotonic time). If the work
+ * settles after the deadline, `onLate(value)` gets its value (undefined if it
+ * failed) so a grant nobody waits for can be given back.
+ */
+async function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T | undefined) => void): Promise<T> {
+  const left = deadline - performance.now();
+  if (!Number.isFinite(left)) return work;
+  let timer: NodeJS.Timeout | undefined;
+  const timeout = new Promise<typeof SENTINEL_TIMEOUT>((resolve) => {
+    timer = setTimeout(() => resolve(SENTINEL_TIMEOUT), Math.max(0, left));
+  });
+  try {
+    const first = await Promise.race([work, timeout]);
+    if (first !== SENTINEL_TIMEOUT) return first;
+  } finally {
+    clearTimeout(timer);
+  }
+  work.then(onLate, () => onLate(undefined));
+  throw new AttemptCutShort();
+}
+
+/** An attempt abandoned at the wait's deadline (it may still land: then it is given back). */
+class AttemptCutShort extends Error {
+  constructor() {
+    super('no answer before the wait ended');
+  }
+}
+
+// Errors that say "the service did not answer", not "the service said no": worth another attempt.
+const NETWORK_CODES = new Set([
+  'ECONNREFUSED',
+  'ECONNRESET',
+  'EPIPE',
+  'ETIMEDOUT',
+  'EHOSTUNREACH',
+  'ENETUNREACH',
+  'ENOTFOUND',
+  'EAI_AGAIN',
+  'CONNECTION_CLOSED',
+  'CONNECTION_ENDED',
+  'CONNECTION_DESTROYED',
+  'CONNECT_TIMEOUT',
+]);
+const UNREACHABLE_MESSAGE =
+  /Stream isn't writeable|Connection is closed|connect ECONNREFUSED|ECONNRESET|Reached the max retries per request|UNAVAILABLE|DEADLINE_EXCEEDED|No connection established|Connection terminated/i;
+
+function isUnreachable(err: unknown, hooks: LockManagerHooks): boolean {
+  if (err instanceof AttemptCutShort) return true;
+  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
+    const code = (e as { code?: unknown }).code;
+    if (code === 'lock_service') return true;
+    // A timeout on a connected client is the service's answer (it may still apply): not retried here.
+    if (code === 'command_timeout') return hooks.lastConnectionError?.() !== undefined;
+    if (typeof code === 'string' && (NETWORK_CODES.has(code) || /^(08|57P0)/.test(code))) return true;
+    if (e instanceof Error && UNREACHABLE_MESSAGE.test(e.message)) return true;
+  }
+  return false;
+}
+
+/**
+ * palisade's own errors pass through (an unreachable service excepted when
+ * a wait ended); anything else a backend's client threw (ioredis, etcd3,
+ * a socket) becomes a {@link LockServiceError} that keeps it as its cause.
+ */
+function serviceError(hooks: LockManagerHooks, kind: string, err: unknown, waitedMs?: number): Error {
+  const connection = hooks.lastConnectionError?.();
+  if (err instanceof PalisadeError) {
+    // At the end of a wait `err` is one isUnreachable accepted (a database connection error, a
+    // command timeout while disconnected); elsewhere only a timeout while disconnected is
+    // rephrased. Every other error of ours passes through as it is.
+    const rephrase =
+      (waitedMs !== undefined && err.code !== 'lock_service') ||
+      (err.code === 'command_timeout' && connection !== undefined);
+    if (!rephrase) return err;
+  }
+  const why = describeFailure(connection ?? err);
+  const waited = waitedMs === undefined ? '' : ` (retried for waitMs = ${waitedMs} ms)`;
+  return new LockServiceError(kind, `the ${kind} lock service is unreachable${waited}: ${why}`, err);
+}
+
+function describeFailure(err: unknown): string {
+  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
+    const code = (e as { code?: unknown }).code;
+    const message = e instanceof Error ? e.message : String(e);
+    if (code === 'ECONNREFUSED' || /ECONNREFUSED/.test(message)) {
+      const address = /ECONNREFUSED ([^\s]+)/.exec(message)?.[1];
+      return `connection refused${address ? ` at ${address}` : ''} — is the server running, and does the URL point at it?`;
+    }
+    if (/Stream isn't writeable/.test(message)) {
+      return 'the client is not connected (ioredis with enableOfflineQueue: false sends nothing until the connection is ready)';
+    }
+  }
+  if (err instanceof AttemptCutShort) return 'no answer before the wait ended';
+  return err instanceof Error ? err.message : String(err);
 }

@@ -1,6 +1,15 @@
 import { and, eq, isNull, lt, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
-import { count, type Database, execute, int8, prepared, type RawRow, transaction } from '../driver.js';
+import {
+  assertSupportedDriver,
+  count,
+  type Database,
+  execute,
+  int8,
+  prepared,
+  type RawRow,
+  transaction,
+} from '../driver.js';
 import { InvalidArgumentError, LeaseLostError, PalisadeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { type BatchResult, rememberContext, type WriteResult } from './result.js';
@@ -120,16 +129,20 @@ export interface LeasedRepository<T extends FencedTable> {
 }
 
 /**
- * Creates the write path for `table` on `db` — a drizzle postgres-js or
- * PGlite database, or a transaction of either (then every write joins it).
+ * Creates the write path for `table` on `db` — a drizzle postgres-js,
+ * node-postgres or PGlite database, or a transaction of one (then every
+ * write joins it).
  *
- * @throws {InvalidArgumentError} if `table` lacks `fenceColumns()` or a primary key.
+ * @throws {InvalidArgumentError} if `db` is not a drizzle database on one of
+ * those drivers (checked here, before any query), or `table` lacks
+ * `fenceColumns()` or a primary key.
  */
 export function fencedRepository<T extends FencedTable>(
   db: Database,
   table: T,
   options: RepositoryOptions = {},
 ): FencedRepository<T> {
+  assertSupportedDriver(db, 'fencedRepository');
   const info = describeTable(table);
   const same: SameFence = options.sameFence ?? 'reject';
   if (same !== 'reject' && same !== 'allow') throw new InvalidArgumentError("sameFence must be 'reject' or 'allow'");

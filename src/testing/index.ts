@@ -1,5 +1,5 @@
 /**
- * palisade/testing: helpers to prove your own write path is fenced, and the
+ * palisade-db/testing: helpers to prove your own write path is fenced, and the
  * history checker used by palisade's chaos runs.
  */
 export { type AuditRow, type CheckInput, checkHistory, formatReport, type Report } from './checker.js';

@@ -3,9 +3,13 @@
  * migration; appended to the file drizzle-kit prepares, it installs a
  * working guard.
  */
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { sql } from 'drizzle-orm';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { DatabaseError, execute } from '../../src/driver.js';
+import { migrate } from '../../src/migrate.js';
 import { FENCE_TRIGGER_SQLSTATE, fenceTriggerSql } from '../../src/schema/fence-trigger.js';
 import { killAllCli, runCli } from '../support/cli.js';
 import { pgliteDatabase, type TestDatabase } from '../support/databases.js';
@@ -25,7 +29,7 @@ describe('palisade fence-trigger', () => {
     const run = await runCli(['fence-trigger', 'orders', '--schema', 'shop']);
     expect(run.code).toBe(0);
     expect(run.stdout).toBe(
-      `\n-- palisade fence trigger on shop.orders\n${fenceTriggerSql({ schema: 'shop', name: 'orders' })}\n`,
+      `\n--> statement-breakpoint\n-- palisade fence trigger on shop.orders\n${fenceTriggerSql({ schema: 'shop', name: 'orders' })}\n`,
     );
     // What `drizzle-kit generate --custom` leaves, then `>>` the CLI's output, split as drizzle's migrator does.
     const file = `-- Custom SQL migration file, put your code below! --${run.stdout}`;
@@ -34,7 +38,9 @@ describe('palisade fence-trigger', () => {
       test.db,
       sql`create table shop.orders (id int primary key, total int not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
     );
-    for (const statement of file.split('--> statement-breakpoint')) await execute(test.db, sql.raw(statement));
+    for (const statement of file.split('--> statement-breakpoint').slice(1)) {
+      await execute(test.db, sql.raw(statement));
+    }
     await execute(test.db, sql`insert into shop.orders (id, total) values (1, 10)`);
     const error = await execute(test.db, sql`update shop.orders set total = 0`).catch((e: unknown) => e);
     expect(error).toBeInstanceOf(DatabaseError);
@@ -53,5 +59,48 @@ describe('palisade fence-trigger', () => {
     ]);
     const bad = await runCli(['fence-trigger', 't', '--same-fence', 'sometimes']);
     expect([bad.code, bad.stderr]).toEqual([2, 'palisade fence-trigger: --same-fence must be reject or allow\n']);
+  });
+
+  // Regression: the output did not start with a statement breakpoint, so a second table's SQL
+  // appended to the same file ran in one statement with the first's last one, and failed.
+  it('appended for two tables to one custom migration, migrate() installs both guards', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'palisade-fence-trigger-'));
+    try {
+      mkdirSync(join(dir, 'meta'));
+      const entries = ['0000_tables', '0001_fence_triggers'].map((tag, idx) => ({
+        idx,
+        version: '7',
+        when: 1_700_000_000_000 + idx,
+        tag,
+        breakpoints: true,
+      }));
+      writeFileSync(
+        join(dir, 'meta', '_journal.json'),
+        JSON.stringify({ version: '7', dialect: 'postgresql', entries }),
+      );
+      const table = (name: string) =>
+        `CREATE TABLE "${name}" (id int primary key, n int not null, last_fence bigint not null default 0, deleted_at timestamptz);`;
+      writeFileSync(join(dir, '0000_tables.sql'), `${table('first')}\n--> statement-breakpoint\n${table('second')}\n`);
+      let custom = '-- Custom SQL migration file, put your code below! --';
+      for (const name of ['first', 'second']) {
+        const run = await runCli(['fence-trigger', name]);
+        expect(run.code).toBe(0);
+        custom += run.stdout; // `>>`
+      }
+      writeFileSync(join(dir, '0001_fence_triggers.sql'), custom);
+      const lite = await pgliteDatabase();
+      try {
+        await migrate(lite.db, { migrationsFolder: dir });
+        for (const name of ['first', 'second']) {
+          await execute(lite.db, sql.raw(`insert into "${name}" (id, n) values (1, 1)`));
+          const error = await execute(lite.db, sql.raw(`update "${name}" set n = 2`)).catch((e: unknown) => e);
+          expect((error as DatabaseError).sqlState).toBe(FENCE_TRIGGER_SQLSTATE);
+        }
+      } finally {
+        await lite.close();
+      }
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 });

@@ -3,16 +3,18 @@
  * every migration — palisade's own and the application's drizzle-kit folder
  * (test/fixtures/app) — is applied exactly once, and every replica exits 0.
  */
-import { readFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
 import { type SQL, sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
 import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
 import { count, execute } from '../../src/driver.js';
-import { LockUnavailableError } from '../../src/errors.js';
+import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from '../../src/errors.js';
 import { MIGRATE_LOCK_KEY, migrate, PALISADE_MIGRATIONS } from '../../src/migrate.js';
 import { killAllCli, runCli, startCli } from '../support/cli.js';
-import { pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { drivers, pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
 
 const APP_MIGRATIONS = 'test/fixtures/app/drizzle';
@@ -47,9 +49,9 @@ async function objectCounts(db: TestDatabase['db']) {
   };
 }
 
-describe('migrate() with an application folder (PGlite)', () => {
+describe.each(drivers)('migrate() with an application folder on $name', ({ open }) => {
   it('applies palisade then the app folder once, and a rerun applies nothing', async () => {
-    const test = await pgliteDatabase();
+    const test = await open();
     try {
       const first = await migrate(test.db, { migrationsFolder: APP_MIGRATIONS });
       expect(first.applied.map((m) => m.folder)).toEqual([
@@ -188,5 +190,71 @@ describe('palisade migrate: usage errors', () => {
     });
     expect(run.code).toBe(2);
     expect(run.stderr).toMatch(/is not a drizzle-kit migrations folder/);
+  });
+});
+
+describe('migrate(): a bad folder is a setup error naming the path, before any query', () => {
+  it('a missing folder, a folder without a journal, a journal naming a missing file, a bad option', async () => {
+    const test = await pgliteDatabase();
+    const dir = mkdtempSync(join(tmpdir(), 'palisade-migrations-'));
+    try {
+      const missing = join(dir, 'nope');
+      const err = await migrate(test.db, { migrationsFolder: missing }).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(MigrationsFolderError);
+      expect(err).toMatchObject({ code: 'migrations_folder', folder: resolve(missing) });
+      expect((err as Error).message).toContain(resolve(missing));
+
+      // Regression: this was drizzle's "Can't find meta/_journal.json file", as a DatabaseError naming no path.
+      const noJournal = await migrate(test.db, { migrationsFolder: dir }).catch((e: unknown) => e);
+      expect(noJournal).toBeInstanceOf(MigrationsFolderError);
+      expect((noJournal as Error).message).toMatch(/has no meta\/_journal\.json/);
+      expect((noJournal as Error).message).toContain(dir);
+
+      const meta = join(dir, 'meta');
+      (await import('node:fs')).mkdirSync(meta);
+      writeFileSync(
+        join(meta, '_journal.json'),
+        JSON.stringify({
+          version: '7',
+          dialect: 'postgresql',
+          entries: [{ idx: 0, version: '7', when: 1, tag: '0000_gone', breakpoints: true }],
+        }),
+      );
+      const gone = await migrate(test.db, { migrationsFolder: dir }).catch((e: unknown) => e);
+      expect(gone).toBeInstanceOf(MigrationsFolderError);
+      expect((gone as Error).message).toContain(dir);
+
+      await expect(migrate(test.db, { migrationsFolder: '' })).rejects.toBeInstanceOf(InvalidArgumentError);
+      // None of it reached the database: not even palisade's own migrations ran.
+      const [row] = await execute(
+        test.db,
+        sql`select count(*) as n from information_schema.schemata where schema_name = 'palisade'`,
+      );
+      expect(count(row?.n)).toBe(0);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+      await test.close();
+    }
+  });
+});
+
+describe.runIf(needs('DATABASE_URL'))('migrate() on postgres.js emits no NOTICE', () => {
+  it('a rerun (every "if not exists" skipped) prints nothing through onnotice', async () => {
+    const test = await postgresDatabase();
+    const notices: unknown[] = [];
+    const client = postgres(test.url as string, { max: 1, onnotice: (n) => void notices.push(n) });
+    try {
+      const { drizzle } = await import('drizzle-orm/postgres-js');
+      const db = drizzle(client) as unknown as TestDatabase['db'];
+      await migrate(db, { migrationsFolder: APP_MIGRATIONS });
+      await migrate(db, { migrationsFolder: APP_MIGRATIONS });
+      expect(notices).toEqual([]);
+      // The setting was the migration's own: this session is back to notices.
+      await client.unsafe('create schema if not exists drizzle');
+      expect(notices).toHaveLength(1);
+    } finally {
+      await client.end({ timeout: 5 });
+      await test.close();
+    }
   });
 });

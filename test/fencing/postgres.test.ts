@@ -1,12 +1,4 @@
-/**
- * The Postgres lease backend: the seed's scenarios with real OS processes on
- * the real Postgres (each test its own database and namespace), and the
- * single-process behaviour on PGlite, the embedded default.
- */
-import { PGlite } from '@electric-sql/pglite';
 import { type SQL, sql } from 'drizzle-orm';
-import type { Logger } from 'drizzle-orm/logger';
-import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import postgres from 'postgres';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
@@ -15,7 +7,8 @@ import { FenceSourceError, InvalidArgumentError, LeaseLostError } from '../../sr
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { postgresLockBackend, postgresLockManager } from '../../src/fencing/postgres.js';
 import { migrate } from '../../src/migrate.js';
-import type { TestDatabase } from '../support/databases.js';
+import { withQueryLog } from '../repo/fixtures.js';
+import { drivers, type TestDatabase } from '../support/databases.js';
 import { killAllWorkers } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
@@ -253,19 +246,19 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
   });
 });
 
-describe('postgres lease backend on PGlite (embedded, no server needed)', () => {
-  let client: PGlite;
+// PGlite (embedded, no server needed) always; postgres.js and node-postgres on the real Postgres when configured.
+describe.each(drivers)('postgres lease backend in one process on $name', ({ open }) => {
+  let test: TestDatabase;
   let db: Database;
-  const queries: string[] = [];
+  let queries: string[];
 
   beforeAll(async () => {
-    client = new PGlite();
-    const logger: Logger = { logQuery: (q: string) => void queries.push(q) };
-    db = drizzlePglite(client, { logger }) as unknown as Database;
+    test = await open();
+    ({ db, queries } = withQueryLog(test));
     await migrate(db);
   });
   afterAll(async () => {
-    await client?.close();
+    await test?.close();
   });
 
   const exec = (q: SQL) => execute(db, q);
@@ -341,7 +334,7 @@ describe('postgres lease backend on PGlite (embedded, no server needed)', () => 
     await manager.close();
   });
 
-  it('fences above 2^53 come back exact from PGlite too', async () => {
+  it('fences above 2^53 come back exact', async () => {
     const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
     const floor = (await lastValue(db)) > TWO_53 ? await lastValue(db) : TWO_53;
     await exec(sql.raw(`select setval('palisade.fence_seq', ${floor})`));
@@ -367,7 +360,7 @@ describe('postgres lease backend on PGlite (embedded, no server needed)', () => 
     await fixed.close();
   });
 
-  it('a waiter is woken by PGlite’s NOTIFY', async () => {
+  it('a waiter is woken by NOTIFY', async () => {
     const namespace = uniqueNamespace('lite');
     const backend = postgresLockBackend({ db, namespace });
     const manager = postgresLockManager({ db, namespace });

@@ -6,9 +6,11 @@
 import { randomBytes } from 'node:crypto';
 import type { PGlite } from '@electric-sql/pglite';
 import { sql } from 'drizzle-orm';
+import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { integer, jsonb, pgTable, primaryKey, text, timestamp } from 'drizzle-orm/pg-core';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
+import type pg from 'pg';
 import type { Sql } from 'postgres';
 import type { Database } from '../../src/driver.js';
 import { fenceColumns } from '../../src/schema/index.js';
@@ -90,6 +92,8 @@ export function withQueryLog(test: TestDatabase): { db: Database; queries: strin
   const db =
     test.driver === 'pglite'
       ? (drizzlePglite(client as PGlite, { logger }) as unknown as Database)
-      : (drizzlePostgres(client as Sql, { logger }) as unknown as Database);
+      : test.driver === 'node-postgres'
+        ? (drizzleNodePostgres(client as pg.Pool, { logger }) as unknown as Database)
+        : (drizzlePostgres(client as Sql, { logger }) as unknown as Database);
   return { db, queries };
 }

@@ -1,14 +1,16 @@
 import { randomBytes } from 'node:crypto';
 import { PGlite } from '@electric-sql/pglite';
+import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
+import pg from 'pg';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
 import { services } from './services.js';
 
 /** A database of a test's own: dropped (or discarded) by `close()`. */
 export interface TestDatabase {
-  readonly driver: 'pglite' | 'postgres';
+  readonly driver: 'pglite' | 'postgres' | 'node-postgres';
   readonly db: Database;
   /** For the real Postgres: a URL of this test's own database, for child processes. */
   readonly url?: string;
@@ -44,14 +46,42 @@ export async function postgresDatabase(): Promise<TestDatabase> {
   };
 }
 
+/** A fresh database on the real Postgres, through node-postgres (`pg.Pool`) instead of postgres.js. */
+export async function nodePostgresDatabase(): Promise<TestDatabase> {
+  const base = services.postgres.url;
+  if (!base) throw new Error('DATABASE_URL is not set');
+  const name = `palisade_t_${randomBytes(6).toString('hex')}`;
+  const admin = postgres(base, { max: 1, onnotice: () => {} });
+  await admin.unsafe(`create database ${name}`);
+  const url = withDatabase(base, name);
+  const pool = new pg.Pool({ connectionString: url, max: 20 });
+  pool.on('error', () => {}); // an idle client's connection dropped: the pool replaces it
+  const db = drizzleNodePostgres(pool) as unknown as Database;
+  return {
+    driver: 'node-postgres',
+    db,
+    url,
+    async close() {
+      await pool.end();
+      await admin.unsafe(`drop database if exists ${name} with (force)`);
+      await admin.end({ timeout: 5 });
+    },
+  };
+}
+
 export function withDatabase(url: string, name: string): string {
   const u = new URL(url);
   u.pathname = `/${name}`;
   return u.toString();
 }
 
-/** The drivers a repository suite runs on: PGlite always, the real Postgres when configured. */
-export const drivers: { name: 'pglite' | 'postgres'; open: () => Promise<TestDatabase> }[] = [
+/** The drivers a repository suite runs on: PGlite always; postgres.js and node-postgres on the real Postgres when configured. */
+export const drivers: { name: TestDatabase['driver']; open: () => Promise<TestDatabase> }[] = [
   { name: 'pglite', open: pgliteDatabase },
-  ...(services.postgres.url ? [{ name: 'postgres' as const, open: postgresDatabase }] : []),
+  ...(services.postgres.url
+    ? [
+        { name: 'postgres' as const, open: postgresDatabase },
+        { name: 'node-postgres' as const, open: nodePostgresDatabase },
+      ]
+    : []),
 ];

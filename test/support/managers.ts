@@ -10,7 +10,7 @@ import type { Database } from '../../src/driver.js';
 import { advisoryLockManager } from '../../src/fencing/advisory.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { postgresLockManager } from '../../src/fencing/postgres.js';
-import { redisLockManager } from '../../src/fencing/redis.js';
+import { redisLockManager } from '../../src/fencing/redis-manager.js';
 
 export type BackendKind = 'redis' | 'postgres' | 'advisory' | 'etcd';
 

@@ -1,10 +1,10 @@
 /**
  * How a user proves their own repository is fenced, in a few lines of
- * vitest, with `assertStaleWriteRefused` from `palisade/testing`: embedded
+ * vitest, with `assertStaleWriteRefused` from `palisade-db/testing`: embedded
  * PGlite and the Postgres lease lock manager, no server needed.
  *
  * The first test is the one to copy into your project (imports there:
- * `palisade` and `palisade/testing`). The second shows the helper failing
+ * `palisade` and `palisade-db/testing`). The second shows the helper failing
  * on a write path that ignores the fence, so a green first test means
  * something.
  */

@@ -1,0 +1,135 @@
+/**
+ * A lock service that is down, not up yet, or dies under a held lease: what
+ * the user sees is palisade's error (code `lock_service`, the client's error
+ * as its cause), within the wait they asked for — never ioredis's bare Error.
+ * Real Redis servers of the test's own, really stopped; a port where nothing
+ * listens for "connection refused".
+ */
+import { performance } from 'node:perf_hooks';
+import { Redis } from 'ioredis';
+import { afterEach, describe, expect, it } from 'vitest';
+import { LockServiceError, PalisadeError } from '../../src/errors.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { redisLockManager } from '../../src/fencing/redis-manager.js';
+import { freePorts } from '../support/ports.js';
+import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
+import { needs } from '../support/services.js';
+
+const clients: Redis[] = [];
+const servers: PrivateRedis[] = [];
+afterEach(async () => {
+  for (const c of clients.splice(0)) c.disconnect();
+  for (const s of servers.splice(0)) await s.stop();
+});
+
+/** The client as the README configures it. */
+function readmeClient(url: string): Redis {
+  const redis = new Redis(url, { commandTimeout: 2_000, maxRetriesPerRequest: 1, enableOfflineQueue: false });
+  redis.on('error', () => {}); // ioredis reconnects by itself; without a listener it logs every failure
+  clients.push(redis);
+  return redis;
+}
+
+function manager(redis: Redis, extra: { commandTimeoutMs?: number } = {}): LockManager {
+  // allowFreshCounter: these tests are about reaching Redis, not about the fence floor in Postgres.
+  return redisLockManager({
+    redis,
+    namespace: `svc-${process.pid}-${Math.random()}`,
+    allowFreshCounter: true,
+    ...extra,
+  });
+}
+
+describe('Redis down: connection refused', () => {
+  it('acquire retries within waitMs, then throws LockServiceError saying connection refused', async () => {
+    const [port] = await freePorts(1);
+    const locks = manager(readmeClient(`redis://127.0.0.1:${port}`));
+    const err = await locks.acquire('job', { ttlMs: 5_000, waitMs: 600 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(LockServiceError);
+    expect(err).toMatchObject({ code: 'lock_service', service: 'redis' });
+    expect((err as Error).message).toMatch(/connection refused/);
+    expect((err as Error).message).toMatch(/waitMs = 600/);
+    expect((err as Error).cause).toBeInstanceOf(Error);
+    await locks.close();
+  });
+
+  it('with an offline queue, acquire still gives up at waitMs, not at the 5 s command timeout', async () => {
+    const [port] = await freePorts(1);
+    const redis = new Redis(`redis://127.0.0.1:${port}`, { maxRetriesPerRequest: null });
+    redis.on('error', () => {});
+    clients.push(redis);
+    const locks = manager(redis, { commandTimeoutMs: 30_000 });
+    const started = performance.now();
+    const err = await locks.acquire('job', { ttlMs: 5_000, waitMs: 500 }).catch((e: unknown) => e);
+    // Loose on purpose (a noisy machine): the regression was waiting for the command timeout, 30 s here.
+    expect(performance.now() - started).toBeLessThan(20_000);
+    expect(err).toBeInstanceOf(LockServiceError);
+    expect((err as Error).message).toMatch(/redis lock service is unreachable/);
+    await locks.close();
+  });
+
+  it('tryAcquire and inspect fail with LockServiceError too', async () => {
+    const [port] = await freePorts(1);
+    const locks = manager(readmeClient(`redis://127.0.0.1:${port}`));
+    await expect(locks.tryAcquire('job', { ttlMs: 5_000 })).rejects.toBeInstanceOf(LockServiceError);
+    await expect(locks.inspect('job')).rejects.toBeInstanceOf(LockServiceError);
+    await locks.close();
+  });
+});
+
+describe.runIf(needs('REDIS_SERVER'))('Redis coming up and going away (a server of our own)', () => {
+  // Regression: "Stream isn't writeable and enableOfflineQueue options is false" from the first acquire.
+  it('the first acquire right after new Redis(…) with the README options succeeds', async () => {
+    const server = await startPrivateRedis();
+    servers.push(server);
+    const locks = manager(readmeClient(server.url));
+    const lease = await locks.acquire('job', { ttlMs: 5_000, waitMs: 10_000 });
+    expect(lease.fence).toBeGreaterThan(0n);
+    expect(await lease.release()).toBe('released');
+    await locks.close();
+  });
+
+  // Regression: release() threw ioredis's error when Redis had died under the lease.
+  it('Redis killed while a lease is held: release() returns lost, extend() throws LeaseLostError', async () => {
+    const server = await startPrivateRedis();
+    servers.push(server);
+    const locks = manager(readmeClient(server.url));
+    const lease = await locks.acquire('job', { ttlMs: 10_000, waitMs: 10_000 });
+    const other = await locks.acquire('other', { ttlMs: 10_000, waitMs: 10_000 });
+    await server.stop();
+    servers.splice(servers.indexOf(server), 1);
+    const extended = await other.extend().catch((e: unknown) => e);
+    expect(extended).toBeInstanceOf(PalisadeError);
+    expect(extended).toMatchObject({ code: 'lease_lost' });
+    expect(await lease.release()).toBe('lost');
+    expect(await lease.release()).toBe('lost'); // still safe to call twice
+    expect(await other.release()).toBe('lost');
+    await locks.close();
+  });
+});
+
+describe('etcd unreachable', () => {
+  // Regression: etcd failures were plain Errors (no code).
+  it('acquire, tryAcquire and inspect throw LockServiceError (code lock_service), cause kept', async () => {
+    const [port] = await freePorts(1);
+    const { Etcd3 } = await import('etcd3');
+    const { etcdLockManager } = await import('../../src/fencing/etcd.js');
+    const client = new Etcd3({ hosts: [`http://127.0.0.1:${port}`] });
+    const locks = etcdLockManager({ client, namespace: 'svc', commandTimeoutMs: 1_000 });
+    try {
+      for (const call of [
+        () => locks.acquire('job', { ttlMs: 5_000, waitMs: 500 }),
+        () => locks.tryAcquire('job', { ttlMs: 5_000 }),
+        () => locks.inspect('job'),
+      ]) {
+        const err = await call().catch((e: unknown) => e);
+        expect(err).toBeInstanceOf(LockServiceError);
+        expect(err).toMatchObject({ code: 'lock_service', service: 'etcd' });
+        expect((err as Error).cause).toBeDefined();
+      }
+    } finally {
+      await locks.close();
+      client.close();
+    }
+  });
+});
