@@ -38,7 +38,16 @@ export interface LockManager {
    * if callers are waiting in line for it: `tryAcquire` never jumps the queue.
    */
   tryAcquire(name: string, options: AcquireOptions): Promise<Lease | null>;
-  /** Acquires, runs `fn(lease)`, and always releases, whether `fn` returns or throws. */
+  /**
+   * Acquires, runs `fn(lease)`, and always releases, whether `fn` returns or
+   * throws. `fn`'s outcome wins: its result is returned, or its error thrown,
+   * even when the release then fails (the database is gone, a lock wait timed
+   * out). A failed release is reported as a `lost` event (reason `release
+   * failed: …`): the lease's signal is aborted and the lock frees by itself at
+   * its TTL (advisory locks: when the session is ended). It is not thrown,
+   * because the work under the lock is done and a caller that retried it
+   * would do it twice.
+   */
   using<T>(name: string, options: AcquireOptions, fn: (lease: Lease) => Promise<T> | T): Promise<T>;
   /** Who holds `name`, with which fence, since when and for how much longer; `null` if free. */
   inspect(name: string): Promise<LockInfo | null>;
@@ -138,7 +147,11 @@ export function createLockManager(backend: LockBackend): LockManager {
       try {
         return await fn(lease);
       } finally {
-        await lease.release();
+        // Awaited before fn's outcome is delivered, but never in its place.
+        await lease.release().catch((err: unknown) => {
+          const why = err instanceof Error ? err.message : String(err);
+          events.emit('lost', { name: lease.name, fence: lease.fence, reason: `release failed: ${why}` });
+        });
       }
     },
 

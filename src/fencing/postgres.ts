@@ -24,8 +24,9 @@
  * fence 1,111 under contention) — harmless, fences only need to increase.
  * The table holds one row per lock name ever used.
  */
-import { type SQL, sql } from 'drizzle-orm';
-import { type Database, int8, type ListenClient, listen, listenClientOf, prepared } from '../driver.js';
+import { is, type SQL, sql } from 'drizzle-orm';
+import { PgDatabase } from 'drizzle-orm/pg-core';
+import { type Database, int8, isListenClient, type ListenClient, listen, listenClientOf, prepared } from '../driver.js';
 import { InvalidArgumentError } from '../errors.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { toFence } from './fence.js';
@@ -107,6 +108,16 @@ const inspectSql = (): SQL => sql`
   from palisade.leases
   where namespace = ${p('ns')}::text and name = ${p('name')}::text and expires_at > clock_timestamp()`;
 
+/** A drizzle Postgres database (any driver), by class: `{}` or a bare client would fail only at the first grant. */
+function isDrizzlePostgres(value: unknown): value is Database {
+  if (value === null || typeof value !== 'object' || Object.getPrototypeOf(value) === null) return false;
+  try {
+    return is(value, PgDatabase);
+  } catch {
+    return false;
+  }
+}
+
 /**
  * The Postgres lease backend's primitives (see {@link LockBackend}); most
  * callers want {@link postgresLockManager}. Exposed for tests and for
@@ -121,14 +132,19 @@ const inspectSql = (): SQL => sql`
  *
  * Does not: keep a lease alive by itself (that is the lease's watchdog), or
  * notice a paused holder — expiry does.
- * @throws {InvalidArgumentError} for a bad namespace or a missing `db`.
+ * @throws {InvalidArgumentError} for a bad namespace, a `db` that is not a drizzle Postgres database, or a
+ *   `listen` that is neither `false` nor a client that can LISTEN — at once, before any query.
  */
 export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
-  if (options === null || typeof options !== 'object' || options.db === null || typeof options.db !== 'object') {
-    throw new InvalidArgumentError('postgresLockManager needs { db, namespace } with a drizzle database');
+  if (options === null || typeof options !== 'object' || !isDrizzlePostgres(options.db)) {
+    throw new InvalidArgumentError('postgresLockManager needs { db, namespace } with a drizzle Postgres database');
   }
   const db = options.db;
   const ns = checkNamespace(options.namespace);
+  if (options.listen !== undefined && options.listen !== false && !isListenClient(options.listen)) {
+    // Anything else would fail only at the first wait, and silently: waiters would poll.
+    throw new InvalidArgumentError('listen must be false or a client that can LISTEN (postgres.js or PGlite)');
+  }
   const client = options.listen === false ? undefined : (options.listen ?? listenClientOf(db));
   const listener = new ReleaseListener(client ? (onPayload) => listen(client, RELEASE_CHANNEL, onPayload) : undefined);
   let ready: Promise<void> | undefined;
