@@ -75,9 +75,11 @@ export function createLockManager(backend: LockBackend): LockManager {
     startedAt: number,
     token: string,
     waiting: boolean,
+    deadline: number,
   ): Promise<Lease | null> {
     const sentAt = performance.now();
-    const grant = await backend.grant(name, token, opts.ttlMs, opts.holder, { waiting });
+    const waitMs = Math.max(0, deadline - sentAt);
+    const grant = await backend.grant(name, token, opts.ttlMs, opts.holder, { waiting, waitMs });
     if (!grant) return null;
     const lease = new ActiveLease({
       backend,
@@ -107,7 +109,7 @@ export function createLockManager(backend: LockBackend): LockManager {
       for (let tries = 0; ; tries++) {
         if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
         queued = true;
-        const lease = await attempt(name, opts, startedAt, token, true);
+        const lease = await attempt(name, opts, startedAt, token, true, deadline);
         if (lease) {
           queued = false;
           return lease;
@@ -138,7 +140,8 @@ export function createLockManager(backend: LockBackend): LockManager {
     async tryAcquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
-      return attempt(checked, opts, performance.now(), randomBytes(16).toString('hex'), false);
+      const now = performance.now();
+      return attempt(checked, opts, now, randomBytes(16).toString('hex'), false, now);
     },
 
     async using(name, options, fn) {

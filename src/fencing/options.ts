@@ -11,6 +11,13 @@ export const MAX_TTL_MS = 86_400_000;
 /** Longest bounded wait: one day. */
 export const MAX_WAIT_MS = 86_400_000;
 const MAX_HOLDER_LENGTH = 256;
+/**
+ * The shortest server-side lock wait a grant is given on the Postgres
+ * backends (Postgres reads `lock_timeout = 0` as "no limit"): `tryAcquire`,
+ * and an acquire's last attempt, may wait this long for a concurrent grant
+ * or release of the same row to commit.
+ */
+export const MIN_GRANT_LOCK_WAIT_MS = 50;
 
 /** Options of `acquire`, `tryAcquire`, `using` and `acquireAll`. */
 export interface AcquireOptions {
