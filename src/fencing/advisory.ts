@@ -431,7 +431,10 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
  * holder releases, when its connection drops or its process dies, and when
  * its session stays idle for `ttlMs` (`idle_session_timeout`); the lease's
  * `signal` fires when the client sees the session's connection close, when
- * an extension finds the lock gone, or when `ttlMs` passes unextended.
+ * an extension finds the lock gone, or when `ttlMs` passes unextended; a
+ * grant's wait for the fence sequence (locked by an `ALTER SEQUENCE`) ends
+ * on the server with what is left of `waitMs`, and the session of a grant
+ * that gave up is ended, so it cannot hold the lock later.
  *
  * Does not: make writes safe by itself — a paused holder still believes it
  * leads; write with the lease's fence through a fenced repository. `close()`

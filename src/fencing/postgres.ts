@@ -244,7 +244,11 @@ export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
  * grant and, for one lock, fences increase grant after grant; a late
  * release or extend never touches another holder's lease; waiters are woken
  * early by `NOTIFY palisade_release` where the client can LISTEN, and poll
- * otherwise.
+ * otherwise; every wait for a database lock is bounded by the server
+ * (`lock_timeout`): a grant by what is left of `waitMs` (at least
+ * {@link MIN_GRANT_LOCK_WAIT_MS}), the other calls by `lockTimeoutMs` — so a
+ * grant the caller gave up on never lands later. Needs palisade's migration
+ * `0002_bounded_lock_waits` (`migrate(db)`).
  *
  * Does not: make writes safe by itself — a paused holder still believes it
  * holds the lock; only the fence, checked by a fenced repository, refuses
