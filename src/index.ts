@@ -8,6 +8,7 @@ export {
   FenceSourceError,
   InvalidArgumentError,
   LeaseLostError,
+  LockTimeoutError,
   LockUnavailableError,
   PalisadeError,
   RetryableWriteError,

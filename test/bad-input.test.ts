@@ -667,10 +667,19 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
     expectInvalid(err);
   });
 
-  it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll)', async () => {
+  it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll), and a bad lockTimeoutMs', async () => {
     const client = new PGlite();
     try {
       const db = drizzlePglite(client) as unknown as Database;
+      for (const lockTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', MAX_TTL_MS + 1]) {
+        let err: unknown;
+        try {
+          postgresLockManager({ db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
+        } catch (e) {
+          err = e;
+        }
+        expectInvalid(err);
+      }
       for (const listen of [{}, 'yes', true, 1]) {
         let err: unknown;
         try {

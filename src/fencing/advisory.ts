@@ -64,7 +64,13 @@ import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import type { Lease } from './lease.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
-import { type AcquireOptions, checkLockName, MAX_WAIT_MS, MIN_GRANT_LOCK_WAIT_MS } from './options.js';
+import {
+  type AcquireOptions,
+  checkLockName,
+  DEFAULT_LOCK_TIMEOUT_MS,
+  MAX_WAIT_MS,
+  MIN_GRANT_LOCK_WAIT_MS,
+} from './options.js';
 import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
 import { fenceSequenceQuery, judgeFenceSequence } from './sequence.js';
 
@@ -223,7 +229,7 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
   if (!Number.isInteger(maxIdle) || maxIdle < 0 || maxIdle > 16) {
     throw new InvalidArgumentError('maxIdleSessions must be an integer in 0 … 16');
   }
-  const lockTimeoutMs = options.lockTimeoutMs ?? 5_000;
+  const lockTimeoutMs = options.lockTimeoutMs ?? DEFAULT_LOCK_TIMEOUT_MS;
   if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_WAIT_MS) {
     throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_WAIT_MS}`);
   }

@@ -18,6 +18,8 @@ const MAX_HOLDER_LENGTH = 256;
  * or release of the same row to commit.
  */
 export const MIN_GRANT_LOCK_WAIT_MS = 50;
+/** Default bound (`lockTimeoutMs`) of a database lock wait inside extend, release and inspect on the Postgres backends. */
+export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
 /** Options of `acquire`, `tryAcquire`, `using` and `acquireAll`. */
 export interface AcquireOptions {

@@ -41,7 +41,7 @@ import { InvalidArgumentError, LockTimeoutError } from '../errors.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
-import { MAX_WAIT_MS, MIN_GRANT_LOCK_WAIT_MS } from './options.js';
+import { DEFAULT_LOCK_TIMEOUT_MS, MAX_WAIT_MS, MIN_GRANT_LOCK_WAIT_MS } from './options.js';
 import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
 import { checkFenceSequence } from './sequence.js';
 
@@ -104,9 +104,6 @@ const releaseSql = (): SQL => sql`
 const inspectSql = (): SQL => sql`
   select holder, fence, acquired_ms, remaining_ms from palisade.lease_inspect(${p('ns')}::text, ${p('name')}::text,
     ${p('wait')}::int)`;
-
-/** Default bound of a lock wait inside extend, release and inspect. */
-export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
 /** SQLSTATE 55P03 lock_not_available: `lock_timeout` ended a lock wait; the statement changed nothing. */
 const LOCK_NOT_AVAILABLE = '55P03';
