@@ -9,6 +9,8 @@ export const ERROR_CODES = {
   row_missing: 'a fenced write found no live row for its key',
   retryable: 'serialization failure or deadlock (SQLSTATE 40001 / 40P01): nothing was written, retry',
   lock_unavailable: 'a bounded wait for a lock ended (timeout or abort) without a grant',
+  lock_timeout:
+    'a lock-manager call waited for a database lock longer than lockTimeoutMs; the statement was cancelled and changed nothing',
   lease_lost: 'the lease is known or presumed lost',
   fence_source: 'the fence source cannot prove its next fence is above every earlier one',
   lock_service: 'the lock service (Redis, etcd) could not be reached or failed; the message says why',
@@ -28,8 +30,10 @@ export type PalisadeErrorCode = keyof typeof ERROR_CODES;
 /**
  * Every error palisade throws is a {@link PalisadeError} with a stable string
  * `code`, so callers can branch on `err.code` without `instanceof` across
- * package copies. Messages name tables, keys' column names, lock names and
- * fences — never row values or query parameters, which may be secrets.
+ * package copies. Messages name tables, keys' column names, SQLSTATEs,
+ * constraints and fences — never row values, query parameters, lock names or
+ * holder labels, which may be secrets (lock names are on the errors'
+ * `lockName` property).
  */
 export class PalisadeError extends Error {
   /** Stable, machine-readable identifier of the failure: one of {@link ERROR_CODES}. */
@@ -97,7 +101,28 @@ export class LockUnavailableError extends PalisadeError {
     readonly lockName: string,
     readonly reason: 'timeout' | 'aborted',
   ) {
-    super('lock_unavailable', `lock ${JSON.stringify(lockName)} not acquired (${reason})`);
+    // The name is a property, not part of the message: lock names can carry customer data (`account:<id>`).
+    super('lock_unavailable', `lock not acquired (${reason})`);
+  }
+}
+
+/**
+ * A lock-manager call (`release`, `inspect`; `extend` reports it as a lost
+ * lease) waited for a *database* lock longer than its bound (`lockTimeoutMs`)
+ * — say an operator's `VACUUM FULL` of the lease table. The server cancelled
+ * the statement (`lock_timeout`), so it changed nothing: a release that timed
+ * out leaves the lock to expire at its TTL.
+ */
+export class LockTimeoutError extends PalisadeError {
+  constructor(
+    readonly lockName: string,
+    readonly operation: 'extend' | 'release' | 'inspect',
+    readonly sqlState: string,
+  ) {
+    super(
+      'lock_timeout',
+      `${operation} gave up waiting for a database lock (SQLSTATE ${sqlState}); the statement was cancelled and changed nothing`,
+    );
   }
 }
 
@@ -108,7 +133,7 @@ export class LeaseLostError extends PalisadeError {
     readonly fence: bigint,
     why: string,
   ) {
-    super('lease_lost', `lease on ${JSON.stringify(lockName)} (fence ${fence}) lost: ${why}`);
+    super('lease_lost', `lease (fence ${fence}) lost: ${why}`);
   }
 }
 

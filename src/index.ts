@@ -10,6 +10,7 @@ export {
   InvalidArgumentError,
   LeaseLostError,
   LockServiceError,
+  LockTimeoutError,
   LockUnavailableError,
   MigrationsFolderError,
   MissingDependencyError,

@@ -281,6 +281,47 @@ describe.each(drivers)('repository bad input on $name', ({ open }) => {
     });
   });
 
+  /**
+   * A `where` must be drizzle SQL (`sql\`…\``, `eq(…)`, `and(…)`). A string
+   * once went through as a *parameter*: `updateWhere('true', …)` sent
+   * `where $1 and …` with `$1 = 'true'`, which Postgres cast to boolean — it
+   * updated every row; `find('id = 1')` reached the server.
+   */
+  const BAD_WHERES: [string, unknown][] = [
+    ["the string 'true'", 'true'],
+    ["the string 'id = 1'", 'id = 1'],
+    ['a boolean', true],
+    ['a number', 1],
+    ['a plain object', {}],
+    ['an array', [sql`true`]],
+    ['a column (not a condition)', items.id],
+    ['null', null],
+  ];
+
+  it.each(BAD_WHERES)('updateWhere refuses %s as the condition', async (_label, where) => {
+    await expectRefusedBeforeAnyQuery(() => repo.updateWhere(where as never, F(9n), { n: 1 }));
+  });
+
+  it.each(BAD_WHERES)('find refuses %s as the condition', async (_label, where) => {
+    await expectRefusedBeforeAnyQuery(() => repo.find(where as never));
+  });
+
+  it.each(BAD_WHERES)('with(lease).updateWhere refuses %s as the condition', async (_label, where) => {
+    const leased = repo.with({ fence: F(9n), signal: new AbortController().signal });
+    await expectRefusedBeforeAnyQuery(() => leased.updateWhere(where as never, { n: 1 }));
+  });
+
+  it.each([
+    ['null', null],
+    ['undefined', undefined],
+    ['an empty object', {}],
+    ['a string', 'postgres://localhost/db'],
+    ['a postgres.js-like function', () => undefined],
+    ['an object with only execute', { execute: async () => [] }],
+  ])('fencedRepository refuses %s as the database, at once', async (_label, db) => {
+    await expectRefusedBeforeAnyQuery(() => fencedRepository(db as never, items));
+  });
+
   it('refuses a missing modify function and a missing updateWhere condition', async () => {
     await expectRefusedBeforeAnyQuery(() => repo.modify({ id: 'a' }, F(9n), undefined as never));
     await expectRefusedBeforeAnyQuery(() => repo.updateWhere(undefined as never, F(9n), { n: 1 }));
@@ -492,6 +533,13 @@ const BAD_OPTIONS: [string, unknown][] = [
   ['a holder with a lone surrogate', { ttlMs: 1000, holder: '\uDC00' }],
   ['a signal that is not an AbortSignal', { ttlMs: 1000, signal: {} }],
   ['maxHoldMs 0', { ttlMs: 1000, autoExtend: true, maxHoldMs: 0 }],
+  ['a holder with NUL (Postgres refuses it with 22021)', { ttlMs: 1000, holder: 'worker\u00003' }],
+  ['a holder that is not a string', { ttlMs: 1000, holder: 42 }],
+  ["autoExtend 'yes' (a string, not true)", { ttlMs: 1000, autoExtend: 'yes' }],
+  ["autoExtend 'false' (a truthy string)", { ttlMs: 1000, autoExtend: 'false' }],
+  ['autoExtend 1', { ttlMs: 1000, autoExtend: 1 }],
+  ['maxHoldMs without autoExtend (it would do nothing)', { ttlMs: 1000, maxHoldMs: 5000 }],
+  ['maxHoldMs with autoExtend false', { ttlMs: 1000, autoExtend: false, maxHoldMs: 5000 }],
 ];
 
 describe.each(backends)('lock manager bad input on $name', ({ open }) => {
@@ -599,6 +647,51 @@ describe.each(backends)('lock manager bad input on $name', ({ open }) => {
       for (const lease of leases) expect(await lease.release()).toBe('released');
     }
     for (const name of names) expect(await b.manager.inspect(name)).toBeNull();
+  });
+});
+
+describe('lock manager constructors refuse what is not a client, at once', () => {
+  it.each([
+    ['an empty object as db', { db: {}, namespace: 'ns' }],
+    ['a string as db', { db: 'postgres://localhost/db', namespace: 'ns' }],
+    ['null as db', { db: null, namespace: 'ns' }],
+    ['an object with only execute as db', { db: { execute: async () => [] }, namespace: 'ns' }],
+    ['no options', undefined],
+  ])('postgresLockManager refuses %s', (_label, options) => {
+    let err: unknown;
+    try {
+      postgresLockManager(options as never);
+    } catch (e) {
+      err = e;
+    }
+    expectInvalid(err);
+  });
+
+  it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll), and a bad lockTimeoutMs', async () => {
+    const client = new PGlite();
+    try {
+      const db = drizzlePglite(client) as unknown as Database;
+      for (const lockTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', MAX_TTL_MS + 1]) {
+        let err: unknown;
+        try {
+          postgresLockManager({ db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
+        } catch (e) {
+          err = e;
+        }
+        expectInvalid(err);
+      }
+      for (const listen of [{}, 'yes', true, 1]) {
+        let err: unknown;
+        try {
+          postgresLockManager({ db, namespace: 'ns', listen: listen as never });
+        } catch (e) {
+          err = e;
+        }
+        expectInvalid(err);
+      }
+    } finally {
+      await client.close();
+    }
   });
 });
 

@@ -2,6 +2,7 @@
  * `palisade fence-trigger`: prints the SQL of the fence trigger for a
  * drizzle-kit custom migration (`drizzle-kit generate --custom`).
  */
+import { InvalidArgumentError } from '../errors.js';
 import { fenceTriggerSql } from '../schema/fence-trigger.js';
 import { CliError, type Command, parse } from './common.js';
 
@@ -11,6 +12,7 @@ Prints the SQL that installs palisade's fence trigger on TABLE: Postgres then
 refuses every UPDATE that does not raise last_fence, and every DELETE of a live
 row (palisade deletes leave tombstones), from any client — psql, other services.
 TABLE must already have palisade's fence columns (spread fenceColumns()).
+Names with control characters (newlines…) are refused (exit code 2).
 
 Typical use, after adding fenceColumns() to the table and generating (the
 output starts with a statement breakpoint, so several tables can be appended
@@ -49,14 +51,20 @@ export const fenceTriggerCommand: Command = {
     if (sameFence !== 'reject' && sameFence !== 'allow') throw new CliError('--same-fence must be reject or allow', 2);
     const name = String(positionals[0]);
     const schema = values.schema === undefined ? undefined : String(values.schema);
-    // A leading newline (drizzle-kit's custom file ends in a comment without one) and a statement
-    // breakpoint, so the output can be appended for several tables: each block starts a statement.
-    io.out(
-      `\n--> statement-breakpoint\n-- palisade fence trigger on ${schema ? `${schema}.` : ''}${name}\n${fenceTriggerSql(
+    let text: string;
+    try {
+      // Built (and the names checked) before anything is printed: the names also go into the comment line below.
+      text = fenceTriggerSql(
         { name, ...(schema ? { schema } : {}) },
         { sameFence, guardDeletes: values['allow-deletes'] !== true },
-      )}`,
-    );
+      );
+    } catch (err) {
+      if (err instanceof InvalidArgumentError) throw new CliError(err.message, 2);
+      throw err;
+    }
+    // A leading newline (drizzle-kit's custom file ends in a comment without one) and a statement
+    // breakpoint, so the output can be appended for several tables: each block starts a statement.
+    io.out(`\n--> statement-breakpoint\n-- palisade fence trigger on ${schema ? `${schema}.` : ''}${name}\n${text}`);
     return 0;
   },
 };

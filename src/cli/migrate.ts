@@ -6,7 +6,7 @@
 import { existsSync } from 'node:fs';
 import { resolve } from 'node:path';
 import type { Database } from '../driver.js';
-import { PalisadeError } from '../errors.js';
+import { LockUnavailableError, PalisadeError } from '../errors.js';
 import { type MigrateEvent, migrate } from '../migrate.js';
 import {
   CliError,
@@ -92,6 +92,12 @@ export const migrateCommand: Command = {
     } catch (err) {
       const e = connectionError(err, url);
       if (e instanceof CliError) throw e;
+      // The migration lock's name is palisade's own constant: name it (lock errors' messages leave names out).
+      if (e instanceof LockUnavailableError) {
+        throw new CliError(
+          `migration failed, nothing applied: lock ${JSON.stringify(e.lockName)} not acquired (${e.reason})`,
+        );
+      }
       if (e instanceof PalisadeError) throw new CliError(`migration failed, nothing applied: ${e.message}`);
       throw new CliError(`migration failed, nothing applied: ${e instanceof Error ? e.message : String(e)}`);
     } finally {

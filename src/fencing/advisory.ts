@@ -58,14 +58,20 @@
 import { createHash } from 'node:crypto';
 import { PgDialect } from 'drizzle-orm/pg-core';
 import type postgres from 'postgres';
-import { int8, listen, type RawRow, translateError } from '../driver.js';
+import { int8, listen, type RawRow, sqlStateOf, translateError } from '../driver.js';
 import { InvalidArgumentError, PalisadeError } from '../errors.js';
 import { loadPeer } from '../optional.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import type { Lease } from './lease.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
-import { type AcquireOptions, checkLockName } from './options.js';
+import {
+  type AcquireOptions,
+  checkLockName,
+  DEFAULT_LOCK_TIMEOUT_MS,
+  MAX_WAIT_MS,
+  MIN_GRANT_LOCK_WAIT_MS,
+} from './options.js';
 import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
 import { fenceSequenceQuery, judgeFenceSequence } from './sequence.js';
 
@@ -82,6 +88,12 @@ export interface AdvisoryLockOptions {
   readonly namespace: string;
   /** Released sessions kept open for the next grant (default 1, at most 16). */
   readonly maxIdleSessions?: number;
+  /**
+   * The longest a lease session's extend or release waits for a database
+   * lock, in ms (the sessions' `lock_timeout`), 1 … 86,400,000; default
+   * 5,000. A grant waits at most what is left of the acquire's `waitMs`.
+   */
+  readonly lockTimeoutMs?: number;
 }
 
 /** `pl:<fence>:<ms>:` then `-` (no holder) or `=` and the holder label. */
@@ -92,8 +104,16 @@ const IDLE_APP_NAME = 'palisade';
 // The lock, the fence, the label and the idle timeout in one statement.
 // MATERIALIZED: the try-lock runs exactly once (a second call would take the
 // re-entrant lock twice); CASE draws a fence only when the lock was taken.
+// The try-lock never waits, but nextval does while another transaction holds
+// a lock on the sequence (an ALTER SEQUENCE not yet committed): `w` sets this
+// attempt's lock_timeout first ($4: what is left of the acquire's wait; the
+// sequence is locked when nextval runs, after it), and the last column puts
+// the session's own bound back ($5). A statement that fails after the
+// try-lock leaves the advisory lock held (advisory locks ignore rollback):
+// the session is then ended, which frees it.
 const GRANT = `
-  with t as materialized (select pg_try_advisory_lock($1::int8) as got),
+  with w as materialized (select set_config('lock_timeout', $4::text, false) as lt),
+  t as materialized (select pg_try_advisory_lock($1::int8) as got from w),
   f as materialized (
     select got, case when got then nextval('palisade.fence_seq') end as fence,
            floor(extract(epoch from clock_timestamp()) * 1000)::int8 as at
@@ -102,7 +122,8 @@ const GRANT = `
   select got, fence::text as fence,
          case when got then set_config('application_name',
            left('pl:' || fence || ':' || at || ':' || $3::text, ${APP_NAME_BYTES}), false) end as label,
-         case when got then set_config('idle_session_timeout', $2::text, false) end as idle
+         case when got then set_config('idle_session_timeout', $2::text, false) end as idle,
+         set_config('lock_timeout', $5::text, false) as lock_timeout
   from f`;
 
 const EXTEND = `
@@ -209,6 +230,10 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
   if (!Number.isInteger(maxIdle) || maxIdle < 0 || maxIdle > 16) {
     throw new InvalidArgumentError('maxIdleSessions must be an integer in 0 … 16');
   }
+  const lockTimeoutMs = options.lockTimeoutMs ?? DEFAULT_LOCK_TIMEOUT_MS;
+  if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_WAIT_MS) {
+    throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_WAIT_MS}`);
+  }
   const idle: Session[] = [];
   const sessions = new Set<Session>();
   const held = new Map<string, Held>();
@@ -269,7 +294,8 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
         // Never used again: ended, so postgres.js cannot reconnect it behind our back.
         void endSession(session);
       },
-      connection: { ...parsed.connection, application_name: IDLE_APP_NAME },
+      // lock_timeout: extend and release on this session never wait unbounded (grants set their own).
+      connection: { ...parsed.connection, application_name: IDLE_APP_NAME, lock_timeout: String(lockTimeoutMs) },
     } as unknown as postgres.Options<Record<string, postgres.PostgresType>>);
     sessions.add(session);
     return session;
@@ -295,13 +321,14 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
   return {
     kind: 'advisory',
 
-    async grant(name, token, ttlMs, holder): Promise<Grant | null> {
+    async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const mine = held.get(token);
       if (mine) return mine.name === name ? mine.grant : null;
       if (closed) throw new PalisadeError('closed', 'this advisory lock manager is closed');
       await ensureReady();
       const key = advisoryKey(ns, name);
-      const params = [key.toString(), String(ttlMs), holderLabel(holder)];
+      const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
+      const params = [key.toString(), String(ttlMs), holderLabel(holder), String(wait), String(lockTimeoutMs)];
       let reused = idle.length > 0;
       let session = idle.pop() ?? openSession();
       let row: RawRow | undefined;
@@ -314,6 +341,8 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
           const retry = reused && session.dead && !closed;
           // The statement may have taken the lock before failing (advisory locks ignore rollback): end the session.
           await endSession(session);
+          // lock_timeout while drawing the fence: not granted this time, and the ended session holds nothing.
+          if (sqlStateOf(err) === '55P03') return null;
           if (!retry) throw err;
           reused = false;
           session = openSession();
@@ -381,7 +410,7 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
       }
       throw new PalisadeError(
         'foreign_lock',
-        `advisory lock ${JSON.stringify(name)} is held by a session that is not a palisade lease (same 64-bit key)`,
+        'the advisory lock is held by a session that is not a palisade lease (same 64-bit key)',
       );
     },
 
@@ -412,7 +441,10 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
  * holder releases, when its connection drops or its process dies, and when
  * its session stays idle for `ttlMs` (`idle_session_timeout`); the lease's
  * `signal` fires when the client sees the session's connection close, when
- * an extension finds the lock gone, or when `ttlMs` passes unextended.
+ * an extension finds the lock gone, or when `ttlMs` passes unextended; a
+ * grant's wait for the fence sequence (locked by an `ALTER SEQUENCE`) ends
+ * on the server with what is left of `waitMs`, and the session of a grant
+ * that gave up is ended, so it cannot hold the lock later.
  *
  * Does not: make writes safe by itself — a paused holder still believes it
  * leads; write with the lease's fence through a fenced repository. `close()`

@@ -28,6 +28,14 @@ export interface GrantOptions {
    * ignore it.
    */
   readonly waiting?: boolean;
+  /**
+   * The most this attempt may wait *inside the backend* (for a database
+   * lock), in ms: what is left of the acquire's `waitMs` (0 for
+   * `tryAcquire`). A backend whose grant can block on the server enforces it
+   * there (Postgres: `lock_timeout`), so a grant the caller gave up on cannot
+   * land later. Absent: 0.
+   */
+  readonly waitMs?: number;
 }
 
 /**

@@ -45,7 +45,16 @@ export interface LockManager {
    * @throws {LockServiceError} if the service could not be reached.
    */
   tryAcquire(name: string, options: AcquireOptions): Promise<Lease | null>;
-  /** Acquires, runs `fn(lease)`, and always releases, whether `fn` returns or throws. */
+  /**
+   * Acquires, runs `fn(lease)`, and always releases, whether `fn` returns or
+   * throws. `fn`'s outcome wins: its result is returned, or its error thrown,
+   * even when the release then fails (the database is gone, a lock wait timed
+   * out). A failed release is reported as a `lost` event (reason `release
+   * failed: …`): the lease's signal is aborted and the lock frees by itself at
+   * its TTL (advisory locks: when the session is ended). It is not thrown,
+   * because the work under the lock is done and a caller that retried it
+   * would do it twice.
+   */
   using<T>(name: string, options: AcquireOptions, fn: (lease: Lease) => Promise<T> | T): Promise<T>;
   /**
    * Who holds `name`, with which fence, since when and for how much longer; `null` if free.
@@ -88,12 +97,15 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     startedAt: number,
     token: string,
     waiting: boolean,
-    deadline = Number.POSITIVE_INFINITY,
+    deadline: number,
+    cutAt = Number.POSITIVE_INFINITY,
   ): Promise<Lease | null> {
     const sentAt = performance.now();
+    // The backend bounds its own server-side wait by what is left of waitMs (Postgres: lock_timeout).
+    const waitMs = Math.max(0, deadline - sentAt);
     const grant = await bounded(
-      backend.grant(name, token, opts.ttlMs, opts.holder, { waiting }),
-      deadline,
+      backend.grant(name, token, opts.ttlMs, opts.holder, { waiting, waitMs }),
+      cutAt,
       // A grant that lands after we gave up: give it back at once rather than let it sit for its TTL.
       (late) => {
         if (late) backend.release(name, token).catch(() => {});
@@ -135,7 +147,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           // With a wait, an attempt is cut short at the deadline (give or take MIN_ATTEMPT_MS):
           // a client that queues commands while offline must not stretch waitMs to its own timeout.
           const cutAt = opts.waitMs > 0 ? Math.max(deadline, performance.now() + MIN_ATTEMPT_MS) : Infinity;
-          lease = await attempt(name, opts, startedAt, token, true, cutAt);
+          lease = await attempt(name, opts, startedAt, token, true, deadline, cutAt);
           unreachable = undefined;
           answered = true;
         } catch (err) {
@@ -178,8 +190,9 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     async tryAcquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
+      const now = performance.now();
       try {
-        return await attempt(checked, opts, performance.now(), randomBytes(16).toString('hex'), false);
+        return await attempt(checked, opts, now, randomBytes(16).toString('hex'), false, now);
       } catch (err) {
         throw serviceError(hooks, backend.kind, err);
       }
@@ -191,7 +204,11 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       try {
         return await fn(lease);
       } finally {
-        await lease.release();
+        // Awaited before fn's outcome is delivered, but never in its place.
+        await lease.release().catch((err: unknown) => {
+          const why = err instanceof Error ? err.message : String(err);
+          events.emit('lost', { name: lease.name, fence: lease.fence, reason: `release failed: ${why}` });
+        });
       }
     },
 

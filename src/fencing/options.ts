@@ -11,6 +11,15 @@ export const MAX_TTL_MS = 86_400_000;
 /** Longest bounded wait: one day. */
 export const MAX_WAIT_MS = 86_400_000;
 const MAX_HOLDER_LENGTH = 256;
+/**
+ * The shortest server-side lock wait a grant is given on the Postgres
+ * backends (Postgres reads `lock_timeout = 0` as "no limit"): `tryAcquire`,
+ * and an acquire's last attempt, may wait this long for a concurrent grant
+ * or release of the same row to commit.
+ */
+export const MIN_GRANT_LOCK_WAIT_MS = 50;
+/** Default bound (`lockTimeoutMs`) of a database lock wait inside extend, release and inspect on the Postgres backends. */
+export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
 /** Options of `acquire`, `tryAcquire`, `using` and `acquireAll`. */
 export interface AcquireOptions {
@@ -20,11 +29,14 @@ export interface AcquireOptions {
   readonly waitMs?: number;
   /** Aborts the wait (`LockUnavailableError` with reason `aborted`). Does not release a held lease. */
   readonly signal?: AbortSignal;
-  /** A label for whoever holds the lease (host, pid, job id), shown by `inspect`. */
+  /** A label for whoever holds the lease (host, pid, job id), shown by `inspect`: at most 256 characters, no NUL. */
   readonly holder?: string;
-  /** Extend the lease every ttl/3 while it is held (a watchdog). */
+  /** Extend the lease every ttl/3 while it is held (a watchdog). A boolean: anything else is refused. */
   readonly autoExtend?: boolean;
-  /** With `autoExtend`: stop extending this many ms after the grant, so a stuck holder cannot keep the lock forever. */
+  /**
+   * With `autoExtend: true` (refused without it, where it would do nothing): stop extending this many ms after
+   * the grant, so a stuck holder cannot keep the lock forever.
+   */
   readonly maxHoldMs?: number;
 }
 
@@ -77,12 +89,28 @@ export function checkOptions(options: AcquireOptions | undefined, defaultWaitMs:
     throw new InvalidArgumentError('signal must be an AbortSignal');
   }
   const holder = options.holder ?? null;
-  if (holder !== null && (typeof holder !== 'string' || holder.length > MAX_HOLDER_LENGTH || !holder.isWellFormed())) {
-    throw new InvalidArgumentError(`holder must be a well-formed string of at most ${MAX_HOLDER_LENGTH} characters`);
+  if (
+    holder !== null &&
+    (typeof holder !== 'string' ||
+      holder.length > MAX_HOLDER_LENGTH ||
+      !holder.isWellFormed() ||
+      holder.includes('\u0000'))
+  ) {
+    // NUL: Postgres text cannot hold it (SQLSTATE 22021) — refused here, not by the server.
+    throw new InvalidArgumentError(
+      `holder must be a well-formed string without NUL of at most ${MAX_HOLDER_LENGTH} characters`,
+    );
   }
+  const autoExtend = options.autoExtend === undefined ? false : options.autoExtend;
+  // Not truthiness: 'yes' or 'false' would silently mean "no watchdog" (or the opposite).
+  if (typeof autoExtend !== 'boolean') throw new InvalidArgumentError('autoExtend must be true or false');
   const maxHoldMs = options.maxHoldMs;
   if (maxHoldMs !== undefined && (typeof maxHoldMs !== 'number' || !Number.isInteger(maxHoldMs) || maxHoldMs < 1)) {
     throw new InvalidArgumentError('maxHoldMs must be a positive integer');
   }
-  return { ttlMs, waitMs, signal: options.signal, holder, autoExtend: options.autoExtend === true, maxHoldMs };
+  // maxHoldMs bounds the watchdog; without one it would do nothing, silently.
+  if (maxHoldMs !== undefined && !autoExtend) {
+    throw new InvalidArgumentError('maxHoldMs needs autoExtend: true (it limits how long the watchdog extends)');
+  }
+  return { ttlMs, waitMs, signal: options.signal, holder, autoExtend, maxHoldMs };
 }

@@ -24,12 +24,24 @@
  * fence 1,111 under contention) — harmless, fences only need to increase.
  * The table holds one row per lock name ever used.
  */
-import { type SQL, sql } from 'drizzle-orm';
-import { type Database, int8, type ListenClient, listen, listenClientOf, prepared } from '../driver.js';
-import { InvalidArgumentError } from '../errors.js';
+import { is, type SQL, sql } from 'drizzle-orm';
+import { PgDatabase } from 'drizzle-orm/pg-core';
+import {
+  type Database,
+  int8,
+  isListenClient,
+  type ListenClient,
+  listen,
+  listenClientOf,
+  prepared,
+  type RawRow,
+  sqlStateOf,
+} from '../driver.js';
+import { InvalidArgumentError, LockTimeoutError } from '../errors.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
+import { DEFAULT_LOCK_TIMEOUT_MS, MAX_WAIT_MS, MIN_GRANT_LOCK_WAIT_MS } from './options.js';
 import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
 import { checkFenceSequence } from './sequence.js';
 
@@ -49,63 +61,62 @@ export interface PostgresLockOptions {
    * `false` to wake waiters by polling only.
    */
   readonly listen?: ListenClient | false;
+  /**
+   * The longest extend, release and inspect wait for a database lock on
+   * `palisade.leases` (an operator's `VACUUM FULL`, `ALTER TABLE`, a row
+   * locked `FOR UPDATE`), in ms, 1 … 86,400,000; default 5,000. Enforced by
+   * the server (`lock_timeout`). Grants are bounded by the acquire's own
+   * `waitMs` instead.
+   */
+  readonly lockTimeoutMs?: number;
 }
 
 const p = (name: string) => sql.placeholder(name);
-const ttlInterval = sql`(${p('ttl')}::float8 * interval '1 millisecond')`;
 
-// ONE statement: insert the lock's first row, or take over the row if it
-// is expired (or released) or already ours (a re-sent grant: same fence).
-// The CTEs share one snapshot; ON CONFLICT DO NOTHING and the UPDATE's
-// re-check of the locked row settle races with concurrent grants. CASE
-// evaluates nextval() only on the branch taken.
+// Each primitive is ONE statement, a call of a function from palisade's
+// migration 0002 (drizzle/0002_bounded_lock_waits.sql) that sets
+// `lock_timeout` (locally, restored after) and then runs the statement
+// itself. The bound cannot be set in the statement that touches
+// palisade.leases: that statement's table lock is taken when it is planned,
+// before anything in it runs — an ACCESS EXCLUSIVE lock (VACUUM FULL, ALTER
+// TABLE) would hold it there unbounded. A function's body is planned and
+// locked when it runs, after the set_config. So the wait ends on the server,
+// and a grant that gave up cannot take the lock later for a token nobody
+// holds.
+//
+// The grant inserts the lock's first row, or takes over the row if it is
+// expired (or released) or already ours (a re-sent grant: same fence); see
+// the function for the SQL.
 const grantSql = (): SQL => sql`
-  with inserted as (
-    insert into palisade.leases (namespace, name, token, holder, fence, acquired_at, expires_at)
-    select ${p('ns')}::text, ${p('name')}::text, ${p('token')}::text, ${p('holder')}::text,
-           nextval('palisade.fence_seq'), c.t, c.t + ${ttlInterval}
-    from (select clock_timestamp() as t) c
-    where not exists (select 1 from palisade.leases where namespace = ${p('ns')}::text and name = ${p('name')}::text)
-    on conflict (namespace, name) do nothing
-    returning fence
-  ), taken as (
-    update palisade.leases l set
-      fence = case when l.token = ${p('token')}::text then l.fence else nextval('palisade.fence_seq') end,
-      acquired_at = case when l.token = ${p('token')}::text then l.acquired_at else clock_timestamp() end,
-      token = ${p('token')}::text,
-      holder = ${p('holder')}::text,
-      expires_at = clock_timestamp() + ${ttlInterval}
-    where l.namespace = ${p('ns')}::text and l.name = ${p('name')}::text
-      and (l.token = ${p('token')}::text or l.expires_at <= clock_timestamp())
-    returning l.fence
-  )
-  select fence::text as fence from inserted
-  union all
-  select fence::text as fence from taken`;
+  select granted_fence as fence from palisade.lease_grant(${p('ns')}::text, ${p('name')}::text, ${p('token')}::text,
+    ${p('holder')}::text, ${p('ttl')}::float8, ${p('wait')}::int)`;
 
 const extendSql = (): SQL => sql`
-  update palisade.leases set expires_at = clock_timestamp() + ${ttlInterval}
-  where namespace = ${p('ns')}::text and name = ${p('name')}::text and token = ${p('token')}::text
-    and expires_at > clock_timestamp()
-  returning 1 as held`;
+  select held from palisade.lease_extend(${p('ns')}::text, ${p('name')}::text, ${p('token')}::text,
+    ${p('ttl')}::float8, ${p('wait')}::int)`;
 
 // An expired row keeps its token: it behaves like a released one, and
-// release reports the lease as lost.
+// release reports the lease as lost. Notifies palisade_release (RELEASE_CHANNEL).
 const releaseSql = (): SQL => sql`
-  with released as (
-    update palisade.leases set token = '', holder = null, expires_at = '-infinity'
-    where namespace = ${p('ns')}::text and name = ${p('name')}::text and token = ${p('token')}::text
-      and expires_at > clock_timestamp()
-    returning 1
-  )
-  select pg_notify(${sql.raw(`'${RELEASE_CHANNEL}'`)}, ${p('payload')}::text)::text as notified from released`;
+  select notified from palisade.lease_release(${p('ns')}::text, ${p('name')}::text, ${p('token')}::text,
+    ${p('payload')}::text, ${p('wait')}::int)`;
 
 const inspectSql = (): SQL => sql`
-  select holder, fence::text as fence,
-         floor(extract(epoch from acquired_at) * 1000)::int8::text as acquired_ms,
-         greatest(0, ceil(extract(epoch from (expires_at - clock_timestamp())) * 1000))::int8::text as remaining_ms
-  from palisade.leases
-  where namespace = ${p('ns')}::text and name = ${p('name')}::text and expires_at > clock_timestamp()`;
+  select holder, fence, acquired_ms, remaining_ms from palisade.lease_inspect(${p('ns')}::text, ${p('name')}::text,
+    ${p('wait')}::int)`;
+
+/** SQLSTATE 55P03 lock_not_available: `lock_timeout` ended a lock wait; the statement changed nothing. */
+const LOCK_NOT_AVAILABLE = '55P03';
+
+/** A drizzle Postgres database (any driver), by class: `{}` or a bare client would fail only at the first grant. */
+function isDrizzlePostgres(value: unknown): value is Database {
+  if (value === null || typeof value !== 'object' || Object.getPrototypeOf(value) === null) return false;
+  try {
+    return is(value, PgDatabase);
+  } catch {
+    return false;
+  }
+}
 
 /**
  * The Postgres lease backend's primitives (see {@link LockBackend}); most
@@ -121,14 +132,23 @@ const inspectSql = (): SQL => sql`
  *
  * Does not: keep a lease alive by itself (that is the lease's watchdog), or
  * notice a paused holder — expiry does.
- * @throws {InvalidArgumentError} for a bad namespace or a missing `db`.
+ * @throws {InvalidArgumentError} for a bad namespace, a `db` that is not a drizzle Postgres database, or a
+ *   `listen` that is neither `false` nor a client that can LISTEN — at once, before any query.
  */
 export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
-  if (options === null || typeof options !== 'object' || options.db === null || typeof options.db !== 'object') {
-    throw new InvalidArgumentError('postgresLockManager needs { db, namespace } with a drizzle database');
+  if (options === null || typeof options !== 'object' || !isDrizzlePostgres(options.db)) {
+    throw new InvalidArgumentError('postgresLockManager needs { db, namespace } with a drizzle Postgres database');
   }
   const db = options.db;
   const ns = checkNamespace(options.namespace);
+  if (options.listen !== undefined && options.listen !== false && !isListenClient(options.listen)) {
+    // Anything else would fail only at the first wait, and silently: waiters would poll.
+    throw new InvalidArgumentError('listen must be false or a client that can LISTEN (postgres.js or PGlite)');
+  }
+  const lockTimeoutMs = options.lockTimeoutMs ?? DEFAULT_LOCK_TIMEOUT_MS;
+  if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_WAIT_MS) {
+    throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_WAIT_MS}`);
+  }
   const client = options.listen === false ? undefined : (options.listen ?? listenClientOf(db));
   const listener = new ReleaseListener(client ? (onPayload) => listen(client, RELEASE_CHANNEL, onPayload) : undefined);
   let ready: Promise<void> | undefined;
@@ -141,29 +161,57 @@ export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
     return ready;
   };
 
+  // A statement that hit lock_timeout changed nothing: say so with a typed error.
+  const bounded = async (
+    name: string,
+    operation: 'extend' | 'release' | 'inspect',
+    run: () => Promise<RawRow[]>,
+  ): Promise<RawRow[]> => {
+    try {
+      return await run();
+    } catch (err) {
+      if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) throw new LockTimeoutError(name, operation, LOCK_NOT_AVAILABLE);
+      throw err;
+    }
+  };
+
   return {
     kind: 'postgres',
 
-    async grant(name, token, ttlMs, holder): Promise<Grant | null> {
+    async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       await ensureSafeSequence();
-      const rows = await prepared(db, 'palisade.leases.grant', grantSql)({ ns, name, token, holder, ttl: ttlMs });
+      const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
+      let rows: RawRow[];
+      try {
+        rows = await prepared(db, 'palisade.leases.grant', grantSql)({ ns, name, token, holder, ttl: ttlMs, wait });
+      } catch (err) {
+        // The row or the table stayed locked past this attempt's wait: not granted (the acquire retries or gives up).
+        if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) return null;
+        throw err;
+      }
       const fence = int8(rows[0]?.fence);
       return fence === null ? null : { fence: toFence(fence) };
     },
 
     async extend(name, token, ttlMs) {
-      const rows = await prepared(db, 'palisade.leases.extend', extendSql)({ ns, name, token, ttl: ttlMs });
+      const rows = await bounded(name, 'extend', () =>
+        prepared(db, 'palisade.leases.extend', extendSql)({ ns, name, token, ttl: ttlMs, wait: lockTimeoutMs }),
+      );
       return rows.length > 0;
     },
 
     async release(name, token) {
       const payload = releasePayload(ns, name);
-      const rows = await prepared(db, 'palisade.leases.release', releaseSql)({ ns, name, token, payload });
+      const rows = await bounded(name, 'release', () =>
+        prepared(db, 'palisade.leases.release', releaseSql)({ ns, name, token, payload, wait: lockTimeoutMs }),
+      );
       return rows.length > 0;
     },
 
     async inspect(name): Promise<LockInfo | null> {
-      const [row] = await prepared(db, 'palisade.leases.inspect', inspectSql)({ ns, name });
+      const [row] = await bounded(name, 'inspect', () =>
+        prepared(db, 'palisade.leases.inspect', inspectSql)({ ns, name, wait: lockTimeoutMs }),
+      );
       if (!row) return null;
       return {
         name,
@@ -193,7 +241,11 @@ export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
  * grant and, for one lock, fences increase grant after grant; a late
  * release or extend never touches another holder's lease; waiters are woken
  * early by `NOTIFY palisade_release` where the client can LISTEN, and poll
- * otherwise.
+ * otherwise; every wait for a database lock is bounded by the server
+ * (`lock_timeout`): a grant by what is left of `waitMs` (at least
+ * {@link MIN_GRANT_LOCK_WAIT_MS}), the other calls by `lockTimeoutMs` — so a
+ * grant the caller gave up on never lands later. Needs palisade's migration
+ * `0002_bounded_lock_waits` (`migrate(db)`).
  *
  * Does not: make writes safe by itself — a paused holder still believes it
  * holds the lock; only the fence, checked by a fenced repository, refuses

@@ -1,4 +1,4 @@
-import { and, eq, isNull, lt, type SQL, sql } from 'drizzle-orm';
+import { and, eq, is, isNull, lt, SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import {
   assertSupportedDriver,
@@ -9,6 +9,7 @@ import {
   prepared,
   type RawRow,
   transaction,
+  translateError,
 } from '../driver.js';
 import { InvalidArgumentError, LeaseLostError, PalisadeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
@@ -224,20 +225,30 @@ export function fencedRepository<T extends FencedTable>(
 
     async get(keyIn) {
       const key = keyEntries(info, keyIn);
-      const rows = await db
-        .select()
-        .from(t)
-        .where(and(keyWhere(key), isNull(t.deletedAt)))
-        .limit(1);
-      return rows[0] as RowOf<T> | undefined;
+      try {
+        const rows = await db
+          .select()
+          .from(t)
+          .where(and(keyWhere(key), isNull(t.deletedAt)))
+          .limit(1);
+        return rows[0] as RowOf<T> | undefined;
+      } catch (err) {
+        // drizzle's own error quotes the query's parameters in its message.
+        throw translateError(err);
+      }
     },
 
     async find(where) {
+      if (where !== undefined) checkCondition(where, 'find');
       const live = isNull(t.deletedAt);
-      return (await db
-        .select()
-        .from(t)
-        .where(where ? and(where, live) : live)) as RowOf<T>[];
+      try {
+        return (await db
+          .select()
+          .from(t)
+          .where(where ? and(where, live) : live)) as RowOf<T>[];
+      } catch (err) {
+        throw translateError(err);
+      }
     },
 
     // async: bad input rejects the promise, like every other method, rather than throwing.
@@ -288,7 +299,7 @@ export function fencedRepository<T extends FencedTable>(
 
     async updateWhere(where, fenceIn, patchIn, opts = {}) {
       const fence = assertFence(fenceIn);
-      if (!where) throw new InvalidArgumentError('updateWhere needs a where condition; pass sql`true` for every row');
+      checkCondition(where, 'updateWhere');
       const patch = patchEntries(info, patchIn, false);
       const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
       const [row] = await run(db, statement);
@@ -336,4 +347,25 @@ export function fencedRepository<T extends FencedTable>(
     },
   };
   return repo;
+}
+
+/**
+ * A `where` must be drizzle SQL (`sql\`…\``, `eq(…)`, `and(…)`). Anything
+ * else would be bound as a *parameter*: the string `'true'` becomes `where
+ * $1` with `$1 = 'true'`, which Postgres casts to boolean — every row.
+ */
+function checkCondition(where: unknown, method: string): asserts where is SQL {
+  let ok = false;
+  if (where !== null && typeof where === 'object' && Object.getPrototypeOf(where) !== null) {
+    try {
+      ok = is(where, SQL);
+    } catch {
+      ok = false;
+    }
+  }
+  if (!ok) {
+    throw new InvalidArgumentError(
+      `${method} needs its condition as drizzle SQL (sql\`…\`, eq(…), and(…)), not a string or other value; pass sql\`true\` for every row`,
+    );
+  }
 }

@@ -70,7 +70,8 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
  * replica`) — which is also the escape hatch for a deliberate manual fix.
  *
- * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty.
+ * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
+ *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
  */
 export function fenceTriggerSql(table: FenceTriggerTarget, options: FenceTriggerOptions = {}): string {
   return fenceTriggerStatements(table, options).join(STATEMENT_BREAKPOINT);
@@ -181,8 +182,23 @@ function target(table: FenceTriggerTarget): { schema: string | undefined; name: 
   return { schema: t.schema as string | undefined, name: t.name };
 }
 
-/** A double-quoted SQL identifier. */
+// C0 controls (newline, carriage return, tab, NUL…), DEL, C1 controls (NEL…), and the
+// Unicode line and paragraph separators.
+const CONTROL = /[\p{Cc}\p{Zl}\p{Zp}]/u;
+
+/**
+ * A double-quoted SQL identifier. Quoting makes any character safe *inside
+ * the SQL*, but the name is also printed into `--` comment lines (the CLI's
+ * header), which a newline would end, turning the rest of the name into a
+ * bare SQL line; editors show U+2028/U+2029 as line breaks too. No real
+ * table needs such a name, so control characters are refused outright (the
+ * message does not repeat the name: it is exactly what must not be printed).
+ */
 function ident(name: string): string {
-  if (name.includes('\u0000')) throw new InvalidArgumentError('identifiers must not contain NUL');
+  if (!name.isWellFormed() || CONTROL.test(name)) {
+    throw new InvalidArgumentError(
+      'table and schema names must not contain control characters, line separators or lone surrogates',
+    );
+  }
   return `"${name.replaceAll('"', '""')}"`;
 }

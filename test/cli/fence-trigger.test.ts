@@ -103,4 +103,20 @@ describe('palisade fence-trigger', () => {
       rmSync(dir, { recursive: true, force: true });
     }
   });
+
+  it('refuses a table or schema name with a control character: exit 2, no SQL printed', async () => {
+    // The name goes into a `-- …` comment line: a newline in it would end the comment and run the rest as SQL.
+    for (const args of [
+      ['fence-trigger', 'orders\nDROP TABLE victims; --'],
+      ['fence-trigger', 'orders\rDROP TABLE victims; --'],
+      ['fence-trigger', 'orders', '--schema', 'shop\nDROP TABLE victims; --'],
+      ['fence-trigger', 'orders\u2028DROP TABLE victims; --'],
+    ]) {
+      const run = await runCli(args);
+      expect(run.code).toBe(2);
+      expect(run.stdout).toBe('');
+      expect(run.stderr).toMatch(/^palisade fence-trigger: .*control character.*\n$/);
+      expect(run.stderr).not.toContain('DROP TABLE');
+    }
+  });
 });

@@ -109,3 +109,51 @@ describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
     await locks.close();
   });
 });
+
+/**
+ * `using()` when the release itself fails — here for real: the callback
+ * closes the database the lease lives in, so the release statement cannot
+ * run. The callback's own outcome must come out, not the release's error;
+ * the failed release is reported as a `lost` event (the lock frees at its
+ * TTL).
+ */
+describe('using() when release fails (PGlite closed under the lease)', () => {
+  async function closingManager(): Promise<{ locks: LockManager; client: PGlite; lost: LockEvents['lost'][] }> {
+    const client = new PGlite();
+    const db = drizzle(client) as unknown as Database;
+    await migrate(db);
+    const locks = postgresLockManager({ db, namespace: uniqueNamespace('using'), listen: false });
+    const lost: LockEvents['lost'][] = [];
+    locks.events.on('lost', (event) => lost.push(event));
+    return { locks, client, lost };
+  }
+
+  it("a callback that succeeds: using() resolves with its result; the failed release is a 'lost' event", async () => {
+    const { locks, client, lost } = await closingManager();
+    let fence: bigint | undefined;
+    const result = await locks
+      .using('job', { ttlMs: 10_000 }, async (lease) => {
+        fence = lease.fence;
+        await client.close();
+        return 'the work is done';
+      })
+      .catch((e: unknown) => e);
+    expect(result).toBe('the work is done');
+    expect(lost).toEqual([{ name: 'job', fence, reason: expect.stringMatching(/^release failed/) }]);
+    await locks.close();
+  });
+
+  it("a callback that throws: using() rejects with the callback's error, not the release's", async () => {
+    const { locks, client, lost } = await closingManager();
+    const own = new Error('insufficient funds');
+    const result = await locks
+      .using('job', { ttlMs: 10_000 }, async () => {
+        await client.close();
+        throw own;
+      })
+      .catch((e: unknown) => e);
+    expect(result).toBe(own);
+    expect(lost.map((e) => e.reason)).toEqual([expect.stringMatching(/^release failed/)]);
+    await locks.close();
+  });
+});

@@ -10,12 +10,16 @@
  * lease backend both run there). 1000 runs per property by default; see
  * ./support.ts for PALISADE_PROPERTY_RUNS and replaying a failure.
  *
+ * Also: acquire options (holder labels with NUL, autoExtend of any type,
+ * maxHoldMs with and without autoExtend) and `where` conditions that are not
+ * drizzle SQL (a string once updated every row).
+ *
  * Left out on purpose (known bug, see test/bad-input.test.ts): patch objects
  * with a null prototype or with inherited member names such as `toString`.
  */
 import { PGlite } from '@electric-sql/pglite';
 import { fc, test } from '@fast-check/vitest';
-import { sql } from 'drizzle-orm';
+import { is, SQL, sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect } from 'vitest';
@@ -246,6 +250,86 @@ describe('fuzzing the bad-input surface', () => {
       expect(lease?.name).toBe(name.normalize('NFC'));
       expect(lease?.fence).toBeGreaterThanOrEqual(1n);
       await lease?.release();
+    },
+    propertyTimeout(60_000),
+  );
+
+  /** Holder labels (NUL among them), autoExtend and maxHoldMs of any type, in any combination. */
+  const holderLike: fc.Arbitrary<unknown> = fc.oneof(
+    fc.constant(undefined),
+    fc.string({ maxLength: 8 }),
+    fc.string({ unit: fc.constantFrom('a', '\u0000', '\uD800', 'é', ' '), maxLength: 6 }),
+    fc.integer({ min: 250, max: 260 }).map((n) => 'h'.repeat(n)),
+    fc.anything({ maxDepth: 1 }),
+  );
+  const autoExtendLike: fc.Arbitrary<unknown> = fc.oneof(
+    fc.constantFrom(undefined, true, false, 'yes', 'true', 'false', 1, 0, null),
+    fc.anything({ maxDepth: 1 }),
+  );
+  const maxHoldLike: fc.Arbitrary<unknown> = fc.oneof(
+    fc.constant(undefined),
+    fc.integer({ min: -5, max: 120_000 }),
+    fc.double(),
+    fc.anything({ maxDepth: 1 }),
+  );
+
+  test.prop([holderLike, autoExtendLike, maxHoldLike], propertyParams())(
+    'tryAcquire options: a holder without NUL, a boolean autoExtend, maxHoldMs only with autoExtend — else invalid_argument, no query',
+    async (holder, autoExtend, maxHoldMs) => {
+      queries.length = 0;
+      const options = { ttlMs: 60_000, holder, autoExtend, maxHoldMs } as never;
+      const got = await outcome(() => locks.tryAcquire('options-fuzz', options));
+      // null is "no holder", as inspect() reports it.
+      const holderOk =
+        holder === undefined ||
+        holder === null ||
+        (typeof holder === 'string' && holder.length <= 256 && holder.isWellFormed() && !holder.includes('\u0000'));
+      const autoOk = autoExtend === undefined || typeof autoExtend === 'boolean';
+      const holdOk =
+        maxHoldMs === undefined ||
+        (typeof maxHoldMs === 'number' && Number.isInteger(maxHoldMs) && maxHoldMs >= 1 && autoExtend === true);
+      if (!(holderOk && autoOk && holdOk)) {
+        if (got.ok) await got.value?.release(); // free the lock, so shrinking finds the first failure
+        expect(got.ok, `accepted: ${fc.stringify({ holder, autoExtend, maxHoldMs })}`).toBe(false);
+        if (!got.ok) expectInvalid(got.error);
+        expect(queries).toEqual([]);
+        return;
+      }
+      if (!got.ok) throw got.error;
+      expect(got.value).not.toBeNull();
+      await got.value?.release();
+      expect(got.value?.holder).toBe(holder ?? null);
+    },
+    propertyTimeout(60_000),
+  );
+
+  test.prop(
+    [fc.oneof(fc.string({ maxLength: 12 }), fc.anything({ maxDepth: 2 }), fc.constant(sql`false`))],
+    propertyParams(),
+  )(
+    'find and updateWhere: a condition that is not drizzle SQL is invalid_argument, with no query and no row touched',
+    async (where) => {
+      await client.exec(`delete from fuzz_items; insert into fuzz_items (id, n, last_fence) values ('a', 7, 1000)`);
+      queries.length = 0;
+      const found = await outcome(() => repo.find(where as never));
+      const updated = await outcome(() => repo.updateWhere(where as never, toFence(2000n), { n: 8 }));
+      const [row] = await execute(db, sql`select n, last_fence::text as f from fuzz_items where id = 'a'`);
+      if (where !== undefined && is(where, SQL)) {
+        expect(found).toEqual({ ok: true, value: [] });
+        expect(updated).toEqual({ ok: true, value: { applied: 0, stale: 0 } });
+      } else if (where === undefined) {
+        // find() without a condition lists every live row; updateWhere needs one.
+        expect(found.ok).toBe(true);
+        expect(updated.ok).toBe(false);
+        if (!updated.ok) expectInvalid(updated.error);
+      } else {
+        expect(found.ok, `find accepted ${fc.stringify(where)}`).toBe(false);
+        expect(updated.ok, `updateWhere accepted ${fc.stringify(where)}`).toBe(false);
+        if (!found.ok) expectInvalid(found.error);
+        if (!updated.ok) expectInvalid(updated.error);
+        expect(queries.filter((q) => !q.startsWith('select n, last_fence'))).toEqual([]);
+      }
+      expect(row).toEqual({ n: 7, f: '1000' });
     },
     propertyTimeout(60_000),
   );

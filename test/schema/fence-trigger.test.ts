@@ -4,9 +4,10 @@
  * fenced repository — updates, upserts, tombstone deletes, purges — passes.
  */
 import { sql } from 'drizzle-orm';
-import { integer, pgTable } from 'drizzle-orm/pg-core';
+import { integer, pgSchema, pgTable } from 'drizzle-orm/pg-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, DatabaseError, execute, int8 } from '../../src/driver.js';
+import { InvalidArgumentError } from '../../src/errors.js';
 import { toFence } from '../../src/fencing/fence.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
@@ -196,5 +197,60 @@ describe('fenceTriggerSql', () => {
     expect(() => fenceTriggerSql({ name: '' })).toThrow(/drizzle table or/);
     const table = pgTable('t', { id: integer('id').primaryKey(), ...fenceColumns() });
     expect(() => fenceTriggerSql(table, { sameFence: 'maybe' as never })).toThrow(/sameFence/);
+  });
+
+  /**
+   * The CLI prints the table name into a `--` comment line, and psql ends a
+   * comment at a newline: a name with a line break would put the rest of it
+   * on a line of its own, as SQL. Every control character (C0, DEL, C1) and
+   * the Unicode line and paragraph separators are refused in any identifier,
+   * before any SQL is produced.
+   */
+  const CONTROL: [string, string][] = [
+    ['a newline', 'orders\nDROP TABLE victims; --'],
+    ['a carriage return', 'orders\rDROP TABLE victims; --'],
+    ['a tab', 'a\tb'],
+    ['NUL', 'a\u0000b'],
+    ['ESC', 'a\u001bb'],
+    ['DEL', 'a\u007fb'],
+    ['NEL (C1)', 'a\u0085b'],
+    ['U+2028 line separator', 'a\u2028b'],
+    ['U+2029 paragraph separator', 'a\u2029b'],
+    ['a lone surrogate', 'a\ud800b'],
+  ];
+
+  it.each(CONTROL)('refuses %s in a table name, a schema name and a drizzle table', (_label, bad) => {
+    const refused = (call: () => unknown) => {
+      let err: unknown;
+      try {
+        call();
+      } catch (e) {
+        err = e;
+      }
+      expect(err).toBeInstanceOf(InvalidArgumentError);
+      expect((err as InvalidArgumentError).code).toBe('invalid_argument');
+      expect((err as Error).message).not.toContain(bad);
+    };
+    refused(() => fenceTriggerSql({ name: bad }));
+    refused(() => fenceTriggerSql({ name: 'orders', schema: bad }));
+    refused(() => fenceTriggerStatements({ name: bad }));
+    refused(() => dropFenceTriggerStatements({ name: bad }));
+    refused(() => fenceTriggerSql(pgTable(bad, { id: integer('id').primaryKey(), ...fenceColumns() })));
+    refused(() => fenceTriggerSql(pgSchema(bad).table('t', { id: integer('id').primaryKey(), ...fenceColumns() })));
+  });
+
+  it('installFenceTrigger refuses a control character before sending anything', async () => {
+    const sent: string[] = [];
+    const db = { execute: async (q: string) => void sent.push(q) };
+    await expect(installFenceTrigger(db, { name: 'orders\nDROP TABLE victims' })).rejects.toBeInstanceOf(
+      InvalidArgumentError,
+    );
+    expect(sent).toEqual([]);
+  });
+
+  it('still accepts names that only need quoting: quotes, spaces, semicolons, Unicode', () => {
+    for (const name of ['we"ird', 'two words', 'a;b', 'café', '注文', 'a--b']) {
+      expect(fenceTriggerSql({ name })).toContain(`"${name.replaceAll('"', '""')}"`);
+    }
   });
 });
