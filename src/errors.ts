@@ -107,11 +107,11 @@ export class LockUnavailableError extends PalisadeError {
 }
 
 /**
- * A lock-manager call (`release`, `inspect`; `extend` reports it as a lost
- * lease) waited for a *database* lock longer than its bound (`lockTimeoutMs`)
- * — say an operator's `VACUUM FULL` of the lease table. The server cancelled
- * the statement (`lock_timeout`), so it changed nothing: a release that timed
- * out leaves the lock to expire at its TTL.
+ * `inspect` waited for a *database* lock longer than its bound
+ * (`lockTimeoutMs`) — say an operator's `VACUUM FULL` of the lease table. The
+ * server cancelled the statement (`lock_timeout`), so it changed nothing.
+ * (An `extend` that times out loses the lease; a `release` returns `'lost'`
+ * and the lock expires at its TTL: neither throws this to the caller.)
  */
 export class LockTimeoutError extends PalisadeError {
   constructor(

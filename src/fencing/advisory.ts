@@ -71,6 +71,7 @@ import {
   DEFAULT_LOCK_TIMEOUT_MS,
   MAX_WAIT_MS,
   MIN_GRANT_LOCK_WAIT_MS,
+  SERVER_WAIT_GRACE_MS,
 } from './options.js';
 import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
 import { fenceSequenceQuery, judgeFenceSequence } from './sequence.js';
@@ -453,7 +454,8 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
  * @throws {InvalidArgumentError} unless `sql` is a postgres.js client.
  */
 export function advisoryLockManager(options: AdvisoryLockOptions): LockManager {
-  return createLockManager(advisoryLockBackend(options));
+  // The server bounds the grant's lock waits itself (lock_timeout): let its answer arrive.
+  return createLockManager(advisoryLockBackend(options), { waitGraceMs: SERVER_WAIT_GRACE_MS });
 }
 
 /** What {@link runIfLeader} did: `ran: false` when another process holds the lock. */

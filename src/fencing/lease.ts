@@ -37,7 +37,7 @@ export interface Lease {
    * expired — and also when the lock service could not be reached to
    * confirm the release (Redis down, a dropped connection): the lease is
    * then presumed lost and its TTL frees the lock. Never throws the
-   * client's error. Safe to call more than once.
+   * client's error (a failed release is a `lost` event, reason `release failed: …`). Safe to call more than once.
    */
   release(): Promise<'released' | 'lost'>;
 }
@@ -127,16 +127,22 @@ export class ActiveLease implements Lease {
     const wasLost = this.signal.aborted;
     this.#stopTimers();
     let held = false;
+    let failed: unknown;
     try {
       held = await this.#init.backend.release(this.name, this.token);
-    } catch {
+    } catch (err) {
       // Unconfirmed: presumed lost (the TTL frees it); the caller's fenced writes are refused either way.
-      held = false;
+      failed = err;
     } finally {
       // An extension in flight when release began may have re-armed the deadline or the watchdog meanwhile.
       this.#stopTimers();
       this.#abort('released');
       this.#init.events.emit('released', { name: this.name, fence: this.fence, wasHeld: held && !wasLost });
+    }
+    if (failed !== undefined && !wasLost) {
+      // Not thrown (the work under the lock is done), but not silent either: watchers of 'lost' see it.
+      const why = failed instanceof Error ? failed.message : String(failed);
+      this.#init.events.emit('lost', { name: this.name, fence: this.fence, reason: `release failed: ${why}` });
     }
     return held ? 'released' : 'lost';
   }

@@ -82,6 +82,13 @@ export interface LockManager {
 export interface LockManagerHooks {
   /** The client's last connection error, if it is not connected (what ioredis reported in its `error` event). */
   readonly lastConnectionError?: () => unknown;
+  /**
+   * For a backend that bounds its own grant by the wait left (Postgres'
+   * `lock_timeout`): how much longer than the deadline the manager waits for
+   * the server's answer before it cuts the attempt short, so a grant the
+   * server refused on time is a timeout, not "no answer". Default 0.
+   */
+  readonly waitGraceMs?: number;
 }
 
 /**
@@ -146,7 +153,10 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         try {
           // With a wait, an attempt is cut short at the deadline (give or take MIN_ATTEMPT_MS):
           // a client that queues commands while offline must not stretch waitMs to its own timeout.
-          const cutAt = opts.waitMs > 0 ? Math.max(deadline, performance.now() + MIN_ATTEMPT_MS) : Infinity;
+          const cutAt =
+            opts.waitMs > 0
+              ? Math.max(deadline + (hooks.waitGraceMs ?? 0), performance.now() + MIN_ATTEMPT_MS)
+              : Infinity;
           lease = await attempt(name, opts, startedAt, token, true, deadline, cutAt);
           unreachable = undefined;
           answered = true;
@@ -204,11 +214,9 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       try {
         return await fn(lease);
       } finally {
-        // Awaited before fn's outcome is delivered, but never in its place.
-        await lease.release().catch((err: unknown) => {
-          const why = err instanceof Error ? err.message : String(err);
-          events.emit('lost', { name: lease.name, fence: lease.fence, reason: `release failed: ${why}` });
-        });
+        // Awaited before fn's outcome is delivered, but never in its place: release() does not throw
+        // (an unconfirmed release is 'lost' and a `lost` event).
+        await lease.release();
       }
     },
 

@@ -114,3 +114,10 @@ export function checkOptions(options: AcquireOptions | undefined, defaultWaitMs:
   }
   return { ttlMs, waitMs, signal: options.signal, holder, autoExtend, maxHoldMs };
 }
+
+/**
+ * How long past an acquire's deadline the Postgres managers wait for the
+ * server's answer to a grant that the server itself bounds (`lock_timeout`):
+ * round trip and scheduling slack on a busy machine.
+ */
+export const SERVER_WAIT_GRACE_MS = 2_000;

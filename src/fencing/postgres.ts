@@ -41,7 +41,7 @@ import { InvalidArgumentError, LockTimeoutError } from '../errors.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
-import { DEFAULT_LOCK_TIMEOUT_MS, MAX_WAIT_MS, MIN_GRANT_LOCK_WAIT_MS } from './options.js';
+import { DEFAULT_LOCK_TIMEOUT_MS, MAX_WAIT_MS, MIN_GRANT_LOCK_WAIT_MS, SERVER_WAIT_GRACE_MS } from './options.js';
 import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
 import { checkFenceSequence } from './sequence.js';
 
@@ -253,5 +253,6 @@ export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
  * the caller's database client open.
  */
 export function postgresLockManager(options: PostgresLockOptions): LockManager {
-  return createLockManager(postgresLockBackend(options));
+  // The server bounds the grant's lock waits itself (lock_timeout): let its answer arrive.
+  return createLockManager(postgresLockBackend(options), { waitGraceMs: SERVER_WAIT_GRACE_MS });
 }
