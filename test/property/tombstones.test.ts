@@ -587,6 +587,13 @@ describe.runIf(needs('DATABASE_URL'))('tombstone life cycle under interleavings 
         [1, 2, 3, 4],
       );
       expect(o.waited).toBe(true);
+      // The upsert waited for the tombstone, the purge removed it meanwhile: the upsert inserted, then its
+      // fresh look at the floor refused (40001, retryable) — or it was refused outright. Never applied.
+      const upsert = o.runs[2]?.result;
+      if (upsert?.status === 'error') expect(upsert.error).toBeInstanceOf(RetryableWriteError);
+      else expect(upsert).toEqual({ status: 'stale', currentFence: o.base + 6n });
+      expect(o.final.state).toBe('absent');
+      console.info(`upsert behind a purge: ${upsert?.status === 'error' ? 'retryable (40001)' : upsert?.status}`);
     });
 
     it('an update beside a concurrent resurrection: applied after it, or missing before it commits', async () => {
