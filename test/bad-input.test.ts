@@ -200,6 +200,8 @@ describe.each(drivers)('repository bad input on $name', ({ open }) => {
 
   beforeAll(async () => {
     test = await open();
+    // Upserts read palisade's tombstone floor.
+    await migrate(test.db);
     await test.db.execute(sql`create table bad_input_items (
       id text primary key, n integer not null default 0, last_fence bigint not null default 0, deleted_at timestamptz)`);
     await test.db.execute(sql`create table "we""ird" (

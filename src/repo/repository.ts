@@ -1,3 +1,4 @@
+import { AsyncLocalStorage } from 'node:async_hooks';
 import { and, eq, is, isNull, lt, SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import {
@@ -17,6 +18,7 @@ import { type BatchResult, rememberContext, type WriteResult } from './result.js
 import {
   APPLIED,
   deleteStatement,
+  FLOOR,
   PREV_DELETED,
   PREV_FENCE,
   type SameFence,
@@ -36,6 +38,21 @@ import {
   type RowOf,
   type ValuesOf,
 } from './table.js';
+
+// While a `modify` callback runs: the transaction that stands in for the database it was opened
+// on, so that reads and writes of repositories on that database inside the callback join it.
+const joined = new AsyncLocalStorage<ReadonlyMap<Database, Database>>();
+
+function withJoined(db: Database, tx: Database): ReadonlyMap<Database, Database> {
+  const map = new Map(joined.getStore() ?? []);
+  map.set(db, tx);
+  return map;
+}
+
+/** `db`, or the transaction of the `modify` callback that is running on it. */
+function on(db: Database): Database {
+  return joined.getStore()?.get(db) ?? db;
+}
 
 /** Options of {@link fencedRepository}. */
 export interface RepositoryOptions {
@@ -73,31 +90,53 @@ export interface FencedRepository<T extends FencedTable> {
   /** Live rows matching `where` (all live rows without it). */
   find(where?: SQL): Promise<RowOf<T>[]>;
   /**
-   * `UPDATE … SET patch, last_fence = fence WHERE key AND last_fence < fence`,
-   * one statement, one round trip. Patch values may be SQL expressions.
-   * Guarantees: applied only if no fence ≥ `fence` wrote the row before.
-   * Does not: create the row (see `upsert`) or retry.
+   * `UPDATE … SET patch, last_fence = fence WHERE key AND live AND last_fence < fence`,
+   * one statement, one round trip on the success path. Patch values may be
+   * SQL expressions. Guarantees: applied only if no fence ≥ `fence` wrote the
+   * row before. A deleted (or absent) row is `missing` and nothing is
+   * written, its fence included. Does not: create the row (see `upsert`) or
+   * retry.
    */
   update(key: KeyOf<T>, fence: Fence, patch: PatchOf<T>): Promise<WriteResult<RowOf<T>>>;
   /**
    * Fenced insert-or-update in one statement. A row deleted with a fence ≥
-   * `fence` stays deleted (`stale`). Columns not in `values` keep their
-   * current values on update; a resurrected row takes their defaults.
+   * `fence` stays deleted (`stale`; `duplicate` when this fence deleted it).
+   * A row that does not exist (never written, or its tombstone purged) is
+   * created only by a fence above the table's tombstone floor, else `stale`
+   * naming the floor. Columns not in `values` keep their current values on
+   * update; a resurrected row takes their defaults. Needs palisade's
+   * migrations (`migrate()`): it reads `palisade.tombstone_floors`.
+   *
+   * @throws {RetryableWriteError} (SQLSTATE 40001) when a purge that
+   * committed while the statement ran raised the floor to `fence` or above
+   * just as the upsert created the row: nothing is written, and a retry
+   * reports `stale`.
    */
   upsert(values: ValuesOf<T>, fence: Fence): Promise<WriteResult<RowOf<T>>>;
-  /** Fenced delete that leaves a tombstone carrying the fence; `row` is the row as it was deleted. */
+  /**
+   * Fenced delete of a live row that leaves a tombstone carrying the fence;
+   * `row` is the row as it was deleted. A tombstone or an absent row is
+   * `missing` and nothing is written (a retried delete reports `missing`).
+   */
   delete(key: KeyOf<T>, fence: Fence): Promise<WriteResult<RowOf<T>>>;
   /**
    * Safe read-modify-write: locks the row (`FOR UPDATE`) in a transaction,
-   * calls `fn` with it, and writes the patch fenced. `fn` is not called when
-   * the write could not apply anyway. Use this (or SQL expressions in an
-   * `update`) whenever the new value depends on the old one: fencing only the
-   * write loses updates read before a stale holder's write landed.
+   * calls `fn(row, tx)` with it, and writes the patch fenced. `fn` is called
+   * only when the locked row is live and its fence below `fence`, so the
+   * write applies. Use this (or SQL expressions in an `update`) whenever the
+   * new value depends on the old one: fencing only the write loses updates
+   * read before a stale holder's write landed.
+   *
+   * `tx` is the transaction: read through it inside `fn`. While `fn` runs,
+   * every repository on the same `db` (this one included) joins it too. The
+   * outer `db` used directly would wait behind the transaction — forever on
+   * PGlite or a pool of one connection. An error thrown by `fn` rolls back
+   * and comes out as thrown.
    */
   modify(
     key: KeyOf<T>,
     fence: Fence,
-    fn: (row: RowOf<T>) => PatchOf<T> | Promise<PatchOf<T>>,
+    fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
   ): Promise<WriteResult<RowOf<T>>>;
   /**
    * Fenced update of every live row matching `where`. Returns how many rows
@@ -107,8 +146,12 @@ export interface FencedRepository<T extends FencedTable> {
   updateWhere(where: SQL, fence: Fence, patch: PatchOf<T>, options?: { allOrNothing?: boolean }): Promise<BatchResult>;
   /**
    * Removes up to `batchSize` tombstones deleted before `olderThan` and
-   * returns how many it removed; call until 0. A purged tombstone no longer
-   * stops a stale upsert: only purge tombstones older than the longest lease.
+   * returns how many it removed; call until 0. In the same statement it
+   * raises the table's tombstone floor (`palisade.tombstone_floors`) to the
+   * highest fence it removed, and an upsert creates a row that does not exist
+   * only with a fence above the floor: purging never lowers what a stale
+   * fence must beat, whatever `olderThan` is. The price: after a purge, a
+   * brand-new key also needs a fence above the floor. Needs `migrate()`.
    */
   purgeTombstones(olderThan: Date, options?: { batchSize?: number }): Promise<number>;
   /**
@@ -125,7 +168,10 @@ export interface LeasedRepository<T extends FencedTable> {
   update(key: KeyOf<T>, patch: PatchOf<T>): Promise<WriteResult<RowOf<T>>>;
   upsert(values: ValuesOf<T>): Promise<WriteResult<RowOf<T>>>;
   delete(key: KeyOf<T>): Promise<WriteResult<RowOf<T>>>;
-  modify(key: KeyOf<T>, fn: (row: RowOf<T>) => PatchOf<T> | Promise<PatchOf<T>>): Promise<WriteResult<RowOf<T>>>;
+  modify(
+    key: KeyOf<T>,
+    fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
+  ): Promise<WriteResult<RowOf<T>>>;
   updateWhere(where: SQL, patch: PatchOf<T>, options?: { allOrNothing?: boolean }): Promise<BatchResult>;
 }
 
@@ -169,21 +215,39 @@ export function fencedRepository<T extends FencedTable>(
     return report(result, key, fence);
   }
 
+  // The serial model (README, "The write path"): update, modify and delete write a LIVE row whose
+  // fence is below theirs; a tombstone or an absent row is `missing` and nothing is written. An
+  // upsert writes a live row or a tombstone below its fence, and creates an absent row only above
+  // the table's tombstone floor. `stale` names the fence that refused; `duplicate` means this very
+  // fence wrote the row. The statement decides on one row version; the previous row read beside it
+  // (the statement's snapshot) explains a refusal, unless the row changed while the statement waited
+  // for its lock: then the row is read again and the refusal explained by that later state.
   function classify(method: string, raw: RawRow, fence: Fence): WriteResult<RowOf<T>> | 'race' {
+    if (raw[APPLIED] === true) return { status: 'applied', row: mapRow(info, raw) as RowOf<T> };
     const prevFence = int8(raw[PREV_FENCE]);
     const prevDeleted = raw[PREV_DELETED] === true;
-    if (raw[APPLIED] === true) {
-      // An update or delete that reached a tombstone only raised its fence.
-      if (prevDeleted && method !== 'upsert') return { status: 'missing' };
-      return { status: 'applied', row: mapRow(info, raw) as RowOf<T> };
+    if (method !== 'upsert') {
+      // Not live in the snapshot: the write's WHERE excluded the row without waiting for it.
+      if (prevFence === null || prevDeleted) return { status: 'missing' };
+      return refusal(prevFence, fence) ?? 'race';
     }
-    if (prevFence === null) return method === 'upsert' ? 'race' : { status: 'missing' };
-    if (prevDeleted && method !== 'upsert') return { status: 'missing' };
-    if (prevFence > fence) return { status: 'stale', currentFence: prevFence as Fence };
-    if (prevFence === fence && same === 'reject') return { status: 'duplicate' };
-    // The row passed the check in our snapshot, yet the write did not apply:
-    // a concurrent writer committed first. Read what it left.
+    if (prevFence === null) {
+      // Absent from the snapshot: the insert was not attempted when the floor refused the fence.
+      const floor = int8(raw[FLOOR]);
+      if (floor !== null && !writable(floor, fence)) return { status: 'stale', currentFence: floor as Fence };
+    }
+    // ON CONFLICT decided on the newest row version, which may be newer than the snapshot's: a
+    // refusal explained by the snapshot could name the wrong fence (say `duplicate` where a higher
+    // fence deleted the row while the upsert waited for it). Read the row again.
     return 'race';
+  }
+
+  const writable = (current: bigint, fence: bigint) => (same === 'allow' ? current <= fence : current < fence);
+
+  function refusal(current: bigint, fence: Fence): WriteResult<RowOf<T>> | undefined {
+    if (current > fence) return { status: 'stale', currentFence: current as Fence };
+    if (current === fence && same === 'reject') return { status: 'duplicate' };
+    return undefined;
   }
 
   async function reclassify(on: Database, method: string, key: [string, unknown][], fence: Fence) {
@@ -192,10 +256,21 @@ export function fencedRepository<T extends FencedTable>(
       sql`select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${keyWhere(key)}`,
     );
     const current = row ? int8(row.fence) : null;
-    if (!row || current === null) return { status: 'missing' } as const;
-    if (row.deleted === true && method !== 'upsert') return { status: 'missing' } as const;
-    if (current > fence) return { status: 'stale', currentFence: current as Fence } as const;
-    if (current === fence) return { status: 'duplicate' } as const;
+    if (method !== 'upsert' && (current === null || row?.deleted === true)) return { status: 'missing' } as const;
+    // Fences of a row only rise while it exists, so a refusal by the row as it is now is also a
+    // refusal by the version that decided: the write is placed (serially) at this read.
+    let refused = current === null ? undefined : refusal(current, fence);
+    if (current === null && method === 'upsert') {
+      const [floorRow] = await execute(
+        on,
+        sql`select floor from palisade.tombstone_floors where table_name = ${info.label}`,
+      );
+      const floor = int8(floorRow?.floor);
+      if (floor !== null && !writable(floor, fence)) refused = { status: 'stale', currentFence: floor as Fence };
+    }
+    if (refused) return refused;
+    // Writable now, yet the write did not apply (the row changed again since, or a purge removed
+    // it): no serial explanation is at hand, so the caller retries.
     throw new RetryableWriteError('race', undefined);
   }
 
@@ -226,7 +301,7 @@ export function fencedRepository<T extends FencedTable>(
     async get(keyIn) {
       const key = keyEntries(info, keyIn);
       try {
-        const rows = await db
+        const rows = await on(db)
           .select()
           .from(t)
           .where(and(keyWhere(key), isNull(t.deletedAt)))
@@ -242,7 +317,7 @@ export function fencedRepository<T extends FencedTable>(
       if (where !== undefined) checkCondition(where, 'find');
       const live = isNull(t.deletedAt);
       try {
-        return (await db
+        return (await on(db)
           .select()
           .from(t)
           .where(where ? and(where, live) : live)) as RowOf<T>[];
@@ -252,19 +327,19 @@ export function fencedRepository<T extends FencedTable>(
     },
 
     // async: bad input rejects the promise, like every other method, rather than throwing.
-    update: async (key, fence, patch) => update(db, key, fence, patch),
+    update: async (key, fence, patch) => update(on(db), key, fence, patch),
 
     async upsert(valuesIn, fenceIn) {
       const fence = assertFence(fenceIn);
       const row = patchEntries(info, valuesIn, true);
       const key = keyEntries(info, Object.fromEntries(row.filter(([name]) => info.keyNames.includes(name))));
-      return write(db, 'upsert', key, fence, upsertStatement(info, key, row, fence, same));
+      return write(on(db), 'upsert', key, fence, upsertStatement(info, key, row, fence, same));
     },
 
     async delete(keyIn, fenceIn) {
       const fence = assertFence(fenceIn);
       const key = keyEntries(info, keyIn);
-      return write(db, 'delete', key, fence, deleteStatement(info, key, fence, same));
+      return write(on(db), 'delete', key, fence, deleteStatement(info, key, fence, same));
     },
 
     async modify(keyIn, fenceIn, fn) {
@@ -274,24 +349,25 @@ export function fencedRepository<T extends FencedTable>(
       // The caller's own error (say, "insufficient funds") rolls back and comes out as it was thrown,
       // not dressed as a DatabaseError by the transaction's error translation.
       let thrown: { error: unknown } | undefined;
-      const call = async (row: RowOf<T>) => {
+      const call = async (row: RowOf<T>, tx: Database) => {
         try {
-          return await fn(row);
+          return await fn(row, tx);
         } catch (error) {
           thrown = { error };
           throw error;
         }
       };
-      return transaction(db, async (tx) => {
+      return transaction(on(db), async (tx) => {
         const [row] = await tx.select().from(t).where(keyWhere(key)).for('update');
         const locked = row as (RowOf<T> & { lastFence: bigint; deletedAt: Date | null }) | undefined;
-        const writable =
-          locked &&
-          locked.deletedAt === null &&
-          (same === 'allow' ? locked.lastFence <= fence : locked.lastFence < fence);
-        // When the write cannot apply, an empty patch still reports why (and raises a tombstone's fence).
-        const patch = writable ? await call(locked) : {};
-        return update(tx, keyIn, fence, patch as PatchOf<T>);
+        // The locked row decides (one row version): absent or deleted is `missing`, nothing written.
+        if (!locked || locked.deletedAt !== null) return report({ status: 'missing' }, key, fence);
+        const refused = refusal(locked.lastFence, fence);
+        if (refused) return report(refused, key, fence);
+        // Inside fn, this repository (and any other on the same db) reads and writes through the
+        // transaction: on PGlite, or a pool of one, the outer db would wait behind it forever.
+        const patch = await joined.run(withJoined(db, tx), () => call(locked, tx));
+        return update(tx, keyIn, fence, patch);
       }).catch((err: unknown) => {
         throw thrown ? thrown.error : err;
       });
@@ -302,7 +378,7 @@ export function fencedRepository<T extends FencedTable>(
       checkCondition(where, 'updateWhere');
       const patch = patchEntries(info, patchIn, false);
       const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
-      const [row] = await run(db, statement);
+      const [row] = await run(on(db), statement);
       return { applied: count(row?.applied), stale: count(row?.stale) };
     },
 
@@ -313,11 +389,19 @@ export function fencedRepository<T extends FencedTable>(
       }
       if (!Number.isSafeInteger(batchSize) || batchSize < 1)
         throw new InvalidArgumentError('batchSize must be a positive integer');
+      // One statement: the tombstones go and the floor rises to the highest fence among them in
+      // the same transaction, so no moment exists in which a lower fence could recreate a row.
+      // The delete re-checks `ctid` on the row it waited for: a tombstone resurrected meanwhile
+      // has a new version (a new ctid) and stays.
       const rows = await execute(
-        db,
+        on(db),
         sql`with gone as (delete from ${t} where ctid = any(array(
           select ctid from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}
-        )) returning 1) select count(*) as n from gone`,
+        )) returning ${t.lastFence} as fence),
+        raised as (insert into palisade.tombstone_floors (table_name, floor)
+          select ${info.label}, max(fence) from gone having count(*) > 0
+          on conflict (table_name) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))
+        select count(*) as n from gone`,
       );
       return count(rows[0]?.n);
     },

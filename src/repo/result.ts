@@ -2,15 +2,19 @@ import { RowMissingError, StaleFenceError } from '../errors.js';
 import type { Fence } from '../fencing/fence.js';
 
 /**
- * What one fenced write did, learned in the write's own round trip:
+ * What one fenced write did, learned in the write's own round trip (a
+ * second read only when the row changed while the write waited for it):
  *
  * - `applied` — the row now carries this fence; `row` is the row as written.
  * - `stale` — a higher fence already wrote the row (or deleted it, for an
- *   upsert); `currentFence` is that fence. Nothing was written.
- * - `duplicate` — this very fence already wrote the row: a retry of a write
- *   that landed. Nothing was written.
- * - `missing` — no live row has this key. Nothing was written, except that a
- *   tombstone takes the fence so a lower fence cannot resurrect it.
+ *   upsert); `currentFence` is that fence. For an upsert of a row that does
+ *   not exist, the table's tombstone floor at or above this fence (see
+ *   `purgeTombstones`). Nothing was written.
+ * - `duplicate` — this very fence already wrote this row: a retry of a write
+ *   that landed. Never for a write that found no live row. Nothing was
+ *   written.
+ * - `missing` — no live row has this key (absent, or a tombstone). Nothing
+ *   was written, no fence moved: a later upsert by the same fence applies.
  */
 export type WriteResult<Row> =
   | { readonly status: 'applied'; readonly row: Row }

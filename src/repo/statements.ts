@@ -4,6 +4,14 @@
  * the same round trip says why a write did not apply (data-modifying CTEs
  * and their siblings share the statement's snapshot).
  *
+ * Each write is decided by ONE row version: the write's own WHERE (or ON
+ * CONFLICT … WHERE), which Postgres re-checks on the newest version after
+ * waiting for a row lock. No sibling statement branches on the same row
+ * (two siblings that split on `deleted_at` each see the snapshot, and after
+ * a concurrent change the re-check can exclude the row from both). The
+ * sibling that reads the previous row only explains a refusal; when it
+ * cannot, the repository reads the row again (see `classify`).
+ *
  * Plain values become placeholders, so a statement's text depends only on
  * its shape (which columns, which of them are SQL expressions) and can be
  * compiled once and reused; see `statementKey`.
@@ -29,6 +37,7 @@ type Entries = readonly (readonly [string, unknown])[];
 export const APPLIED = 'palisade_applied';
 export const PREV_FENCE = 'palisade_prev_fence';
 export const PREV_DELETED = 'palisade_prev_deleted';
+export const FLOOR = 'palisade_floor';
 
 const fenceParam = (info: TableInfo) => new Param(sql.placeholder('fence'), info.table.lastFence);
 const cmp = (same: SameFence) => sql.raw(same === 'allow' ? '<=' : '<');
@@ -84,8 +93,8 @@ const returning = sql.raw(`returning *, true as ${APPLIED}`);
 
 /**
  * `UPDATE … SET patch, last_fence = $fence WHERE key AND live AND last_fence < $fence`.
- * A second CTE raises a tombstone's fence, so a lower fence cannot later
- * resurrect a row that a higher fence found deleted.
+ * A tombstone is not live: the update writes nothing there (no fence moves),
+ * exactly as for a row that does not exist.
  */
 export function updateStatement(
   info: TableInfo,
@@ -103,9 +112,7 @@ export function updateStatement(
       info,
       where,
       sql`update ${t} set ${sql.join(assignments, sql`, `)}
-  where ${where} and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}),
-tomb as (update ${t} set ${bare(t.lastFence)} = ${fenceParam(info)}
-  where ${where} and ${t.deletedAt} is not null and ${t.lastFence} < ${fenceParam(info)} returning 1`,
+  where ${where} and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}`,
     );
   };
   const statement = { key: shape('update', info, same, patch), build, values };
@@ -118,6 +125,14 @@ tomb as (update ${t} set ${bare(t.lastFence)} = ${fenceParam(info)}
  * Clears a tombstone only for a fence above the one that deleted the row.
  * Columns not in `row` keep their values on a live row and take their
  * defaults on a resurrected one.
+ *
+ * A row that does not exist is created only by a fence above the table's
+ * tombstone floor (`palisade.tombstone_floors`, raised by purges): the insert
+ * is not even attempted when the row is absent from the snapshot and the
+ * floor refuses the fence. A purge that commits while the statement runs is
+ * invisible to the snapshot, so a row the statement newly inserted (`xmax =
+ * 0`) is checked again against the floor with a fresh snapshot
+ * (`palisade.check_tombstone_floor`, SQLSTATE 40001 when it refuses).
  */
 export function upsertStatement(
   info: TableInfo,
@@ -126,7 +141,7 @@ export function upsertStatement(
   fence: bigint,
   same: SameFence,
 ): Statement {
-  const values: Record<string, unknown> = { fence };
+  const values: Record<string, unknown> = { fence, floorTable: info.label };
   const t = info.table;
   const build = () => {
     const where = keyCondition(info, key, values);
@@ -143,21 +158,27 @@ export function upsertStatement(
       updates.push(sql`${bare(c)} = case when ${t.deletedAt} is null then ${c} else excluded.${bare(c)} end`);
     }
     updates.push(sql`${bare(t.lastFence)} = excluded.${bare(t.lastFence)}`, sql`${bare(t.deletedAt)} = null`);
-    return withPrevious(
-      info,
-      where,
-      sql`insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bare(t.deletedAt)], sql`, `)})
-  values (${sql.join([...inserted, fenceParam(info), sql`null`], sql`, `)})
+    const table = new Param(sql.placeholder('floorTable'));
+    const allowEqual = sql.raw(same === 'allow' ? 'true' : 'false');
+    return sql`with prev as (select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${where}),
+floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.table_name = ${table}), 0) as fence),
+w as (insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bare(t.deletedAt)], sql`, `)})
+  select ${sql.join([...inserted, fenceParam(info), sql`null`], sql`, `)}
+  where exists (select 1 from prev) or (select fence from floor) ${cmp(same)} ${fenceParam(info)}
   on conflict (${sql.join(keyColumns, sql`, `)}) do update set ${sql.join(updates, sql`, `)}
-  where ${t.lastFence} ${cmp(same)} excluded.${bare(t.lastFence)} ${returning}`,
-    );
+  where ${t.lastFence} ${cmp(same)} excluded.${bare(t.lastFence)}
+  returning *, true as ${sql.identifier(APPLIED)},
+    case when xmax = 0 then palisade.check_tombstone_floor(${table}, ${fenceParam(info)}, ${allowEqual}) end as palisade_floor_checked)
+select w.*, (select fence from prev) as ${sql.identifier(PREV_FENCE)}, (select deleted from prev) as ${sql.identifier(PREV_DELETED)},
+  (select fence from floor) as ${sql.identifier(FLOOR)}
+from (select 1) as palisade_one left join w on true`;
   };
   const statement = { key: shape('upsert', info, same, row), build, values };
   fillValues(statement, key, row);
   return statement;
 }
 
-/** Marks the row deleted (a tombstone that keeps the fence); on a tombstone, only raises its fence. */
+/** Marks a live row deleted: a tombstone that keeps the fence. A tombstone is not live: nothing is written. */
 export function deleteStatement(info: TableInfo, key: Entries, fence: bigint, same: SameFence): Statement {
   const values: Record<string, unknown> = { fence };
   const t = info.table;
@@ -166,8 +187,8 @@ export function deleteStatement(info: TableInfo, key: Entries, fence: bigint, sa
     return withPrevious(
       info,
       where,
-      sql`update ${t} set ${bare(t.deletedAt)} = coalesce(${t.deletedAt}, now()), ${bare(t.lastFence)} = ${fenceParam(info)}
-  where ${where} and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}`,
+      sql`update ${t} set ${bare(t.deletedAt)} = now(), ${bare(t.lastFence)} = ${fenceParam(info)}
+  where ${where} and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}`,
     );
   };
   const statement = { key: shape('delete', info, same, []), build, values };

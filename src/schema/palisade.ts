@@ -52,3 +52,21 @@ export const leases = palisadeSchema.table(
   // could be a HOT update, and a small hot table bloats (bench, section 7c).
   (t) => [primaryKey({ columns: [t.namespace, t.name] })],
 );
+
+/**
+ * The tombstone floor of each fenced table: the highest fence among the
+ * tombstones `purgeTombstones` removed from it, raised in the purge's own
+ * statement. A row that does not exist (never written, or purged) can only
+ * be created by a fence above it, so purging never lowers what a stale fence
+ * must beat. Keyed by the table's name as the repository names it
+ * (`schema.table`, or `table` when the drizzle table has no schema).
+ *
+ * The migration also creates `palisade.check_tombstone_floor(table, fence,
+ * allow_equal)`, which an upsert calls on a row it newly inserted: it reads
+ * the floor with a fresh snapshot and fails with SQLSTATE 40001 when a purge
+ * that committed while the upsert ran raised it to the fence or above.
+ */
+export const tombstoneFloors = palisadeSchema.table('tombstone_floors', {
+  tableName: text('table_name').primaryKey(),
+  floor: bigint('floor', { mode: 'bigint' }).notNull(),
+});

@@ -19,6 +19,7 @@ import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { afterAll, beforeAll, describe, expect } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { type Fence, MAX_FENCE, toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
 import { type FencedRepository, fencedRepository, type SameFence, type WriteResult } from '../../src/repo/index.js';
 import { fenceColumns } from '../../src/schema/index.js';
 import { drivers, type TestDatabase } from '../support/databases.js';
@@ -100,6 +101,8 @@ interface Model {
   readonly rows: Map<Key, ModelRow>;
   /** Index of the latest fence granted (-1: none yet). */
   issued: number;
+  /** The table's tombstone floor: the highest fence purged so far (0: none). */
+  floor: bigint;
 }
 
 interface Real {
@@ -150,11 +153,8 @@ function checkResult(key: Key, got: WriteResult<ItemRow>, want: Expected): void 
 function modelUpdate(m: Model, key: Key, fence: bigint, patch: (row: ModelRow) => Partial<ModelRow>): Expected {
   const row = m.rows.get(key);
   if (!row) return { status: 'missing' };
-  if (row.deleted) {
-    // A tombstone takes the fence (strictly higher only), so a lower one cannot resurrect the row later.
-    if (row.fence < fence) row.fence = fence;
-    return { status: 'missing' };
-  }
+  // A tombstone is not live: the write finds no row and writes nothing, its fence included.
+  if (row.deleted) return { status: 'missing' };
   if (!allowed(m, row.fence, fence)) return refusal(m, row, fence);
   Object.assign(row, patch(row), { fence });
   return { status: 'applied', row: { ...row } };
@@ -194,7 +194,10 @@ class Upsert extends Fenced implements fc.AsyncCommand<Model, Real> {
     const got = await r.repo.upsert(values, fence);
     const row = m.rows.get(this.key);
     let want: Expected;
-    if (!row) {
+    if (!row && !allowed(m, m.floor, fence)) {
+      // A row that does not exist needs a fence above the tombstone floor that purges raised.
+      want = refused(m.floor);
+    } else if (!row) {
       const fresh = { n: this.n, label: this.label ?? null, fence: fence, deleted: false };
       m.rows.set(this.key, fresh);
       want = { status: 'applied', row: { ...fresh } };
@@ -303,10 +306,8 @@ class Delete extends Fenced implements fc.AsyncCommand<Model, Real> {
     const row = m.rows.get(this.key);
     let want: Expected;
     if (!row) want = { status: 'missing' };
-    else if (row.deleted) {
-      if (allowed(m, row.fence, fence)) row.fence = fence;
-      want = { status: 'missing' };
-    } else if (allowed(m, row.fence, fence)) {
+    else if (row.deleted) want = { status: 'missing' };
+    else if (allowed(m, row.fence, fence)) {
       Object.assign(row, { deleted: true, fence: fence });
       want = { status: 'applied', row: { ...row } };
     } else want = refusal(m, row, fence);
@@ -347,7 +348,7 @@ class UpdateWhere extends Fenced implements fc.AsyncCommand<Model, Real> {
     `updateWhere(n >= ${this.minN}, ${this.f}, label=${JSON.stringify(this.label)}${this.allOrNothing ? ', allOrNothing' : ''})`;
 }
 
-/** Purging every tombstone: afterwards a lower fence may recreate the row (the documented trade-off). */
+/** Purging every tombstone raises the floor to the highest fence removed: no lower fence may recreate a row. */
 class Purge implements fc.AsyncCommand<Model, Real> {
   check = () => true;
   async run(m: Model, r: Real) {
@@ -356,6 +357,7 @@ class Purge implements fc.AsyncCommand<Model, Real> {
     for (const [key, row] of m.rows) {
       if (row.deleted) {
         m.rows.delete(key);
+        if (row.fence > m.floor) m.floor = row.fence;
         removed++;
       }
     }
@@ -427,6 +429,7 @@ for (const driver of drivers) {
     let test_: TestDatabase;
     beforeAll(async () => {
       test_ = await driver.open();
+      await migrate(test_.db);
       await test_.db.execute(sql`create table palisade_prop_items (
         id text primary key,
         n integer not null default 0,
@@ -449,7 +452,8 @@ for (const driver of drivers) {
       'every write and read matches the model',
       async (mode, commands) => {
         await test_.db.execute(sql`delete from palisade_prop_items`);
-        const model: Model = { mode, rows: new Map(), issued: -1 };
+        await test_.db.execute(sql`delete from palisade.tombstone_floors`);
+        const model: Model = { mode, rows: new Map(), issued: -1, floor: 0n };
         const real: Real = { db: test_.db, repo: fencedRepository(test_.db, items, { sameFence: mode }) };
         await fc.asyncModelRun(() => ({ model, real }), commands);
         await checkStored(test_.db, model);

@@ -33,6 +33,7 @@ import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { afterAll, beforeAll, describe, expect } from 'vitest';
 import { type Database, execute, int8 } from '../../src/driver.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
 import { fencedRepository, type WriteResult } from '../../src/repo/index.js';
 import { fenceColumns } from '../../src/schema/index.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
@@ -357,6 +358,7 @@ describe.runIf(needs('DATABASE_URL'))('interleavings of lock holders on Postgres
   let pg: TestDatabase;
   beforeAll(async () => {
     pg = await postgresDatabase();
+    await migrate(pg.db);
     await pg.db.execute(sql`create table palisade_prop_counters (
       id text primary key, n integer not null default 0, v text,
       last_fence bigint not null default 0, deleted_at timestamptz)`);

@@ -11,6 +11,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { RetryableWriteError } from '../../src/errors.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
 import { fencedRepository, mustApply, type WriteResult } from '../../src/repo/index.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
@@ -30,6 +31,7 @@ describe.runIf(needs('DATABASE_URL'))('fenced writes under concurrency (real Pos
   beforeAll(async () => {
     test = await postgresDatabase();
     db = test.db;
+    await migrate(db);
     blocker = postgres(test.url as string, { max: 1, onnotice: () => {} });
     probe = postgres(test.url as string, { max: 1, onnotice: () => {} });
   });

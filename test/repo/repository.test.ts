@@ -9,6 +9,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { InvalidArgumentError, RowMissingError, StaleFenceError } from '../../src/errors.js';
 import { type Fence, MAX_FENCE, toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
 import { fencedRepository, mustApply, type RepositoryOptions, type StaleWriteEvent } from '../../src/repo/index.js';
 import { fenceColumns } from '../../src/schema/index.js';
 import { drivers, type TestDatabase } from '../support/databases.js';
@@ -37,6 +38,8 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
   beforeAll(async () => {
     test = await open();
     db = test.db;
+    // Upserts read the tombstone floor (palisade.tombstone_floors).
+    await migrate(db);
   });
   afterAll(async () => {
     await test?.close();
@@ -199,6 +202,33 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
       expect(await storedRow(db, t, 'a')).toMatchObject({ balance: 100, lastFence: 5n });
     });
 
+    it('fn gets the transaction; repositories on the same db join it while fn runs (no hang on PGlite)', async () => {
+      const { t, repo } = await accountA();
+      const other = fencedRepository(db, t);
+      const result = await repo.modify({ id: 'a' }, f(6), async (row, tx) => {
+        const viaRepo = await repo.get({ id: 'a' });
+        const [viaTx] = await tx.select().from(t).where(eq(t.id, 'a'));
+        mustApply(await other.upsert({ id: 'side', balance: 1 }, f(6)));
+        const seenInside = await other.find(eq(t.id, 'side'));
+        return {
+          balance: row.balance + (viaRepo?.balance ?? 0) + (viaTx?.balance ?? 0) + (seenInside[0]?.balance ?? 0),
+        };
+      });
+      expect(result).toMatchObject({ status: 'applied', row: { balance: 301, lastFence: 6n } });
+
+      // What joined the transaction rolls back with it.
+      const refusal = new Error('changed my mind');
+      await expect(
+        repo.modify({ id: 'a' }, f(7), async () => {
+          mustApply(await other.upsert({ id: 'side2', balance: 1 }, f(7)));
+          throw refusal;
+        }),
+      ).rejects.toBe(refusal);
+      expect(await storedRow(db, t, 'side2')).toBeUndefined();
+      // Outside fn the repositories use the database again.
+      expect(await other.get({ id: 'side' })).toMatchObject({ balance: 1 });
+    }, 30_000);
+
     it('a patch the function returns is validated; a bad one rolls back', async () => {
       const { repo } = await accountA();
       await expect(repo.modify({ id: 'a' }, f(6), () => ({ lastFence: 99n }) as never)).rejects.toThrow(
@@ -281,14 +311,37 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
       });
     });
 
-    it('an update that finds a tombstone reports missing but raises its fence', async () => {
+    it('update, modify and delete on a tombstone report missing and write nothing: the same fence may then upsert', async () => {
+      const { t, repo } = await accountA();
+      mustApply(await repo.delete({ id: 'a' }, f(6)));
+      const addOne = (row: { balance: number }) => ({ balance: row.balance + 1 });
+
+      expect(await repo.update({ id: 'a' }, f(7), { balance: 1 })).toEqual({ status: 'missing' });
+      expect(await repo.modify({ id: 'a' }, f(7), addOne)).toEqual({ status: 'missing' });
+      expect(await repo.delete({ id: 'a' }, f(7))).toEqual({ status: 'missing' });
+      // Nothing moved: the tombstone still carries the deleting fence.
+      expect(await storedRow(db, t, 'a')).toMatchObject({ lastFence: 6n, deletedAt: expect.any(Date) });
+      // duplicate means "this fence wrote this row": fence 7 wrote nothing, so its upsert applies.
+      expect(await repo.upsert({ id: 'a', balance: 1 }, f(7))).toMatchObject({
+        status: 'applied',
+        row: { balance: 1, lastFence: 7n },
+      });
+    });
+
+    it('a retried delete reports missing; the deleting fence cannot resurrect its own tombstone', async () => {
       const { repo } = await accountA();
       mustApply(await repo.delete({ id: 'a' }, f(6)));
+      expect(await repo.delete({ id: 'a' }, f(6))).toEqual({ status: 'missing' });
+      expect(await repo.upsert({ id: 'a', balance: 1 }, f(6))).toEqual({ status: 'duplicate' });
+    });
 
-      expect(await repo.update({ id: 'a' }, f(8), { balance: 1 })).toEqual({ status: 'missing' });
-      // The holder of fence 8 saw the row deleted: fence 7 must not bring it back.
-      expect(await repo.upsert({ id: 'a', balance: 1 }, f(7))).toEqual({ status: 'stale', currentFence: 8n });
-      expect(await repo.get({ id: 'a' })).toBeUndefined();
+    it("with sameFence 'allow', a fence may delete and then recreate the row; a lower one may not", async () => {
+      const { t, repo: strict } = await accountA();
+      const repo = fencedRepository(db, t, { sameFence: 'allow' });
+      mustApply(await strict.delete({ id: 'a' }, f(6)));
+      expect(await repo.update({ id: 'a' }, f(6), { balance: 1 })).toEqual({ status: 'missing' });
+      expect(await repo.upsert({ id: 'a', balance: 1 }, f(5))).toEqual({ status: 'stale', currentFence: 6n });
+      expect((await repo.upsert({ id: 'a', balance: 1 }, f(6))).status).toBe('applied');
     });
   });
 
@@ -314,8 +367,34 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
       expect(await storedRow(db, t, 'a')).toBeUndefined();
       expect(await storedRow(db, t, 'b')).toBeUndefined();
       expect(await repo.get({ id: 'c' })).toMatchObject({ balance: 3 });
-      // The documented price: once purged, the old fence no longer guards the key.
-      expect((await repo.upsert({ id: 'a', balance: 1 }, f(2))).status).toBe('applied');
+    });
+
+    it('raises the tombstone floor to the highest fence it removed: no lower fence recreates a purged row', async () => {
+      const { t, repo } = await accountA();
+      mustApply(await repo.upsert({ id: 'b', balance: 2 }, f(5)));
+      mustApply(await repo.upsert({ id: 'c', balance: 3 }, f(5)));
+      mustApply(await repo.delete({ id: 'a' }, f(9)));
+      mustApply(await repo.delete({ id: 'b' }, f(7)));
+      expect(await repo.purgeTombstones(new Date(Date.now() + 3_600_000))).toBe(2);
+
+      // Whatever the cut-off, a stale fence must still beat the highest fence purged.
+      expect(await repo.upsert({ id: 'a', balance: 1 }, f(8))).toEqual({ status: 'stale', currentFence: 9n });
+      expect(await repo.upsert({ id: 'b', balance: 1 }, f(8))).toEqual({ status: 'stale', currentFence: 9n });
+      expect(await repo.upsert({ id: 'new', balance: 1 }, f(9))).toEqual({ status: 'stale', currentFence: 9n });
+      expect(await storedRow(db, t, 'a')).toBeUndefined();
+      // Live rows are not held back by the floor: fence 8 still writes c (written by 5).
+      mustApply(await repo.upsert({ id: 'c', balance: 4 }, f(8)));
+      expect((await repo.upsert({ id: 'a', balance: 1 }, f(10))).status).toBe('applied');
+
+      // A purge of lower fences never lowers the floor.
+      mustApply(await repo.delete({ id: 'c' }, f(10)));
+      mustApply(await repo.delete({ id: 'a' }, f(11)));
+      await repo.purgeTombstones(new Date(Date.now() + 3_600_000));
+      expect(await repo.upsert({ id: 'c', balance: 1 }, f(11))).toEqual({ status: 'stale', currentFence: 11n });
+      const [floor] = await db
+        .execute(sql`select floor::text as floor from palisade.tombstone_floors where table_name = ${getTableName(t)}`)
+        .then((r) => (Array.isArray(r) ? r : (r as { rows: unknown[] }).rows) as { floor: string }[]);
+      expect(floor?.floor).toBe('11');
     });
 
     it('refuses a bad cut-off or batch size', async () => {

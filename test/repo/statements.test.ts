@@ -46,14 +46,13 @@ describe('update statement', () => {
     );
   });
 
-  it('reads the previous fence in the same statement, and raises a tombstone fence', () => {
+  it('reads the previous fence in the same statement; one UPDATE decides, nothing else writes the row', () => {
     expect(text).toMatch(
       /^with prev as \(select "accounts"\."last_fence" as fence, "accounts"\."deleted_at" is not null as deleted from "accounts" where "accounts"\."id" = :k0\), w as \(update /,
     );
-    expect(text).toContain(
-      'tomb as (update "accounts" set "last_fence" = :fence ' +
-        'where "accounts"."id" = :k0 and "accounts"."deleted_at" is not null and "accounts"."last_fence" < :fence returning 1)',
-    );
+    // A second data-modifying CTE on the same row would split on deleted_at in the snapshot.
+    expect(text.match(/update "accounts"/g)).toHaveLength(1);
+    expect(text).not.toContain('tomb as');
     expect(text).toMatch(/select w\.\*, \(select fence from prev\) as "palisade_prev_fence".* left join w on true$/);
   });
 
@@ -99,12 +98,25 @@ describe('upsert statement', () => {
 
   it('inserts with the fence, and on conflict updates only below excluded.last_fence', () => {
     expect(text).toContain(
-      'insert into "accounts" ("id", "balance", "last_fence", "deleted_at") values (:v0, :v1, :fence, null) ' +
+      'insert into "accounts" ("id", "balance", "last_fence", "deleted_at") select :v0, :v1, :fence, null ' +
+        'where exists (select 1 from prev) or (select fence from floor) < :fence ' +
         'on conflict ("id") do update set "balance" = excluded."balance", ',
     );
     expect(text).toContain(
       '"last_fence" = excluded."last_fence", "deleted_at" = null ' +
-        'where "accounts"."last_fence" < excluded."last_fence" returning *, true as palisade_applied',
+        'where "accounts"."last_fence" < excluded."last_fence" returning *, true as "palisade_applied", ',
+    );
+  });
+
+  it("creates a row only above the table's tombstone floor, re-checked with a fresh snapshot after inserting", () => {
+    expect(text).toContain(
+      'floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.table_name = :floorTable), 0) as fence)',
+    );
+    expect(text).toContain(
+      'case when xmax = 0 then palisade.check_tombstone_floor(:floorTable, :fence, false) end as palisade_floor_checked',
+    );
+    expect(text).toMatch(
+      /\(select fence from floor\) as "palisade_floor" from \(select 1\) as palisade_one left join w on true$/,
     );
   });
 
@@ -116,7 +128,7 @@ describe('upsert statement', () => {
   });
 
   it('carries the values for its placeholders', () => {
-    expect(statement.values).toEqual({ fence: 7n, k0: 'a', v0: 'a', v1: 5 });
+    expect(statement.values).toEqual({ fence: 7n, floorTable: 'accounts', k0: 'a', v0: 'a', v1: 5 });
   });
 
   it('names every key column of a composite key', () => {
@@ -144,10 +156,10 @@ describe('upsert statement', () => {
 describe('delete statement', () => {
   const { text } = compile(deleteStatement(info, [['id', 'a']], 7n, 'reject'));
 
-  it('marks the row deleted and keeps the fence: a tombstone, never a DELETE', () => {
+  it('marks a live row deleted and keeps the fence: a tombstone, never a DELETE; a tombstone is left alone', () => {
     expect(text).toContain(
-      'update "accounts" set "deleted_at" = coalesce("accounts"."deleted_at", now()), "last_fence" = :fence ' +
-        'where "accounts"."id" = :k0 and "accounts"."last_fence" < :fence returning *',
+      'update "accounts" set "deleted_at" = now(), "last_fence" = :fence ' +
+        'where "accounts"."id" = :k0 and "accounts"."deleted_at" is null and "accounts"."last_fence" < :fence returning *',
     );
     expect(text).not.toMatch(/delete from/i);
   });

@@ -9,6 +9,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, DatabaseError, execute, int8 } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
 import { toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import {
@@ -65,6 +66,8 @@ for (const suite of suites) {
     let test: TestDatabase;
     beforeAll(async () => {
       test = await suite.open();
+      // Upserts read palisade's tombstone floor.
+      await migrate(test.db);
     });
     afterAll(async () => {
       await test?.close();
@@ -113,11 +116,12 @@ for (const suite of suites) {
       });
       expect(await row(test.db, name)).toEqual({ stock: 9, fence: 7n, deleted: false });
 
-      // Deletes leave a tombstone: allowed; the tombstone's fence rises; a stale upsert cannot resurrect it.
+      // Deletes leave a tombstone: allowed; an update finds no live row and writes nothing; a stale upsert
+      // cannot resurrect it.
       expect((await repo.delete({ id: 1 }, f(8))).status).toBe('applied');
       expect(await repo.update({ id: 1 }, f(9), { stock: 1 })).toEqual({ status: 'missing' });
-      expect(await row(test.db, name)).toEqual({ stock: 9, fence: 9n, deleted: true });
-      expect(await repo.upsert({ id: 1, stock: 1 }, f(8))).toEqual({ status: 'stale', currentFence: 9n });
+      expect(await row(test.db, name)).toEqual({ stock: 9, fence: 8n, deleted: true });
+      expect(await repo.upsert({ id: 1, stock: 1 }, f(7))).toEqual({ status: 'stale', currentFence: 8n });
       expect((await repo.upsert({ id: 1, stock: 2 }, f(10))).status).toBe('applied');
       expect(await row(test.db, name)).toEqual({ stock: 2, fence: 10n, deleted: false });
     });
