@@ -81,6 +81,7 @@ import { sql } from 'drizzle-orm';
 import type { Cluster, Redis } from 'ioredis';
 import { type Database, execute, int8 } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../errors.js';
+import { recordFenceSource } from '../telemetry/otel.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
@@ -574,11 +575,13 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
         throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
       // Was a higher epoch handed out since ours? Then ours may be older than fences already issued: retry.
       const [seq] = await postgres('epoch confirm', sql`select last_value from palisade.epoch_seq`);
+      recordFenceSource('redis', 'floor_check', int8(seq?.last_value) === epoch ? 'confirmed' : 'superseded');
       if (int8(seq?.last_value) !== epoch) {
         await sleep(jitter(0, 20));
         continue;
       }
       await script('palisadeActivateEpochV1', keys.fence, epoch.toString(), nonce);
+      recordFenceSource('redis', 'new_epoch', 'postgres');
       return; // ACTIVE, or GONE (replaced meanwhile): the grant retries either way
     }
     throw new FenceSourceError(
@@ -595,9 +598,11 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       REDIS_MAX_EPOCH.toString(),
     );
     if (bumped === 'EXHAUSTED') throw new FenceSourceError('the Redis fence counter has no epochs left');
+    recordFenceSource('redis', 'new_epoch', 'redis');
   }
 
   async function recover(reason: string, observed: string, deadline: number): Promise<void> {
+    recordFenceSource('redis', 'epoch_recovery', reason);
     if (reason === 'pending') return sleep(jitter(5, 30));
     if (epochs) return newEpochFromPostgres(deadline);
     if (reason === 'exhausted') return newEpochInRedis(observed); // the state is intact: the next epoch is above it

@@ -3,6 +3,7 @@ import type { PgColumn } from 'drizzle-orm/pg-core';
 import { count, type Database, execute, int8, prepared, type RawRow, transaction } from '../driver.js';
 import { InvalidArgumentError, LeaseLostError, PalisadeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
+import { observeBatch, observeWrite } from '../telemetry/otel.js';
 import { type BatchResult, rememberContext, type WriteResult } from './result.js';
 import {
   APPLIED,
@@ -149,10 +150,12 @@ export function fencedRepository<T extends FencedTable>(
     fence: Fence,
     statement: Statement,
   ): Promise<WriteResult<RowOf<T>>> {
-    const raw = (await run(on, statement))[0] ?? {};
-    let result = classify(method, raw, fence);
-    if (result === 'race') result = await reclassify(on, method, key, fence);
-    return report(result, key, fence);
+    return observeWrite(info.label, method, method === 'upsert' ? 'INSERT' : 'UPDATE', fence, async () => {
+      const raw = (await run(on, statement))[0] ?? {};
+      let result = classify(method, raw, fence);
+      if (result === 'race') result = await reclassify(on, method, key, fence);
+      return report(result, key, fence);
+    });
   }
 
   function classify(method: string, raw: RawRow, fence: Fence): WriteResult<RowOf<T>> | 'race' {
@@ -278,8 +281,10 @@ export function fencedRepository<T extends FencedTable>(
       if (!where) throw new InvalidArgumentError('updateWhere needs a where condition; pass sql`true` for every row');
       const patch = patchEntries(info, patchIn, false);
       const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
-      const [row] = await run(db, statement);
-      return { applied: count(row?.applied), stale: count(row?.stale) };
+      return observeBatch(info.label, fence, async () => {
+        const [row] = await run(db, statement);
+        return { applied: count(row?.applied), stale: count(row?.stale) };
+      });
     },
 
     async purgeTombstones(olderThan, opts = {}) {
