@@ -28,6 +28,7 @@ import { growth } from './sections/growth.js';
 import { handoff } from './sections/handoff.js';
 import { lockRoundTrips } from './sections/lock-round-trips.js';
 import { memory } from './sections/memory.js';
+import { telemetry } from './sections/telemetry.js';
 import { writePath } from './sections/write-path.js';
 
 const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise<void> }[] = [
@@ -38,6 +39,7 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
   { id: '5', title: 'Fence issuance', run: fenceIssuance },
   { id: '6', title: 'Memory', run: memory },
   { id: '7', title: 'Growth', run: growth },
+  { id: '8', title: 'Telemetry overhead', run: telemetry },
 ];
 
 /** `--render`: rewrites latest.md from latest.json (e.g. after editing the findings), measuring nothing. */
