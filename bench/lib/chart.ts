@@ -113,7 +113,8 @@ export function renderRatioChart(tables: readonly Table[], subtitle: string): st
       `<text x="${left - 6}" y="${y(v) + 3}" font-size="9" text-anchor="end" fill="#666">${v.toFixed(2)}×</text>`,
     );
   }
-  return `<svg xmlns="http://www.w3.org/2000/svg" width="${width}" height="${height}" viewBox="0 0 ${width} ${height}" font-family="system-ui, -apple-system, Segoe UI, sans-serif">
+  return `<svg xmlns="http://www.w3.org/2000/svg" width="${width}" height="${height}" viewBox="0 0 ${width} ${height}" font-family="system-ui, -apple-system, Segoe UI, sans-serif" role="img" aria-labelledby="bench-chart-title">
+<title id="bench-chart-title">palisade bench: ratios against the peers and baselines, with the goals</title>
 <rect width="100%" height="100%" fill="#ffffff"/>
 <text x="${left}" y="16" font-size="13" font-weight="700" fill="#111">palisade bench — ratios (higher is better), one group per measurement</text>
 <text x="${left}" y="30" font-size="10" fill="#555">${esc(subtitle)}</text>
