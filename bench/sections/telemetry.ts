@@ -1,167 +1,113 @@
 /**
  * Section 8 — what the OpenTelemetry instrumentation costs the client, as
- * CPU time per operation (process.cpuUsage around each call; steadier here
- * than throughput on a shared machine):
+ * CPU time per operation (process.cpuUsage over the timed calls; steadier
+ * here than throughput on a shared machine):
  *
  * - **without it**: every hook takes the path it takes when
  *   `@opentelemetry/api` is not installed (a null check, then the call);
+ * - **without it, again**: the same, an A/A control — its distance from the
+ *   first is the noise of the measurement;
  * - **api, no SDK**: the package loaded, nothing registered — what every
  *   user who does not configure OpenTelemetry runs (the goal: ≤ 3%);
  * - **SDK registered**: a real `MeterProvider` and `BasicTracerProvider`
  *   recording everything (spans go to no exporter) — for information.
  *
  * For a palisade Redis lock cycle (acquire + release) and a repository
- * write (`update`, serial). The configurations are interleaved in blocks of
- * 100 calls (rotating their order), so load from the rest of the machine
- * falls on all of them alike; the ratio is the median over the blocks.
+ * write (`update`, serial). Each measurement runs in a process of its own
+ * (telemetry-child.ts) that never switches configuration; the
+ * configurations alternate, in a rotated order, over several rounds, and
+ * each is compared with "without it" of the same round.
  */
-import { performance } from 'node:perf_hooks';
-import { MeterProvider } from '@opentelemetry/sdk-metrics';
-import { BasicTracerProvider } from '@opentelemetry/sdk-trace-base';
-import { drizzle } from 'drizzle-orm/postgres-js';
-import type { Database } from '../../src/driver.js';
-import type { Fence } from '../../src/fencing/fence.js';
-import { fencedRepository } from '../../src/repo/repository.js';
-import { configureTelemetry, setTelemetryLoaded } from '../../src/telemetry/otel.js';
+import { execFile } from 'node:child_process';
+import { fileURLToPath } from 'node:url';
+import { promisify } from 'node:util';
 import type { BenchContext } from '../lib/context.js';
-import { palisadeRedis } from '../lib/locks.js';
 import { median } from '../lib/measure.js';
 import { ops, pct, printTable } from '../lib/report.js';
-import { createAccounts, FenceCounter, makeAccounts, randomId } from '../lib/tables.js';
+import { createAccounts } from '../lib/tables.js';
+import type { ChildArgs } from './telemetry-child.js';
 
+const run = promisify(execFile);
+const CHILD = fileURLToPath(new URL('./telemetry-child.ts', import.meta.url));
 const ROWS = 10_000;
 const GOAL = 0.03;
-const BLOCK = 100;
-
-// "without it, again" is an A/A control: its distance from "without it" is the noise of the measurement.
-type Mode = 'without it' | 'without it, again' | 'api, no SDK' | 'SDK registered';
-const MODES: readonly Mode[] = ['without it', 'without it, again', 'api, no SDK', 'SDK registered'];
-
-interface Paired {
-  /** CPU µs per call, over all calls. */
-  readonly cpuUs: Record<Mode, number>;
-  /** Per block of BLOCK calls: CPU of each mode over the same block of "without it". */
-  readonly blockRatios: Record<Mode, number[]>;
-  readonly calls: Record<Mode, number>;
-  readonly wallMs: Record<Mode, number>;
-}
-
-/** Interleaves the modes in blocks until `durationMs` has passed (at least 3 blocks each). */
-async function paired(setMode: (mode: Mode) => void, fn: () => Promise<unknown>, durationMs: number): Promise<Paired> {
-  const zero = () => Object.fromEntries(MODES.map((m) => [m, 0])) as Record<Mode, number>;
-  const cpu = zero();
-  const calls = zero();
-  const wall = zero();
-  const blockRatios = Object.fromEntries(MODES.map((m) => [m, [] as number[]])) as Record<Mode, number[]>;
-  // Warm-up in every mode: connections, prepared statements, the JIT, the instruments.
-  for (const mode of MODES) {
-    setMode(mode);
-    for (let i = 0; i < 200; i++) await fn();
-  }
-  const deadline = performance.now() + durationMs;
-  for (let block = 0; block < 3 || performance.now() < deadline; block++) {
-    const inBlock = {} as Record<Mode, number>;
-    for (let k = 0; k < MODES.length; k++) {
-      const mode = MODES[(k + block) % MODES.length] as Mode;
-      setMode(mode);
-      await fn(); // the first call after a switch may rebuild the instruments: not counted
-      let used = 0;
-      const t0 = performance.now();
-      for (let i = 0; i < BLOCK; i++) {
-        const c0 = process.cpuUsage();
-        await fn();
-        const c = process.cpuUsage(c0);
-        used += c.user + c.system;
-      }
-      wall[mode] += performance.now() - t0;
-      cpu[mode] += used;
-      calls[mode] += BLOCK;
-      inBlock[mode] = used;
-    }
-    for (const mode of MODES) blockRatios[mode].push(inBlock[mode] / inBlock['without it']);
-  }
-  const cpuUs = {} as Record<Mode, number>;
-  for (const mode of MODES) cpuUs[mode] = cpu[mode] / calls[mode];
-  return { cpuUs, blockRatios, calls, wallMs: wall };
-}
+const MODES: readonly ChildArgs['mode'][] = ['without it', 'without it, again', 'api, no SDK', 'SDK registered'];
 
 export async function telemetry(ctx: BenchContext): Promise<void> {
   const { report, scale } = ctx;
-  const meterProvider = new MeterProvider();
-  const tracerProvider = new BasicTracerProvider();
-  const setMode = (mode: Mode) => {
-    setTelemetryLoaded(mode === 'api, no SDK' || mode === 'SDK registered');
-    configureTelemetry(mode === 'SDK registered' ? { meterProvider, tracerProvider } : {});
-  };
-
-  const lock = palisadeRedis(ctx, 'bench-otel');
-  // As in section 1: the WAL flush is the same for every configuration and would swamp the difference.
-  const sql = ctx.pg.client(4, { synchronous_commit: 'off' });
-  const db = drizzle(sql) as unknown as Database;
-  await createAccounts(ctx.pg.sql, 'bench_otel', ROWS);
-  const repo = fencedRepository(db, makeAccounts('bench_otel'));
-  const fences = new FenceCounter(1_000_000_000n);
-  try {
-    const workloads: { what: string; unit: string; fn: () => Promise<unknown> }[] = [
-      {
-        what: 'palisade Redis lock cycle (acquire + release)',
-        unit: 'cycle',
-        fn: async () => (await lock.acquire('otel', 2_000)).release(),
-      },
-      {
-        what: 'repository.update',
-        unit: 'write',
-        fn: () => repo.update({ id: randomId(ROWS) }, fences.next() as Fence, { balance: 1 }),
-      },
-    ];
-    const durationMs = scale.name === 'full' ? 30_000 : 3_000;
-    const t = report.table(
-      '8. Telemetry overhead (client CPU per operation, serial)',
-      'OpenTelemetry off / no SDK / SDK',
-      [
-        'operation',
-        'configuration',
-        'client CPU µs/op',
-        'vs without it (median of blocks)',
-        'vs without it (all calls)',
-        'calls',
-        'ops/s',
-      ],
+  const table = 'bench_otel';
+  await createAccounts(ctx.pg.sql, table, ROWS);
+  const rounds = scale.name === 'full' ? 6 : 2;
+  const ms = scale.name === 'full' ? 5_000 : 1_000;
+  let fenceBase = 1_000_000_000n;
+  const t = report.table(
+    '8. Telemetry overhead (client CPU per operation, serial)',
+    'OpenTelemetry off / no SDK / SDK',
+    ['operation', 'configuration', 'client CPU µs/op (median)', 'vs without it (median of rounds)', 'calls', 'ops/s'],
+  );
+  const workloads = [
+    { workload: 'cycle' as const, what: 'palisade Redis lock cycle (acquire + release)' },
+    { workload: 'write' as const, what: 'repository.update' },
+  ];
+  for (const w of workloads) {
+    const per = Object.fromEntries(
+      MODES.map((m) => [m, { cpu: [] as number[], ratio: [] as number[], calls: 0, wall: 0 }]),
     );
-    for (const w of workloads) {
-      const m = await paired(setMode, w.fn, durationMs);
-      const base = m.cpuUs['without it'];
-      for (const mode of MODES) {
-        t.rows.push([
-          w.what,
+    for (let round = 0; round < rounds; round++) {
+      const inRound: Record<string, number> = {};
+      for (let k = 0; k < MODES.length; k++) {
+        const mode = MODES[(k + round) % MODES.length] as ChildArgs['mode'];
+        const args: ChildArgs = {
           mode,
-          m.cpuUs[mode].toFixed(1),
-          pct(median(m.blockRatios[mode]) - 1),
-          pct(m.cpuUs[mode] / base - 1),
-          m.calls[mode].toLocaleString('en-US'),
-          ops((m.calls[mode] * 1000) / m.wallMs[mode]),
-        ]);
+          workload: w.workload,
+          ms,
+          redisUrl: ctx.redis.url,
+          namespace: `${ctx.redis.prefix}bench-otel`.replaceAll(':', '.'),
+          databaseUrl: ctx.pg.url,
+          table,
+          rows: ROWS,
+          fenceBase: fenceBase.toString(),
+        };
+        fenceBase += 100_000_000n;
+        const { stdout } = await run(process.execPath, ['--import', 'tsx', CHILD, JSON.stringify(args)], {
+          timeout: ms + 120_000,
+        });
+        const r = JSON.parse(stdout.trim().split('\n').at(-1) as string) as {
+          cpuUs: number;
+          calls: number;
+          wallMs: number;
+        };
+        const acc = per[mode] as (typeof per)[string];
+        acc.cpu.push(r.cpuUs);
+        acc.calls += r.calls;
+        acc.wall += r.wallMs;
+        inRound[mode] = r.cpuUs;
       }
-      const noSdk = median(m.blockRatios['api, no SDK']) - 1;
-      const control = median(m.blockRatios['without it, again']) - 1;
-      report.goal({
-        section: '8',
-        goal: `OpenTelemetry without an SDK costs ≤ 3% client CPU per ${w.unit} (${w.what})`,
-        measured: `${pct(noSdk)} (${base.toFixed(1)} → ${m.cpuUs['api, no SDK'].toFixed(1)} µs/${w.unit}; A/A control ${pct(control)})`,
-        met: Number.isFinite(noSdk) ? noSdk <= GOAL : null,
-      });
-      report.raw[`telemetry ${w.what}`] = m;
+      for (const mode of MODES) per[mode]?.ratio.push((inRound[mode] as number) / (inRound['without it'] as number));
     }
-    t.notes.push(
-      `Configurations interleaved in blocks of ${BLOCK} calls, order rotated per block, ${durationMs / 1000} s per operation; CPU is this process's user + system time around each call. "without it": every hook takes the path it takes when @opentelemetry/api is not installed. "SDK registered": a MeterProvider without readers and a BasicTracerProvider without span processors — recording, exporting nothing.`,
-    );
-    printTable(t);
-  } finally {
-    setTelemetryLoaded(true);
-    configureTelemetry();
-    await meterProvider.shutdown();
-    await tracerProvider.shutdown();
-    await lock.close();
-    await sql.end({ timeout: 5 });
+    for (const mode of MODES) {
+      const acc = per[mode] as (typeof per)[string];
+      t.rows.push([
+        w.what,
+        mode,
+        median(acc.cpu).toFixed(1),
+        pct(median(acc.ratio) - 1),
+        acc.calls.toLocaleString('en-US'),
+        ops((acc.calls * 1000) / acc.wall),
+      ]);
+    }
+    const noSdk = median(per['api, no SDK']?.ratio ?? []) - 1;
+    const control = median(per['without it, again']?.ratio ?? []) - 1;
+    report.goal({
+      section: '8',
+      goal: `OpenTelemetry without an SDK costs ≤ 3% client CPU per ${w.workload} (${w.what})`,
+      measured: `${pct(noSdk)} (${median(per['without it']?.cpu ?? []).toFixed(1)} → ${median(per['api, no SDK']?.cpu ?? []).toFixed(1)} µs; A/A control ${pct(control)})`,
+      met: Number.isFinite(noSdk) ? noSdk <= GOAL : null,
+    });
+    report.raw[`telemetry ${w.what}`] = per;
   }
+  t.notes.push(
+    `Each configuration in a process of its own (warmed up, then ${ms / 1000} s timed), ${rounds} rounds in a rotated order; CPU is the child's user + system time over the timed calls. "without it": every hook takes the path it takes when @opentelemetry/api is not installed; "without it, again" is an A/A control. "SDK registered": a MeterProvider without readers and a BasicTracerProvider without span processors — recording, exporting nothing.`,
+  );
+  printTable(t);
 }
