@@ -15,12 +15,19 @@ import type { Database } from '../../src/driver.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import { redisLockManager } from '../../src/fencing/redis.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { configureTelemetry, setTelemetryLoaded } from '../../src/telemetry/otel.js';
+import {
+  configureTelemetry,
+  observeAcquire,
+  observeRelease,
+  observeWrite,
+  setTelemetryLoaded,
+} from '../../src/telemetry/otel.js';
 import { FenceCounter, makeAccounts, randomId } from '../lib/tables.js';
 
 export interface ChildArgs {
   readonly mode: 'without it' | 'without it, again' | 'api, no SDK' | 'SDK registered';
-  readonly workload: 'cycle' | 'write';
+  /** `cycle` / `write`: the real operation. `hooks-cycle` / `hooks-write`: the instrumentation alone, around operations that do nothing. */
+  readonly workload: 'cycle' | 'write' | 'hooks-cycle' | 'hooks-write';
   readonly ms: number;
   readonly redisUrl: string;
   readonly namespace: string;
@@ -43,21 +50,30 @@ const redis = new Redis(args.redisUrl, { commandTimeout: 5_000 });
 const locks = redisLockManager({ redis, namespace: args.namespace, epochs: db });
 const repo = fencedRepository(db, makeAccounts(args.table));
 const fences = new FenceCounter(BigInt(args.fenceBase));
-const op =
-  args.workload === 'cycle'
-    ? async () => (await locks.acquire('otel', { ttlMs: 10_000, waitMs: 2_000 })).release()
-    : () => repo.update({ id: randomId(args.rows) }, fences.next() as Fence, { balance: 1 });
+const lease = { fence: 5n };
+const ops: Record<ChildArgs['workload'], () => Promise<unknown>> = {
+  cycle: async () => (await locks.acquire('otel', { ttlMs: 10_000, waitMs: 2_000 })).release(),
+  write: () => repo.update({ id: randomId(args.rows) }, fences.next() as Fence, { balance: 1 }),
+  'hooks-cycle': async () => {
+    await observeAcquire('redis', 'otel', async () => lease);
+    return observeRelease('redis', 'otel', 5n, 0, async () => 'released' as const);
+  },
+  'hooks-write': () => observeWrite('bench_otel', 'update', 'UPDATE', 5n, async () => ({ status: 'applied' as const })),
+};
+const op = ops[args.workload];
 
 try {
   const warmUntil = performance.now() + Math.min(1_000, args.ms / 2);
   for (let i = 0; i < 300 || performance.now() < warmUntil; i++) await op();
+  // The hooks alone take well under a microsecond: time many calls per read of the CPU clock.
+  const batch = args.workload.startsWith('hooks') ? 1_000 : 1;
   const until = performance.now() + args.ms;
   const t0 = performance.now();
   const c0 = process.cpuUsage();
   let calls = 0;
   while (performance.now() < until) {
-    await op();
-    calls++;
+    for (let i = 0; i < batch; i++) await op();
+    calls += batch;
   }
   const c = process.cpuUsage(c0);
   process.stdout.write(
