@@ -5,7 +5,7 @@
  *   npm run bench                      full run, writes bench/results/latest.{md,json}
  *   npm run bench -- --quick           short run for developing the benchmark (writes bench/results/quick.*)
  *   npm run bench -- --only=1,2        some sections only (never written as latest)
- *   npm run bench -- --render          rewrite latest.md from latest.json (after editing the findings)
+ *   npm run bench -- --render          rewrite latest.md and latest.svg from latest.json (after editing the findings)
  *
  * Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test;
  * a database of the run's own is created and dropped), a `redis-server`
@@ -18,6 +18,7 @@ import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { migrate } from '../src/migrate.js';
+import { renderRatioChart } from './lib/chart.js';
 import { type BenchContext, SCALES } from './lib/context.js';
 import { Report } from './lib/report.js';
 import { type RunMeta, renderMarkdown, runMeta } from './lib/results.js';
@@ -28,6 +29,7 @@ import { growth } from './sections/growth.js';
 import { handoff } from './sections/handoff.js';
 import { lockRoundTrips } from './sections/lock-round-trips.js';
 import { memory } from './sections/memory.js';
+import { telemetry } from './sections/telemetry.js';
 import { writePath } from './sections/write-path.js';
 
 const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise<void> }[] = [
@@ -38,6 +40,7 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
   { id: '5', title: 'Fence issuance', run: fenceIssuance },
   { id: '6', title: 'Memory', run: memory },
   { id: '7', title: 'Growth', run: growth },
+  { id: '8', title: 'Telemetry overhead', run: telemetry },
 ];
 
 /** `--render`: rewrites latest.md from latest.json (e.g. after editing the findings), measuring nothing. */
@@ -55,7 +58,8 @@ function renderOnly(): void {
   report.notes.push(...saved.notes);
   writeFileSync(join(out, 'latest.md'), renderMarkdown(saved.meta, report));
   formatResults(join(out, 'latest.md'));
-  console.log('rewrote bench/results/latest.md from latest.json');
+  writeFileSync(join(out, 'latest.svg'), renderRatioChart(saved.tables, chartSubtitle(saved.meta)));
+  console.log('rewrote bench/results/latest.md and latest.svg from latest.json');
 }
 
 /** Both result files are linted with the rest of bench/: let the project's formatter lay them out. */
@@ -108,12 +112,18 @@ async function main(): Promise<void> {
     );
     writeFileSync(join(out, `${base}.md`), renderMarkdown(meta, report));
     formatResults(join(out, `${base}.json`), join(out, `${base}.md`));
-    console.log(`\nwrote bench/results/${base}.md and ${base}.json`);
+    writeFileSync(join(out, `${base}.svg`), renderRatioChart(report.tables, chartSubtitle(meta)));
+    console.log(`\nwrote bench/results/${base}.md, ${base}.json and ${base}.svg`);
   } finally {
     process.off('SIGINT', onSignal);
     process.off('SIGTERM', onSignal);
     await Promise.allSettled([pg.close(), redis.close()]);
   }
+}
+
+/** The chart's second line: when, where, at which scale. */
+function chartSubtitle(meta: RunMeta): string {
+  return `${meta.date.slice(0, 16).replace('T', ' ')} UTC · ${meta.scale} scale, sections: ${meta.sections} · Node ${meta.node} · PostgreSQL ${meta.postgres.split(' ')[0]} · Redis ${meta.redis} · ${meta.machine}`;
 }
 
 function bigintJson(_key: string, value: unknown): unknown {

@@ -60,6 +60,7 @@ import { type AuditRow, checkHistory, formatReport, type Report } from '../src/t
 import { historyRecorder, historyTime, readHistory } from '../src/testing/history.js';
 import { openManager } from '../test/support/managers.js';
 import { type PrivateRedis, startPrivateRedis } from '../test/support/redis-server.js';
+import { renderChaosReport, type SavedReport } from './chaos-report/render.js';
 import { CHAOS_DDL, type ChaosSlot, type ChaosWorkerArgs, chaosSlots } from './chaos-worker.js';
 
 /** Backends the chaos run knows how to fault. */
@@ -76,7 +77,7 @@ export interface ChaosOptions {
   readonly ttlMs?: number;
   /** Longest hold between acquire and write (default TTL / 2): the window a pause lands in. */
   readonly holdMs?: number;
-  /** Where history.jsonl, nemesis.jsonl, report.txt and worker logs go (default: a new temp directory). */
+  /** Where history.jsonl, nemesis.jsonl, report.txt, report.json, report.html and worker logs go (default: a new temp directory). */
   readonly out?: string;
   /** Base URL of the real Postgres; each run creates (and drops) a database of its own there. */
   readonly databaseUrl: string;
@@ -563,9 +564,14 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       ...(bit ? [] : ['0 stale writes rejected: the faults did not bite (a failed run)']),
       ...missed.map((m) => `${m}: the nemesis did not bite (a failed run)`),
       `history: ${historyPath}`,
+      `timeline: ${join(outDir, 'report.html')}`,
       `reproduce: npm run chaos -- --backend ${o.backend} --workers ${o.workers} --seconds ${o.seconds} --ttl ${o.ttlMs} --hold ${o.holdMs}${o.nemesis === 'replication' ? ` --nemesis replication --min-failbacks ${o.minFailbacks}` : ''}${o.namespaces > 1 ? ` --namespaces ${o.namespaces}` : ''} --seed ${seed}`,
     ].join('\n');
     writeFileSync(join(outDir, 'report.txt'), `${text}\n`);
+    // The timeline page (scripts/chaos-report/): re-render later with `npm run chaos:report -- <outDir>`.
+    const saved: SavedReport = { report, summary: text.split('\n').slice(0, 3), ok };
+    writeFileSync(join(outDir, 'report.json'), `${JSON.stringify(saved, null, 2)}\n`);
+    renderChaosReport(outDir);
     return { report, text, ok, outDir, faults, counter, crashes, ...(summary ? { replication: summary } : {}) };
   } finally {
     log('cleaning up');

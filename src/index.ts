@@ -33,3 +33,4 @@ export {
 } from './migrate.js';
 export * from './repo/index.js';
 export * from './schema/index.js';
+export * from './telemetry/index.js';

@@ -1,10 +1,12 @@
 import { existsSync, readFileSync, statSync } from 'node:fs';
 import { join, resolve } from 'node:path';
+import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
 import { assertSupportedDriver, type Database, execute, sqlStateOf, transaction } from './driver.js';
 import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from './errors.js';
+import { recordMigrateWait } from './telemetry/otel.js';
 
 /** Where palisade's own drizzle-kit migrations ship: `drizzle/` at the package root. */
 export const PALISADE_MIGRATIONS = fileURLToPath(new URL('../drizzle', import.meta.url));
@@ -136,14 +138,17 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
     if (free?.locked !== true) {
       waited = true;
       report({ type: 'waiting' });
+      const waitStarted = performance.now();
       const [previous] = await execute(tx, sql`select current_setting('lock_timeout') as value`);
       await execute(tx, sql`select set_config('lock_timeout', ${`${lockTimeoutMs}ms`}, true)`);
       try {
         await tx.execute(sql`select pg_advisory_xact_lock(${MIGRATE_LOCK_KEY})`);
       } catch (err) {
+        recordMigrateWait(waitStarted, sqlStateOf(err) === '55P03' ? 'timeout' : 'error');
         if (sqlStateOf(err) === '55P03') throw new LockUnavailableError(MIGRATE_LOCK_NAME, 'timeout');
         throw err;
       }
+      recordMigrateWait(waitStarted, 'locked');
       await execute(tx, sql`select set_config('lock_timeout', ${String(previous?.value ?? '0')}, true)`);
     }
     report({ type: 'locked', waited });

@@ -1,5 +1,7 @@
 import { performance } from 'node:perf_hooks';
 import { LeaseLostError } from '../errors.js';
+import type { LostReason } from '../telemetry/catalog.js';
+import { observeExtend, observeRelease, recordLost } from '../telemetry/otel.js';
 import type { LockBackend } from './backend.js';
 import type { Emitter, LockEvents } from './events.js';
 import type { Fence } from './fence.js';
@@ -81,7 +83,7 @@ export class ActiveLease implements Lease {
     this.#expiresAt = init.sentAt + init.ttlMs;
     this.#armDeadline();
     if (init.backendLost) {
-      this.#onBackendLost = () => this.#lose('the backend lost the lock (connection dropped)');
+      this.#onBackendLost = () => this.#lose('the backend lost the lock (connection dropped)', 'connection_dropped');
       if (init.backendLost.aborted) this.#onBackendLost();
       else init.backendLost.addEventListener('abort', this.#onBackendLost, { once: true });
     }
@@ -96,7 +98,11 @@ export class ActiveLease implements Lease {
     return this.#expiresAt;
   }
 
-  async extend(ttlMs?: number): Promise<void> {
+  extend(ttlMs?: number): Promise<void> {
+    return observeExtend(this.#init.backend.kind, this.name, this.fence, () => this.#extend(ttlMs));
+  }
+
+  async #extend(ttlMs?: number): Promise<void> {
     const ttl = ttlMs === undefined ? this.#init.ttlMs : checkTtl(ttlMs);
     if (this.signal.aborted) throw this.signal.reason;
     const sentAt = performance.now();
@@ -105,11 +111,11 @@ export class ActiveLease implements Lease {
       held = await this.#init.backend.extend(this.name, this.token, ttl);
     } catch (err) {
       // An unconfirmed extension is presumed lost: we cannot know the TTL was reset.
-      this.#lose(`extension failed: ${err instanceof Error ? err.message : String(err)}`);
+      this.#lose(`extension failed: ${err instanceof Error ? err.message : String(err)}`, 'extension_failed');
       throw this.signal.reason;
     }
     if (!held) {
-      this.#lose('an extension found the lock held by someone else or expired');
+      this.#lose('an extension found the lock held by someone else or expired', 'extension_refused');
       throw this.signal.reason;
     }
     if (this.signal.aborted) throw this.signal.reason;
@@ -119,7 +125,8 @@ export class ActiveLease implements Lease {
   }
 
   release(): Promise<'released' | 'lost'> {
-    this.#released ??= this.#release();
+    const { backend, sentAt } = this.#init;
+    this.#released ??= observeRelease(backend.kind, this.name, this.fence, sentAt, () => this.#release());
     return this.#released;
   }
 
@@ -150,7 +157,10 @@ export class ActiveLease implements Lease {
   #armDeadline(): void {
     clearTimeout(this.#deadlineTimer);
     const ms = Math.max(0, this.#expiresAt - performance.now());
-    this.#deadlineTimer = setTimeout(() => this.#lose('the TTL ran out without a confirmed extension'), ms);
+    this.#deadlineTimer = setTimeout(
+      () => this.#lose('the TTL ran out without a confirmed extension', 'ttl_expired'),
+      ms,
+    );
     this.#deadlineTimer.unref();
   }
 
@@ -170,8 +180,9 @@ export class ActiveLease implements Lease {
     this.#watchdog = setTimeout(tick, every).unref();
   }
 
-  #lose(reason: string): void {
+  #lose(reason: string, code: LostReason): void {
     if (this.signal.aborted) return;
+    recordLost(this.#init.backend.kind, this.name, this.fence, code);
     this.#stopTimers();
     this.#abort(reason);
     this.#init.events.emit('lost', { name: this.name, fence: this.fence, reason });

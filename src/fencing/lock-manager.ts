@@ -1,6 +1,7 @@
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { InvalidArgumentError, LockServiceError, LockUnavailableError, PalisadeError } from '../errors.js';
+import { observeAcquire } from '../telemetry/otel.js';
 import type { LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
 import { ActiveLease, type Lease } from './lease.js';
@@ -194,18 +195,22 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     async acquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, DEFAULT_WAIT_MS);
-      return acquireUntil(checked, opts, performance.now() + opts.waitMs);
+      const deadline = performance.now() + opts.waitMs;
+      return observeAcquire(backend.kind, checked, () => acquireUntil(checked, opts, deadline));
     },
 
     async tryAcquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
       const now = performance.now();
-      try {
-        return await attempt(checked, opts, now, randomBytes(16).toString('hex'), false, now);
-      } catch (err) {
-        throw serviceError(hooks, backend.kind, err);
-      }
+      const token = randomBytes(16).toString('hex');
+      return observeAcquire(backend.kind, checked, async () => {
+        try {
+          return await attempt(checked, opts, now, token, false, now);
+        } catch (err) {
+          throw serviceError(hooks, backend.kind, err);
+        }
+      });
     },
 
     async using(name, options, fn) {
@@ -237,7 +242,8 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       const deadline = performance.now() + opts.waitMs;
       const held: Lease[] = [];
       try {
-        for (const name of sorted) held.push(await acquireUntil(name, opts, deadline));
+        for (const name of sorted)
+          held.push(await observeAcquire(backend.kind, name, () => acquireUntil(name, opts, deadline)));
         return held;
       } catch (err) {
         await Promise.allSettled(held.map((lease) => lease.release()));

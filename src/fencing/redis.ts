@@ -69,6 +69,7 @@ import { sql } from 'drizzle-orm';
 import type { Cluster, Redis } from 'ioredis';
 import { type Database, execute, int8 } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../errors.js';
+import { recordFenceSource } from '../telemetry/otel.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { type Fence, toFence } from './fence.js';
 import { createLockManager, type LockManager } from './lock-manager.js';
@@ -616,11 +617,13 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       epoch.toString(),
       REDIS_MAX_COUNTER.toString(),
     );
+    recordFenceSource('redis', 'floor_check', activated === 'BEHIND' ? 'behind' : 'confirmed');
     if (activated === 'BEHIND') {
       throw new FenceSourceError(
         `palisade.epoch_seq (${epoch}) is at or below the epoch already in Redis for namespace ${JSON.stringify(options.namespace)}: the sequence went back (a restore?) or another database is in use; grants refuse until the sequence passes that epoch`,
       );
     }
+    if (activated === 'ACTIVE') recordFenceSource('redis', 'new_epoch', 'postgres');
     // ACTIVE, or GONE (the placeholder expired or the history changed meanwhile): the grant retries either way.
   }
 
@@ -640,9 +643,11 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     );
     if (bumped === 'EXHAUSTED') throw new FenceSourceError('the Redis fence counter has no epochs left');
     if (bumped === 'REPLICA') throw replicaError();
+    recordFenceSource('redis', 'new_epoch', 'redis');
   }
 
   async function recover(reason: string, observed: string): Promise<void> {
+    recordFenceSource('redis', 'epoch_recovery', reason);
     if (reason === 'pending') return sleep(jitter(5, 30));
     if (reason === 'replica') throw replicaError();
     if (epochs) return newEpochFromPostgres();

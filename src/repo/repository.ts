@@ -14,6 +14,7 @@ import {
 } from '../driver.js';
 import { InvalidArgumentError, LeaseLostError, PalisadeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
+import { observeBatch, observeWrite } from '../telemetry/otel.js';
 import { type BatchResult, rememberContext, type WriteResult } from './result.js';
 import {
   APPLIED,
@@ -209,10 +210,12 @@ export function fencedRepository<T extends FencedTable>(
     fence: Fence,
     statement: Statement,
   ): Promise<WriteResult<RowOf<T>>> {
-    const raw = (await run(on, statement))[0] ?? {};
-    let result = classify(method, raw, fence);
-    if (result === 'race') result = await reclassify(on, method, key, fence);
-    return report(result, key, fence);
+    return observeWrite(info.label, method, method === 'upsert' ? 'INSERT' : 'UPDATE', fence, async () => {
+      const raw = (await run(on, statement))[0] ?? {};
+      let result = classify(method, raw, fence);
+      if (result === 'race') result = await reclassify(on, method, key, fence);
+      return report(result, key, fence);
+    });
   }
 
   // The serial model (README, "The write path"): update, modify and delete write a LIVE row whose
@@ -378,8 +381,10 @@ export function fencedRepository<T extends FencedTable>(
       checkCondition(where, 'updateWhere');
       const patch = patchEntries(info, patchIn, false);
       const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
-      const [row] = await run(on(db), statement);
-      return { applied: count(row?.applied), stale: count(row?.stale) };
+      return observeBatch(info.label, fence, async () => {
+        const [row] = await run(on(db), statement);
+        return { applied: count(row?.applied), stale: count(row?.stale) };
+      });
     },
 
     async purgeTombstones(olderThan, opts = {}) {
