@@ -36,7 +36,7 @@ import { BasicTracerProvider, ConsoleSpanExporter, SimpleSpanProcessor } from '@
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/pglite';
-import { type Database, fenceColumns, fencedRepository, migrate, postgresLockManager } from '../../src/index.js';
+import { type Database, fenceColumns, fencedRepository, migrate, postgresLockManager } from 'palisade-db';
 import { isMain } from '../shared.js';
 
 export const visits = pgTable('visits', {
