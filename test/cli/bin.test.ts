@@ -35,7 +35,8 @@ describe('the palisade bin (npm run build → dist/cli/main.js)', () => {
   }, async () => {
     const pkg = JSON.parse(readFileSync('package.json', 'utf8')) as { bin?: Record<string, string>; files?: string[] };
     expect(pkg.bin).toEqual({ palisade: './dist/cli/main.js' });
-    expect(pkg.files).toEqual(expect.arrayContaining(['dist', 'drizzle']));
+    // The full list is test/package/files.snapshot.txt (npm run test:package).
+    expect(pkg.files).toEqual(expect.arrayContaining(['dist', 'drizzle/*.sql', 'drizzle/meta/_journal.json']));
 
     const build = await run('npm', ['run', '--silent', 'build'], process.env, 240_000);
     expect({ code: build.code, out: build.stdout + build.stderr }).toEqual({ code: 0, out: '' });
