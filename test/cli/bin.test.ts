@@ -35,6 +35,7 @@ describe('the palisade bin (npm run build → dist/cli/main.js)', () => {
   }, async () => {
     const pkg = JSON.parse(readFileSync('package.json', 'utf8')) as { bin?: Record<string, string>; files?: string[] };
     expect(pkg.bin).toEqual({ palisade: './dist/cli/main.js' });
+    // The full list is test/package/files.snapshot.txt (npm run test:package).
     expect(pkg.files).toEqual(expect.arrayContaining(['dist', 'drizzle/*.sql', 'drizzle/meta/_journal.json']));
 
     const build = await run('npm', ['run', '--silent', 'build'], process.env, 240_000);

@@ -65,6 +65,8 @@ describe('Redis down: connection refused', () => {
     expect(performance.now() - started).toBeLessThan(20_000);
     expect(err).toBeInstanceOf(LockServiceError);
     expect((err as Error).message).toMatch(/redis lock service is unreachable/);
+    // Disconnect first: a close() that unsubscribes through the offline queue waits for the command timeout.
+    redis.disconnect();
     await locks.close();
   });
 
