@@ -109,6 +109,17 @@ const repo = fencedRepository(db, accounts);
     postlude: `await Promise.all(pending);\nconsole.log('refused');\nprocess.exit(0);\n`,
     prints: 'refused',
   },
+  {
+    name: 'OpenTelemetry',
+    marker: 'configureTelemetry({',
+    prelude: `import { MeterProvider } from '@opentelemetry/sdk-metrics';
+import { BasicTracerProvider } from '@opentelemetry/sdk-trace-base';
+const meterProvider = new MeterProvider();
+const tracerProvider = new BasicTracerProvider();
+`,
+    postlude: `console.log('configured');\nprocess.exit(0);\n`,
+    prints: 'configured',
+  },
 ];
 
 const dir = resolve('node_modules', '.cache', `palisade-readme-${process.pid}`);

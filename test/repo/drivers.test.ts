@@ -11,6 +11,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, driverOf, statementName } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
 import { toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
 import { fencedRepository, mustApply } from '../../src/repo/index.js';
 import { drivers, nodePostgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
@@ -71,6 +72,7 @@ describe.runIf(needs('DATABASE_URL'))('node-postgres on one connection (real Pos
     client = new pg.Client({ connectionString: test.url });
     await client.connect();
     db = drizzleNodePostgres(client) as unknown as Database;
+    await migrate(db); // upserts read palisade's tombstone floor
   });
   afterAll(async () => {
     await client?.end();
