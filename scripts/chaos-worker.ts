@@ -33,7 +33,7 @@ import postgres from 'postgres';
 import { type Database, transaction } from '../src/driver.js';
 import type { Lease } from '../src/fencing/lease.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
-import { redisLockManager } from '../src/fencing/redis.js';
+import { redisLockManager } from '../src/fencing/redis-manager.js';
 import { fencedRepository } from '../src/repo/repository.js';
 import { fenceColumns } from '../src/schema/fence-columns.js';
 import { historyRecorder } from '../src/testing/history.js';

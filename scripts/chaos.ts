@@ -54,7 +54,7 @@ import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../src/driver.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
-import { redisLockManager } from '../src/fencing/redis.js';
+import { redisLockManager } from '../src/fencing/redis-manager.js';
 import { migrate } from '../src/migrate.js';
 import { type AuditRow, checkHistory, formatReport, type Report } from '../src/testing/checker.js';
 import { historyRecorder, historyTime, readHistory } from '../src/testing/history.js';

@@ -19,7 +19,7 @@ import { Mutex } from 'redis-semaphore';
 import type { Database } from '../../src/driver.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { postgresLockManager } from '../../src/fencing/postgres.js';
-import { redisLockManager } from '../../src/fencing/redis.js';
+import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import type { BenchContext } from './context.js';
 import { queriesSent } from './services.js';
 

@@ -13,7 +13,7 @@ import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
 import type { Fence } from '../../src/fencing/fence.js';
-import { redisLockManager } from '../../src/fencing/redis.js';
+import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import {
   configureTelemetry,

@@ -9,9 +9,64 @@ import { createLockManager, type LockManager } from './lock-manager.js';
 import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from './redis.js';
 
 /**
- * A lock manager on Redis (or Redis Cluster) through the caller's ioredis
- * client: see {@link redisLockBackend} for the grant, the fence and what
- * they guarantee.
+ * A lock manager on Redis (ioredis). Each grant is one Lua script: `SET key
+ * token NX PX ttl`, the fence counter increment and the grant record, atomic.
+ *
+ * Guarantees:
+ * - fences of a namespace strictly increase across all its lock names, and
+ *   — with `epochs` — the first fence after any change of the data history
+ *   (restart without persistence or from an older snapshot, flush,
+ *   eviction, failover, failback, a resync followed by a promotion) is above
+ *   every fence issued before it; many namespaces recover at once without
+ *   waiting for each other;
+ * - a replica grants nothing (`FenceSourceError`), even a writable one;
+ * - the grant is idempotent per token (a re-sent grant returns the same
+ *   fence); release and extend act only for the token that holds the lock;
+ * - no Redis command or Postgres statement waits longer than
+ *   `commandTimeoutMs`; waiters wake on a release (pub/sub), else poll;
+ * - a fair order among the waiting `acquire` calls of one lock name in one
+ *   namespace on one Redis: first come (first found the lock taken), first
+ *   served; `tryAcquire` does not jump the line (see "Fair order" above).
+ *
+ * Does not guarantee:
+ * - mutual exclusion. A lease can expire while its holder is paused; a
+ *   flush, an eviction or a failover drops lock keys so two holders can
+ *   overlap. Only the fence, checked by the resource (a fenced
+ *   repository), refuses the stale holder's write. Run Redis with
+ *   `maxmemory-policy noeviction` (lock keys carry TTLs, so `volatile-*`
+ *   policies evict them first);
+ * - monotonic fences when the Postgres epoch sequence itself goes back
+ *   (a restore of an old backup), when managers of one namespace use
+ *   different Redis servers or different Postgres databases, when someone
+ *   edits palisade's keys by hand (or an in-place reload such as `DEBUG
+ *   RELOAD` of an older file keeps the data history), or without
+ *   `epochs` and with `allowFreshCounter` (see there);
+ * - a single order across a split brain: an old primary cut off by a
+ *   failover may keep granting fences of its old epoch — below the new
+ *   primary's, so its holders lose every row the new holders wrote (the
+ *   safe direction) — until it is demoted (`min-replicas-to-write` bounds
+ *   that window). If the old primary loses its counter during the split,
+ *   its new epoch is above the new primary's: the new primary's holders are
+ *   then refused (never applied stale) on rows the old one's holders wrote,
+ *   until the new primary's next epoch;
+ * - that `release()` says `'released'` when ioredis re-sent a release
+ *   whose reply was lost: the second run finds the lock gone and says
+ *   `'lost'` (the lock is free either way);
+ * - a wake-up on expiry (Redis does not publish it): waiters then poll;
+ * - a waiter's place in line when it stops retrying for more than
+ *   {@link REDIS_QUEUE_STALE_MS} (a long pause, an event loop blocked, a
+ *   grant that took that long): it queues again at the end. The order is
+ *   per lock name only (not across the names of `acquireAll`), and is lost
+ *   with the queue keys (a flush, a failover, a restart without persistence);
+ *   clients of an older palisade, whose grant script knows no queue, ignore it.
+ *
+ * Needs: Redis ≥ 6 (scripts call `INFO`, `TIME`, `PUBLISH`; an ACL user
+ * needs them), a single node, primary/replicas, or a Redis Cluster (an
+ * ioredis `Cluster`: a namespace's keys share one slot; a failover to a
+ * replica changes the data history, so the next grant takes a new
+ * epoch). Epoch recovery takes three round trips (two to Redis, one to
+ * Postgres) and may make a grant wait, bounded, while another client of the
+ * namespace finishes installing an epoch; it is not counted in `waitMs`.
  *
  * Also guarantees: while Redis cannot be reached, `acquire` retries within
  * `waitMs` and then throws `LockServiceError` (code `lock_service`) saying

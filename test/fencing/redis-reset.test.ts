@@ -10,7 +10,8 @@ import { afterAll, afterEach, beforeAll, describe, expect, it, onTestFinished } 
 import { execute } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { CommandTimeoutError, redisKeyNames, redisLockManager, splitRedisFence } from '../../src/fencing/redis.js';
+import { CommandTimeoutError, redisKeyNames, splitRedisFence } from '../../src/fencing/redis.js';
+import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
 import { connect, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';

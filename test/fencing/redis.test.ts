@@ -17,9 +17,9 @@ import {
   REDIS_MAX_COUNTER,
   REDIS_QUEUE_STALE_MS,
   redisLockBackend,
-  redisLockManager,
   splitRedisFence,
 } from '../../src/fencing/redis.js';
+import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { connect, hashTag, namespaceKeys, redisScenario, trackTimers } from '../support/redis.js';
 import { needs } from '../support/services.js';
 

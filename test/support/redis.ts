@@ -7,7 +7,8 @@ import { createHook } from 'node:async_hooks';
 import { Redis } from 'ioredis';
 import { onTestFinished } from 'vitest';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { type RedisLockManagerOptions, redisKeyNames, redisLockManager } from '../../src/fencing/redis.js';
+import { type RedisLockManagerOptions, redisKeyNames } from '../../src/fencing/redis.js';
+import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import type { TestDatabase } from './databases.js';
 import { scenarioDatabase, uniqueNamespace } from './scenario.js';
 
