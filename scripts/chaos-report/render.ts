@@ -84,8 +84,13 @@ export function buildTimeline(history: readonly HistoryEvent[], nemesis: readonl
   const events = history.filter((e) => e.op !== 'nemesis');
   const faultEvents = nemesis.length > 0 ? nemesis : history.filter((e) => e.op === 'nemesis');
   const all = [...events, ...faultEvents];
-  const start = Math.min(...all.map((e) => e.time));
-  const end = Math.max(...all.map((e) => e.time));
+  // A loop, not Math.min(...times): a long run has more events than the call stack has room for arguments.
+  let start = Number.POSITIVE_INFINITY;
+  let end = Number.NEGATIVE_INFINITY;
+  for (const e of all) {
+    if (e.time < start) start = e.time;
+    if (e.time > end) end = e.time;
+  }
 
   const lanes = [...new Set(events.map((e) => e.process).filter((p) => !NOT_WORKERS.has(p)))].sort(naturalOrder);
 
