@@ -65,4 +65,12 @@ describe('chaos report timeline', () => {
     expect(fenceLabel(((3n << 39n) | 17n).toString())).toBe('3.17');
     expect(fenceLabel('42')).toBe('42');
   });
+
+  // Regression: a 10-minute replication run (over 180,000 events) overflowed the call stack in Math.min(...times).
+  it('a long run: the time range of 300,000 events', () => {
+    const many: HistoryEvent[] = [];
+    for (let i = 0; i < 300_000; i++) many.push(at(5_000 + i, `w${i % 4}`, { type: 'ok', op: 'start' }));
+    const long = buildTimeline(many, nemesis);
+    expect([long.start, long.end]).toEqual([1100, 304_999]);
+  });
 });
