@@ -6,6 +6,7 @@
  */
 import { fc } from '@fast-check/vitest';
 import { eq, getTableName, sql } from 'drizzle-orm';
+import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import postgres, { type Sql } from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
@@ -332,4 +333,35 @@ describe.runIf(needs('DATABASE_URL'))('fenced writes under concurrency (real Pos
     // Retried, the same write applies: fence 6 was never stale.
     expect((await repo.update({ id: 'a' }, f(6), { balance: 6 })).status).toBe('applied');
   });
+
+  // Regression (found by an outside attack): inside a caller's REPEATABLE READ or SERIALIZABLE
+  // transaction the floor check read the transaction's snapshot, which could not see a purge that
+  // committed after it began, and a stale upsert re-created the purged row.
+  for (const isolationLevel of ['repeatable read', 'serializable'] as const) {
+    it(`${isolationLevel}: a stale upsert after a purge that committed since the snapshot is retryable, never applied`, async () => {
+      const t = await createAccounts(db);
+      const repo = fencedRepository(db, t);
+      mustApply(await repo.upsert({ id: 'k', balance: 1 }, f(5)));
+      mustApply(await repo.delete({ id: 'k' }, f(10)));
+      const caller = postgres(test.url as string, { max: 1, onnotice: () => {} });
+      try {
+        const outcome = await drizzlePostgres(caller)
+          .transaction(
+            async (tx) => {
+              await tx.execute(sql`select 1`); // the snapshot is taken here
+              expect(await repo.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1); // another connection
+              return fencedRepository(tx as unknown as Database, t).upsert({ id: 'k', balance: 666 }, f(7));
+            },
+            { isolationLevel },
+          )
+          .catch((err: unknown) => err);
+        expect(outcome).toBeInstanceOf(RetryableWriteError);
+      } finally {
+        await caller.end({ timeout: 5 });
+      }
+      expect(await storedRow(db, t, 'k')).toBeUndefined();
+      // Retried, as a retryable error says: the serial outcome.
+      expect(await repo.upsert({ id: 'k', balance: 666 }, f(7))).toEqual({ status: 'stale', currentFence: 10n });
+    });
+  }
 });
