@@ -1,19 +1,10 @@
-/**
- * Redis changes its replication history under the fence counter: a
- * promotion, a full resync, a failback to the old primary, a restart that
- * reloads an older RDB. Two (or one) real redis-servers of this file's own,
- * each with its own `--dir`, moved about with `REPLICAOF`. After every such
- * change, every new fence must be above every fence issued before it.
- */
-import { PgDialect } from 'drizzle-orm/pg-core';
 import type { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import { type Database, execute } from '../../src/driver.js';
 import { FenceSourceError } from '../../src/errors.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/redis.js';
 import { sleep } from '../support/ports.js';
-import { connect, type RedisScenario, redisScenario } from '../support/redis.js';
+import { connect, pauseAfter, type RedisScenario, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
 import { needs } from '../support/services.js';
 
@@ -56,38 +47,6 @@ async function inSync(replica: Redis, primary: Redis, key: string): Promise<void
     await sleep(20);
   }
   throw new Error('the replica did not catch up within 500 polls');
-}
-
-/**
- * The epochs database of a client that pauses right after its first `nextval` (it has put its placeholder
- * in Redis and taken an epoch) until `open()`; `reached` gives the epoch it took.
- */
-function pauseAfterNextval(db: Database): { db: Database; reached: Promise<bigint>; open: () => void } {
-  const dialect = new PgDialect();
-  let reached!: (epoch: bigint) => void;
-  let open!: () => void;
-  const atGate = new Promise<bigint>((resolve) => {
-    reached = resolve;
-  });
-  const gate = new Promise<void>((resolve) => {
-    open = resolve;
-  });
-  let paused = false;
-  const gated = new Proxy(db, {
-    get(target, property, receiver) {
-      if (property !== 'execute') return Reflect.get(target, property, receiver);
-      return async (query: Parameters<Database['execute']>[0]) => {
-        const rows = await execute(target, query as never);
-        if (!paused && dialect.sqlToQuery(query as never).sql.includes('nextval')) {
-          paused = true;
-          reached(BigInt(String(rows[0]?.epoch)));
-          await gate;
-        }
-        return rows;
-      };
-    },
-  });
-  return { db: gated, reached: atGate, open };
 }
 
 interface Pair {
@@ -192,7 +151,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       const { servers, clients, fenceKey } = await primaryAndReplica(s);
       const [onP, onR] = clients;
       // A client on P puts its placeholder in Redis and takes an epoch, then pauses before activating it.
-      const gate = pauseAfterNextval(s.test.db);
+      const gate = pauseAfter(s.test.db, 'nextval');
       onTestFinished(gate.open);
       const paused = s.open({ redis: connect(servers[0].url), epochs: gate.db, commandTimeoutMs: 20_000 });
       const pausedLease = paused.acquire('job', { ttlMs: 5_000, waitMs: 20_000 });

@@ -6,9 +6,7 @@
  */
 import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
-import { PgDialect } from 'drizzle-orm/pg-core';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import type { Database } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError, LeaseLostError, LockUnavailableError } from '../../src/errors.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import {
@@ -20,7 +18,7 @@ import {
   splitRedisFence,
 } from '../../src/fencing/redis.js';
 import { redisLockManager } from '../../src/fencing/redis-manager.js';
-import { connect, hashTag, namespaceKeys, redisScenario, trackTimers } from '../support/redis.js';
+import { connect, hashTag, namespaceKeys, pauseAfter, redisScenario, trackTimers } from '../support/redis.js';
 import { needs } from '../support/services.js';
 
 const REDIS_URL = process.env.REDIS_URL ?? '';
@@ -522,48 +520,3 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(await manager.inspect('u')).toBeNull();
   });
 });
-
-/**
- * The epochs database of a client that pauses (as a GC pause or SIGSTOP
- * would) right after the first statement containing `marker` (`nextval`:
- * after it put its placeholder in Redis and took an epoch) until `open()`. `reached` gives
- * the first value of the first row that statement returned.
- */
-function pauseAfter(
-  db: Database,
-  marker: string,
-): {
-  db: Database;
-  reached: Promise<bigint>;
-  open: () => void;
-} {
-  const dialect = new PgDialect();
-  let reached!: (value: bigint) => void;
-  let open!: () => void;
-  const atGate = new Promise<bigint>((resolve) => {
-    reached = resolve;
-  });
-  const gate = new Promise<void>((resolve) => {
-    open = resolve;
-  });
-  let paused = false;
-  const gated = new Proxy(db, {
-    get(target, property, receiver) {
-      if (property !== 'execute') return Reflect.get(target, property, receiver);
-      return async (query: Parameters<Database['execute']>[0]) => {
-        const result = await target.execute(query);
-        if (!paused && dialect.sqlToQuery(query as never).sql.includes(marker)) {
-          paused = true;
-          const rows = (Array.isArray(result) ? result : (result as { rows: unknown[] }).rows) as Record<
-            string,
-            unknown
-          >[];
-          reached(BigInt(String(Object.values(rows[0] ?? {})[0])));
-          await gate;
-        }
-        return result;
-      };
-    },
-  });
-  return { db: gated, reached: atGate, open };
-}

@@ -4,8 +4,10 @@
  * the test ends) and the worker configuration for child processes.
  */
 import { createHook } from 'node:async_hooks';
+import { PgDialect } from 'drizzle-orm/pg-core';
 import { Redis } from 'ioredis';
 import { onTestFinished } from 'vitest';
+import type { Database } from '../../src/driver.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { type RedisLockManagerOptions, redisKeyNames } from '../../src/fencing/redis.js';
 import { redisLockManager } from '../../src/fencing/redis-manager.js';
@@ -129,4 +131,49 @@ export function trackTimers(): { live(): Promise<number>; stop(): void } {
     },
     stop: () => hook.disable(),
   };
+}
+
+/**
+ * The epochs database of a client that pauses (as a GC pause or SIGSTOP
+ * would) right after the first statement containing `marker` (`nextval`:
+ * after it put its placeholder in Redis and took an epoch) until `open()`. `reached` gives
+ * the first value of the first row that statement returned.
+ */
+export function pauseAfter(
+  db: Database,
+  marker: string,
+): {
+  db: Database;
+  reached: Promise<bigint>;
+  open: () => void;
+} {
+  const dialect = new PgDialect();
+  let reached!: (value: bigint) => void;
+  let open!: () => void;
+  const atGate = new Promise<bigint>((resolve) => {
+    reached = resolve;
+  });
+  const gate = new Promise<void>((resolve) => {
+    open = resolve;
+  });
+  let paused = false;
+  const gated = new Proxy(db, {
+    get(target, property, receiver) {
+      if (property !== 'execute') return Reflect.get(target, property, receiver);
+      return async (query: Parameters<Database['execute']>[0]) => {
+        const result = await target.execute(query);
+        if (!paused && dialect.sqlToQuery(query as never).sql.includes(marker)) {
+          paused = true;
+          const rows = (Array.isArray(result) ? result : (result as { rows: unknown[] }).rows) as Record<
+            string,
+            unknown
+          >[];
+          reached(BigInt(String(Object.values(rows[0] ?? {})[0])));
+          await gate;
+        }
+        return result;
+      };
+    },
+  });
+  return { db: gated, reached: atGate, open };
 }
