@@ -709,8 +709,19 @@ function releaseListener(redis: RedisClient, channel: string): ReleaseListener {
     // An offline queue here is harmless: nothing awaits it, disconnect() flushes it.
     const subscriber = redis.isCluster
       ? (redis as Cluster).duplicate([], { enableOfflineQueue: true }) // same startup nodes; PUBLISH reaches every node
-      : (redis as Redis).duplicate({ enableOfflineQueue: true, autoResubscribe: true, lazyConnect: false });
+      : (redis as Redis).duplicate({ enableOfflineQueue: true, autoResubscribe: false, lazyConnect: false });
     subscriber.on('error', () => {}); // reconnects by itself; waits fall back to their timeouts meanwhile
+    if (!redis.isCluster) {
+      // ioredis's own autoResubscribe sends SUBSCRIBE after a reconnect without handling its
+      // rejection: a close() right then left an unhandled "Connection is closed." behind.
+      let reconnecting = false;
+      subscriber.on('close', () => {
+        reconnecting = true;
+      });
+      subscriber.on('ready', () => {
+        if (reconnecting) (subscriber as Redis).subscribe(channel).catch(() => {});
+      });
+    }
     subscriber.on('message', (from: string, message: string) => {
       if (from !== channel) return;
       const cut = message.indexOf('\0');

@@ -244,6 +244,54 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     for (const fence of after) expect(fence).toBeGreaterThan(max([...replicated, ...lost]));
   });
 
+  it('a release subscriber closed just as it reconnects leaves no unhandled rejection', async () => {
+    const { namespace, test } = await redisScenario(server.url);
+    const subscribers: Redis[] = [];
+    // A real client whose duplicates (the release subscriber) the test can reach.
+    class Watched extends Redis {
+      override duplicate(...args: Parameters<Redis['duplicate']>): Redis {
+        const copy = super.duplicate(...args);
+        subscribers.push(copy);
+        return copy;
+      }
+    }
+    const unhandled: unknown[] = [];
+    const onUnhandled = (reason: unknown) => unhandled.push(reason);
+    process.on('unhandledRejection', onUnhandled);
+    const redis = new Watched(server.url, { maxRetriesPerRequest: 1 });
+    redis.on('error', () => {});
+    const manager = redisLockManager({ redis, namespace, epochs: test.db });
+    onTestFinished(async () => {
+      process.off('unhandledRejection', onUnhandled);
+      await manager.close();
+      redis.disconnect();
+    });
+    const held = await manager.acquire('job', { ttlMs: 5_000 });
+    // A waiter opens the release subscriber.
+    const waiter = manager.acquire('job', { ttlMs: 5_000, waitMs: 1_000 }).catch((e: unknown) => e);
+    const admin = connect(server.url);
+    onTestFinished(() => admin.disconnect());
+    for (let i = 0; i < 250 && !String(await admin.call('CLIENT', 'LIST', 'TYPE', 'pubsub')).trim(); i++) {
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    const subscriber = subscribers[0] as Redis;
+    // Cut off, it reconnects; at 'ready' its re-subscription is on the wire, unanswered, when it is closed.
+    const closed = new Promise((resolve) =>
+      subscriber.once('ready', () => {
+        subscriber.disconnect();
+        // disconnect() ends the socket gracefully and the reply may still come in; dropping it
+        // now makes the close land before the reply, as it can when a connection drops.
+        (subscriber as unknown as { stream: { destroy(): void } }).stream.destroy();
+        resolve(undefined);
+      }),
+    );
+    await admin.call('CLIENT', 'KILL', 'TYPE', 'pubsub');
+    await closed;
+    await Promise.all([waiter, held.release()]);
+    await new Promise((r) => setTimeout(r, 50)); // a rejection nobody handled is reported by now
+    expect(unhandled.map(String)).toEqual([]);
+  });
+
   it('a Redis that stops answering makes calls fail with CommandTimeoutError, never hang', async () => {
     const { namespace, test } = await redisScenario(server.url);
     // A client without a commandTimeout of its own: only palisade's bound applies.
