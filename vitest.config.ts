@@ -10,7 +10,8 @@ export default defineConfig({
     alias: [
       { find: /^palisade-db$/, replacement: source('./src/index.ts') },
       { find: /^palisade-db\/testing$/, replacement: source('./src/testing/index.ts') },
-      { find: /^palisade-db\/etcd$/, replacement: source('./src/fencing/etcd.ts') },
+      { find: /^palisade-db\/backend$/, replacement: source('./src/backend.ts') },
+      { find: /^palisade-db\/etcd$/, replacement: source('./src/fencing/backends/etcd/index.ts') },
     ],
   },
   test: {

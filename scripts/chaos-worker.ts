@@ -31,9 +31,9 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import { type Database, transaction } from '../src/driver.js';
+import { redisLockManager } from '../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../src/fencing/lease.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
-import { redisLockManager } from '../src/fencing/redis-manager.js';
 import { fencedRepository } from '../src/repo/repository.js';
 import { fenceColumns } from '../src/schema/fence-columns.js';
 import { historyRecorder } from '../src/testing/history.js';
@@ -134,7 +134,7 @@ async function openManagers(args: ChaosWorkerArgs, slots: ChaosSlot[]): Promise<
     for (const slot of slots) {
       managers.set(
         `${port} ${slot.namespace}`,
-        redisLockManager({ redis, namespace: slot.namespace, epochs: db, commandTimeoutMs: 3_000 }),
+        redisLockManager({ client: redis, namespace: slot.namespace, epochs: db, commandTimeoutMs: 3_000 }),
       );
     }
   }

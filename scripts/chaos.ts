@@ -53,8 +53,8 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../src/driver.js';
+import { redisLockManager } from '../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
-import { redisLockManager } from '../src/fencing/redis-manager.js';
 import { migrate } from '../src/migrate.js';
 import { type AuditRow, checkHistory, formatReport, type Report } from '../src/testing/checker.js';
 import { historyRecorder, historyTime, readHistory } from '../src/testing/history.js';
@@ -489,7 +489,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       try {
         for (const slot of slots) {
           const manager = redisLockManager({
-            redis: r,
+            client: r,
             namespace: slot.namespace,
             epochs: db,
             commandTimeoutMs: 3_000,

@@ -28,7 +28,7 @@ const { sql } = require('drizzle-orm');
   await palisade.migrate(db);
   await db.execute(sql\`create table jobs (id text primary key, state text, last_fence bigint not null default 0, deleted_at timestamptz)\`);
   const jobs = pgTable('jobs', { id: text('id').primaryKey(), state: text('state'), ...palisade.fenceColumns() });
-  const locks = palisade.postgresLockManager({ db, namespace: 'require', listen: false });
+  const locks = palisade.postgresLockManager({ client: db, namespace: 'require', listen: false });
   const earlier = await locks.acquire('job', { ttlMs: 5000 });
   await earlier.release();
   const lease = await locks.acquire('job', { ttlMs: 5000 });

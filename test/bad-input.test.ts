@@ -31,10 +31,10 @@ import { Redis } from 'ioredis';
 import { afterAll, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../src/driver.js';
 import { InvalidArgumentError, PalisadeError } from '../src/errors.js';
+import { postgresLockManager } from '../src/fencing/backends/postgres-lease/backend.js';
 import { type Fence, MAX_FENCE, toFence } from '../src/fencing/fence.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
 import { MAX_TTL_MS } from '../src/fencing/options.js';
-import { postgresLockManager } from '../src/fencing/postgres.js';
 import { migrate } from '../src/migrate.js';
 import { type FencedRepository, fencedRepository } from '../src/repo/index.js';
 import { fenceColumns } from '../src/schema/index.js';
@@ -384,7 +384,7 @@ async function pgliteLeaseBackend(): Promise<Backend> {
   const db = drizzlePglite(client) as unknown as Database;
   await migrate(db);
   const namespace = `bad-${randomBytes(4).toString('hex')}`;
-  const manager = postgresLockManager({ db, namespace });
+  const manager = postgresLockManager({ client: db, namespace });
   return {
     manager,
     state: async () => ({
@@ -676,7 +676,7 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
       for (const lockTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', MAX_TTL_MS + 1]) {
         let err: unknown;
         try {
-          postgresLockManager({ db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
+          postgresLockManager({ client: db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
         } catch (e) {
           err = e;
         }
@@ -685,7 +685,7 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
       for (const listen of [{}, 'yes', true, 1]) {
         let err: unknown;
         try {
-          postgresLockManager({ db, namespace: 'ns', listen: listen as never });
+          postgresLockManager({ client: db, namespace: 'ns', listen: listen as never });
         } catch (e) {
           err = e;
         }

@@ -59,7 +59,7 @@ const harnesses: Harness[] = [
     marker: "const lease = await locks.acquire('invoice:42'",
     prelude: `${PGLITE_DB}import { migrate, postgresLockManager } from 'palisade-db';
 await migrate(db);
-const locks = postgresLockManager({ db, namespace: 'readme' });
+const locks = postgresLockManager({ client: db, namespace: 'readme' });
 const signal = AbortSignal.timeout(60_000);
 const ttlMs = 5_000;
 const log = console;
@@ -103,7 +103,7 @@ const accounts = pgTable('accounts', { id: text('id').primaryKey(), balance: int
 await db.execute(sql\`create table accounts (id text primary key, balance int not null,
   last_fence bigint not null default 0, deleted_at timestamptz)\`);
 await db.execute(sql\`insert into accounts (id, balance) values ('acct-1', 0)\`);
-const locks = postgresLockManager({ db, namespace: 'readme' });
+const locks = postgresLockManager({ client: db, namespace: 'readme' });
 const repo = fencedRepository(db, accounts);
 `,
     postlude: `await Promise.all(pending);\nconsole.log('refused');\nprocess.exit(0);\n`,

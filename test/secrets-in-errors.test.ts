@@ -19,10 +19,10 @@ import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { PalisadeError } from '../src/errors.js';
-import { advisoryLockManager } from '../src/fencing/advisory.js';
+import { advisoryLockManager } from '../src/fencing/backends/postgres-advisory/backend.js';
+import { postgresLockManager } from '../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../src/fencing/fence.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
-import { postgresLockManager } from '../src/fencing/postgres.js';
 import { migrate } from '../src/migrate.js';
 import { type FencedRepository, fencedRepository } from '../src/repo/index.js';
 import { fenceColumns } from '../src/schema/index.js';
@@ -135,14 +135,15 @@ describe.each(drivers)('secrets stay out of errors on $name', ({ name, open }) =
 
   describe('lock managers', () => {
     const managers: [string, () => LockManager][] = [
-      ['postgres leases', () => postgresLockManager({ db: test.db, namespace: 'secrets', listen: false })],
+      ['postgres leases', () => postgresLockManager({ client: test.db, namespace: 'secrets', listen: false })],
       ...(name === 'postgres'
         ? [
             [
               'postgres advisory',
               () =>
                 advisoryLockManager({
-                  sql: (test.db as unknown as { $client: Parameters<typeof advisoryLockManager>[0]['sql'] }).$client,
+                  client: (test.db as unknown as { $client: Parameters<typeof advisoryLockManager>[0]['client'] })
+                    .$client,
                   namespace: 'secrets',
                 }),
             ] as [string, () => LockManager],

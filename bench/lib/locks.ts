@@ -17,9 +17,10 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import type { Redis } from 'ioredis';
 import { Mutex } from 'redis-semaphore';
 import type { Database } from '../../src/driver.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/index.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/index.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/index.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import type { BenchContext } from './context.js';
 import { queriesSent } from './services.js';
 
@@ -75,7 +76,7 @@ function palisade(
 export function palisadeRedis(ctx: BenchContext, namespace = 'bench'): LockUnderTest {
   const redis = newRedis(ctx);
   const manager = redisLockManager({
-    redis,
+    client: redis,
     namespace: `${ctx.redis.prefix}${namespace}`.replaceAll(':', '.'),
     epochs: ctx.pg.db,
   });
@@ -92,7 +93,7 @@ export function palisadeRedis(ctx: BenchContext, namespace = 'bench'): LockUnder
 export function palisadePostgres(ctx: BenchContext, namespace = 'bench', max = 20): LockUnderTest {
   const sql = ctx.pg.client(max);
   const db = drizzle(sql) as unknown as Database;
-  const manager = postgresLockManager({ db, namespace });
+  const manager = postgresLockManager({ client: db, namespace });
   return palisade(
     'palisade Postgres lease',
     'postgres',
@@ -104,23 +105,15 @@ export function palisadePostgres(ctx: BenchContext, namespace = 'bench', max = 2
   );
 }
 
-/**
- * palisade's advisory-lock manager, if `src/fencing/advisory.ts` exists in
- * this checkout (it is loaded by path so the benchmark builds without it).
- */
+/** palisade's advisory-lock manager. */
 export async function palisadeAdvisory(
   ctx: BenchContext,
   namespace = 'bench',
   max = 20,
 ): Promise<LockUnderTest | undefined> {
-  const path = new URL('../../src/fencing/advisory.ts', import.meta.url);
-  if (!existsSync(path)) return undefined;
-  const mod = (await import(path.href)) as Record<string, unknown>;
-  const factory = mod.advisoryLockManager as ((options: Record<string, unknown>) => LockManager) | undefined;
-  if (typeof factory !== 'function') return undefined;
   const sql = ctx.pg.client(max);
   // Up to 16 idle sessions kept for reuse (the default, 1, would open a connection per grant at 16 clients).
-  const manager = factory({ sql, namespace, maxIdleSessions: 16 });
+  const manager = advisoryLockManager({ client: sql, namespace, maxIdleSessions: 16 });
   return palisade(
     'palisade Postgres advisory',
     'postgres',

@@ -13,8 +13,8 @@
 import { randomBytes } from 'node:crypto';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import type { Database } from '../../src/driver.js';
-import { postgresLockBackend } from '../../src/fencing/postgres.js';
-import { redisLockBackend } from '../../src/fencing/redis.js';
+import { postgresLockBackend } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { redisLockBackend } from '../../src/fencing/backends/redis/backend.js';
 import type { BenchContext } from '../lib/context.js';
 import { type Case, compare, type Measured } from '../lib/measure.js';
 import { ms, ops, printTable, ratio } from '../lib/report.js';
@@ -25,11 +25,11 @@ export async function fenceIssuance(ctx: BenchContext): Promise<void> {
   const pgClient = ctx.pg.client(20);
   const db = drizzle(pgClient) as unknown as Database;
   const redisBackend = redisLockBackend({
-    redis,
+    client: redis,
     namespace: `${ctx.redis.prefix}fences`.replaceAll(':', '.'),
     epochs: ctx.pg.db,
   });
-  const pgBackend = postgresLockBackend({ db, namespace: 'fences', listen: false });
+  const pgBackend = postgresLockBackend({ client: db, namespace: 'fences', listen: false });
   let n = 0;
   const token = () => randomBytes(16).toString('hex');
   const counterKey = `${ctx.redis.prefix}bench:counter`;

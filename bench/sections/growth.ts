@@ -15,9 +15,9 @@ import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import type { Database } from '../../src/driver.js';
+import { postgresLockBackend } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { redisLockBackend } from '../../src/fencing/backends/redis/backend.js';
 import type { Fence } from '../../src/fencing/fence.js';
-import { postgresLockBackend } from '../../src/fencing/postgres.js';
-import { redisLockBackend } from '../../src/fencing/redis.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { BenchContext } from '../lib/context.js';
 import { type LockUnderTest, palisadePostgres, palisadeRedis } from '../lib/locks.js';
@@ -105,7 +105,7 @@ async function liveLocks(ctx: BenchContext): Promise<void> {
     const lock = palisadeRedis(ctx, 'growth');
     const filler = ctx.redis.client();
     const backend = redisLockBackend({
-      redis: filler,
+      client: filler,
       namespace: `${ctx.redis.prefix}growth`.replaceAll(':', '.'),
       epochs: ctx.pg.db,
     });
@@ -227,7 +227,7 @@ async function churnOnce(ctx: BenchContext, label: string, cycles: number, maxMs
   // The churn itself runs with synchronous_commit off (its own client): the table ends in the same state, faster.
   const churnClient = ctx.pg.client(20, { synchronous_commit: 'off' });
   const churnDb = drizzle(churnClient) as unknown as Database;
-  const churnBackend = postgresLockBackend({ db: churnDb, namespace: 'churn', listen: false });
+  const churnBackend = postgresLockBackend({ client: churnDb, namespace: 'churn', listen: false });
   try {
     await cycleRate(lock, 'c', 1, 2 * scale.timeMs); // warm-up
     const fresh = await cycleRate(lock, 'c', scale.rounds, scale.timeMs);

@@ -12,8 +12,8 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Fence } from '../../src/fencing/fence.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import {
   configureTelemetry,
@@ -47,7 +47,7 @@ if (args.mode === 'SDK registered') configureTelemetry({ meterProvider, tracerPr
 const sql = postgres(args.databaseUrl, { max: 2, onnotice: () => {}, connection: { synchronous_commit: 'off' } });
 const db = drizzle(sql) as unknown as Database;
 const redis = new Redis(args.redisUrl, { commandTimeout: 5_000 });
-const locks = redisLockManager({ redis, namespace: args.namespace, epochs: db });
+const locks = redisLockManager({ client: redis, namespace: args.namespace, epochs: db });
 const repo = fencedRepository(db, makeAccounts(args.table));
 const fences = new FenceCounter(BigInt(args.fenceBase));
 const lease = { fence: 5n };

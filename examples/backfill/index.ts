@@ -220,7 +220,7 @@ if (isMain(import.meta.url)) {
     options: { 'wait-ms': { type: 'string' }, 'batch-size': { type: 'string' }, 'ttl-ms': { type: 'string' } },
   });
   const { db, close } = connectFromEnv('backfill');
-  const locks = postgresLockManager({ db, namespace: 'examples' });
+  const locks = postgresLockManager({ client: db, namespace: 'examples' });
   try {
     await setup(db);
     const result = await runBackfill({

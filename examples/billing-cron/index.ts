@@ -231,7 +231,7 @@ if (isMain(import.meta.url)) {
   });
   const period = values.period ?? new Date().toISOString().slice(0, 7);
   const { db, close } = connectFromEnv('billing-cron');
-  const locks = postgresLockManager({ db, namespace: 'examples' });
+  const locks = postgresLockManager({ client: db, namespace: 'examples' });
   try {
     await setup(db);
     const result = await runBillingCron({

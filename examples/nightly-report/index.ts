@@ -150,7 +150,7 @@ if (isMain(import.meta.url)) {
   const { values } = parseArgs({ options: { day: { type: 'string' }, 'work-ms': { type: 'string' } } });
   const day = values.day ?? new Date().toISOString().slice(0, 10);
   const { sql: client, db, close } = connectFromEnv('nightly-report');
-  const locks = advisoryLockManager({ sql: client, namespace: 'examples' });
+  const locks = advisoryLockManager({ client: client, namespace: 'examples' });
   try {
     await setup(db, day);
     const workMs = Number(values['work-ms'] ?? 3000);

@@ -233,7 +233,7 @@ export async function search(db: Database, term: string): Promise<number[]> {
 if (isMain(import.meta.url)) {
   const { values } = parseArgs({ options: { 'ttl-ms': { type: 'string' }, 'batch-size': { type: 'string' } } });
   const { db, close } = connectFromEnv('search-index-rebuild');
-  const locks = postgresLockManager({ db, namespace: 'examples' });
+  const locks = postgresLockManager({ client: db, namespace: 'examples' });
   try {
     await setup(db);
     const result = await rebuildSearchIndex({

@@ -75,7 +75,7 @@ export function registerConsoleSdk(): { shutdown(): Promise<void> } {
 
 /** The story on `db` (palisade migrated, `visits` created). */
 export async function story(db: Database, say: (line: string) => void): Promise<TelemetryStory> {
-  const locks = postgresLockManager({ db, namespace: 'telemetry-example', listen: false });
+  const locks = postgresLockManager({ client: db, namespace: 'telemetry-example', listen: false });
   const repo = fencedRepository(db, visits);
   try {
     const a = await locks.acquire('counter', { ttlMs: TTL_MS, holder: 'A' });

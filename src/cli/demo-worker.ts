@@ -11,10 +11,10 @@ import { createInterface } from 'node:readline';
 import { eq } from 'drizzle-orm';
 import type { Redis } from 'ioredis';
 import { type Database, translateError } from '../driver.js';
+import { postgresLockManager } from '../fencing/backends/postgres-lease/backend.js';
+import { redisLockManager } from '../fencing/backends/redis/manager.js';
 import type { Lease } from '../fencing/lease.js';
 import type { LockManager } from '../fencing/lock-manager.js';
-import { postgresLockManager } from '../fencing/postgres.js';
-import { redisLockManager } from '../fencing/redis-manager.js';
 import { fencedRepository } from '../repo/repository.js';
 import { demoCounter, postgresOptions, type WorkerCommand, type WorkerConfig } from './demo-shared.js';
 
@@ -37,9 +37,9 @@ const redis: Redis | undefined = config.redisUrl
     })
   : undefined;
 const manager: LockManager = redis
-  ? redisLockManager({ redis, namespace: config.namespace, epochs: db })
+  ? redisLockManager({ client: redis, namespace: config.namespace, epochs: db })
   : // No LISTEN connection: each worker keeps to one connection; waiters poll.
-    postgresLockManager({ db, namespace: config.namespace, listen: false });
+    postgresLockManager({ client: db, namespace: config.namespace, listen: false });
 const repo = fencedRepository(db, demoCounter);
 
 // The naive lock: a correct TTL lock (unique token, SET NX PX, token-checked

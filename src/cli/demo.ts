@@ -274,7 +274,10 @@ function workerEntry(): { args: string[] } {
 
 /** Removes what the demo left in Redis: its namespace's keys (the naive lock key expires by itself). */
 async function cleanRedis(url: string, namespace: string): Promise<void> {
-  const [{ Redis }, { redisKeyNames }] = await Promise.all([import('ioredis'), import('../fencing/redis.js')]);
+  const [{ Redis }, { redisKeyNames }] = await Promise.all([
+    import('ioredis'),
+    import('../fencing/backends/redis/backend.js'),
+  ]);
   const redis = new Redis(url, { commandTimeout: 2000, maxRetriesPerRequest: 1, lazyConnect: true });
   try {
     await redis.connect();

@@ -21,6 +21,21 @@ export const MIN_GRANT_LOCK_WAIT_MS = 50;
 /** Default bound (`lockTimeoutMs`) of a database lock wait inside extend, release and inspect on the Postgres backends. */
 export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
+const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
+
+/**
+ * @internal Checks a lock-manager namespace, the one rule of every backend:
+ * 1–100 characters of `[A-Za-z0-9_.-]` (safe inside a Redis hash tag, an etcd
+ * key path and a NOTIFY payload).
+ * @throws {InvalidArgumentError}
+ */
+export function checkNamespace(namespace: unknown): string {
+  if (typeof namespace !== 'string' || !NAMESPACE.test(namespace)) {
+    throw new InvalidArgumentError('namespace must be 1–100 characters of A–Z, a–z, 0–9, _ . -');
+  }
+  return namespace;
+}
+
 /** Options of `acquire`, `tryAcquire`, `using` and `acquireAll`. */
 export interface AcquireOptions {
   /** Lease time to live, an integer in 1 … 86,400,000 ms. Expiry is decided by the server's clock. */

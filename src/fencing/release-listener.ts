@@ -1,34 +1,10 @@
 /**
  * Waking waiters early when a lock is released, for every backend that can
  * be told (Redis pub/sub, Postgres LISTEN/NOTIFY); plus what the two Postgres
- * backends share: their NOTIFY channel and namespace check.
+ * backends share: their NOTIFY channel.
  */
-import { InvalidArgumentError } from '../errors.js';
-
 /** The channel both Postgres backends NOTIFY on release; the payload is `namespace:name`. */
 export const RELEASE_CHANNEL = 'palisade_release';
-
-const MAX_NAMESPACE_BYTES = 256;
-
-/**
- * @internal Checks a lock-manager namespace: a non-empty, well-formed string
- * of at most 256 UTF-8 bytes without NUL.
- * @throws {InvalidArgumentError}
- */
-export function checkNamespace(namespace: unknown): string {
-  if (
-    typeof namespace !== 'string' ||
-    namespace.length === 0 ||
-    !namespace.isWellFormed() ||
-    namespace.includes('\u0000') ||
-    Buffer.byteLength(namespace, 'utf8') > MAX_NAMESPACE_BYTES
-  ) {
-    throw new InvalidArgumentError(
-      `namespace must be a non-empty, well-formed string without NUL of at most ${MAX_NAMESPACE_BYTES} UTF-8 bytes`,
-    );
-  }
-  return namespace;
-}
 
 /**
  * @internal The NOTIFY payload for a release. Notifications are only hints

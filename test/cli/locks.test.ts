@@ -3,7 +3,7 @@
  * holder, fence, age, TTL left — as a table or as JSON.
  */
 import { afterEach, describe, expect, it } from 'vitest';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { migrate } from '../../src/migrate.js';
 import { killAllCli, runCli } from '../support/cli.js';
 import { postgresDatabase } from '../support/databases.js';
@@ -27,8 +27,8 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks (real Postgres)', { timeou
     const test = await postgresDatabase();
     const nsA = uniqueNamespace('billing');
     const nsB = uniqueNamespace('search');
-    const a = postgresLockManager({ db: test.db, namespace: nsA, listen: false });
-    const b = postgresLockManager({ db: test.db, namespace: nsB, listen: false });
+    const a = postgresLockManager({ client: test.db, namespace: nsA, listen: false });
+    const b = postgresLockManager({ client: test.db, namespace: nsB, listen: false });
     try {
       await migrate(test.db);
       const env = { DATABASE_URL: test.url };

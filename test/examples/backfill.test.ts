@@ -7,7 +7,7 @@
 import { asc, eq } from 'drizzle-orm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { accounts, CREDIT, progress, setup } from '../../examples/backfill/index.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { killAllWorkers, type Message, startWorker } from '../support/processes.js';
@@ -73,7 +73,7 @@ describe.runIf(needs('DATABASE_URL'))(
 
     it('a second runner started meanwhile waits, then finds nothing left: no double credit', async () => {
       await open();
-      const observer = postgresLockManager({ db: test.db, namespace: base.namespace, listen: false });
+      const observer = postgresLockManager({ client: test.db, namespace: base.namespace, listen: false });
       try {
         const a = startWorker(WORKER, { ...base, options: { ttlMs: 5000 }, holdAt: { type: 'batch', from: 25 } });
         await a.next((m) => m.event === 'holding', 60_000);
@@ -94,7 +94,7 @@ describe.runIf(needs('DATABASE_URL'))(
 
     it('a runner killed mid-way (kill -9) is resumed after the last committed batch', async () => {
       await open();
-      const observer = postgresLockManager({ db: test.db, namespace: base.namespace, listen: false });
+      const observer = postgresLockManager({ client: test.db, namespace: base.namespace, listen: false });
       try {
         const a = startWorker(WORKER, { ...base, options: { ttlMs: 1000 }, holdAt: { type: 'batch', from: 50 } });
         await a.next((m) => m.event === 'holding', 60_000);
@@ -120,7 +120,7 @@ describe.runIf(needs('DATABASE_URL'))(
 
     it('rows written meanwhile with newer fences roll the batch back; a rerun with a fresh lease completes', async () => {
       await open();
-      const app = postgresLockManager({ db: test.db, namespace: uniqueNamespace('app'), listen: false });
+      const app = postgresLockManager({ client: test.db, namespace: uniqueNamespace('app'), listen: false });
       try {
         const a = startWorker(WORKER, { ...base, options: { ttlMs: 5000 }, holdAt: { type: 'batch', from: 25 } });
         await a.next((m) => m.event === 'holding', 60_000);

@@ -9,7 +9,7 @@ import { sql } from 'drizzle-orm';
 import { afterEach, describe, expect, it } from 'vitest';
 import { indexMeta, products, search, setup } from '../../examples/search-index-rebuild/index.js';
 import { count, type Database, execute } from '../../src/driver.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { postgresDatabase } from '../support/databases.js';
 import { killAllWorkers, type Message, startWorker } from '../support/processes.js';
 import { uniqueNamespace } from '../support/scenario.js';
@@ -37,7 +37,7 @@ describe.runIf(needs('DATABASE_URL'))(
       const test = await postgresDatabase();
       const namespace = uniqueNamespace('search');
       const base = { example: 'search-index-rebuild', databaseUrl: test.url, namespace };
-      const observer = postgresLockManager({ db: test.db, namespace, listen: false });
+      const observer = postgresLockManager({ client: test.db, namespace, listen: false });
       try {
         await setup(test.db);
         // A first, complete rebuild: the live index serves the catalogue.

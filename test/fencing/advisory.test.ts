@@ -19,7 +19,7 @@ import {
   advisoryLockBackend,
   advisoryLockManager,
   runIfLeader,
-} from '../../src/fencing/advisory.js';
+} from '../../src/fencing/backends/postgres-advisory/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from '../support/databases.js';
 import { killAllWorkers, type Message } from '../support/processes.js';
@@ -51,7 +51,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     test = await scenarioDatabase();
     namespace = uniqueNamespace('adv');
     client = postgres(test.url as string, { max: 4, onnotice: () => {} });
-    manager = advisoryLockManager({ sql: client, namespace });
+    manager = advisoryLockManager({ client: client, namespace });
   });
   afterEach(async () => {
     await killAllWorkers();
@@ -197,7 +197,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     ['UNLOGGED', 'alter sequence palisade.fence_seq set unlogged'],
   ])('an unsafe fence sequence (%s) is refused with FenceSourceError, and no lock is taken', async (_, alter) => {
     await test.db.execute(sql.raw(alter));
-    const unsafe = advisoryLockManager({ sql: client, namespace });
+    const unsafe = advisoryLockManager({ client: client, namespace });
     await expect(unsafe.acquire('job', { ttlMs: 1000 })).rejects.toBeInstanceOf(FenceSourceError);
     expect(await holderPids('job')).toEqual([]);
     await unsafe.close();
@@ -223,9 +223,11 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
       debug: (_connection, query) => void queries.push(query),
     });
     try {
-      expect(() => advisoryLockManager({ sql: logged, namespace: '' })).toThrow(InvalidArgumentError);
-      expect(() => advisoryLockManager({ sql: logged, namespace, maxIdleSessions: -1 })).toThrow(InvalidArgumentError);
-      const checked = advisoryLockManager({ sql: logged, namespace });
+      expect(() => advisoryLockManager({ client: logged, namespace: '' })).toThrow(InvalidArgumentError);
+      expect(() => advisoryLockManager({ client: logged, namespace, maxIdleSessions: -1 })).toThrow(
+        InvalidArgumentError,
+      );
+      const checked = advisoryLockManager({ client: logged, namespace });
       await expectInvalid(badInputCalls(checked));
       await expectInvalid([
         () => runIfLeader(checked, '', () => 1, { ttlMs: 1000 }),
@@ -272,7 +274,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
   });
 
   it('runIfLeader: a second caller meanwhile does not run; the lock is released after the job, also when it throws', async () => {
-    const other = advisoryLockManager({ sql: client, namespace });
+    const other = advisoryLockManager({ client: client, namespace });
     try {
       const outer = await runIfLeader(
         manager,
@@ -338,7 +340,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
   });
 
   it('close() ends the manager’s sessions: held leases are told they are lost and their locks are free', async () => {
-    const closing = advisoryLockManager({ sql: client, namespace });
+    const closing = advisoryLockManager({ client: client, namespace });
     const lease = await closing.acquire('job', { ttlMs: 30_000 });
     expect(await holderPids('job')).toHaveLength(1);
     await closing.close();
@@ -349,7 +351,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
   });
 
   it('a waiter is woken by the release notification, not only by its timeout', async () => {
-    const backend = advisoryLockBackend({ sql: client, namespace });
+    const backend = advisoryLockBackend({ client: client, namespace });
     try {
       await expectReleaseWakesWaiter(backend, manager);
     } finally {
@@ -364,7 +366,7 @@ describe('advisory backend refuses PGlite (its advisory locks always succeed)', 
     try {
       const db = drizzlePglite(lite) as unknown as Database;
       for (const wrong of [lite, db, {}, undefined]) {
-        expect(() => advisoryLockManager({ sql: wrong as unknown as postgres.Sql, namespace: 'n' })).toThrow(
+        expect(() => advisoryLockManager({ client: wrong as unknown as postgres.Sql, namespace: 'n' })).toThrow(
           InvalidArgumentError,
         );
       }
@@ -374,7 +376,7 @@ describe('advisory backend refuses PGlite (its advisory locks always succeed)', 
       const address = server.getServerConn();
       const viaSocket = postgres(`postgres://postgres@${address}/postgres`, { max: 1, onnotice: () => {} });
       try {
-        const manager = advisoryLockManager({ sql: viaSocket, namespace: 'n' });
+        const manager = advisoryLockManager({ client: viaSocket, namespace: 'n' });
         const err = await manager.acquire('job', { ttlMs: 1000 }).catch((e: unknown) => e);
         expect(err).toBeInstanceOf(PalisadeError);
         expect((err as PalisadeError).code).toBe('unsupported_database');

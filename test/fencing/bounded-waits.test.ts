@@ -20,9 +20,13 @@ import postgres from 'postgres';
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { execute } from '../../src/driver.js';
 import { LeaseLostError, LockTimeoutError, LockUnavailableError } from '../../src/errors.js';
-import { advisoryKey, advisoryKeyParts, advisoryLockManager } from '../../src/fencing/advisory.js';
+import {
+  advisoryKey,
+  advisoryKeyParts,
+  advisoryLockManager,
+} from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
 import { migrate } from '../../src/migrate.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
@@ -79,7 +83,7 @@ describe.runIf(needs('DATABASE_URL'))('Postgres backends: waits are bounded on t
   });
 
   function leases(options: { lockTimeoutMs?: number } = {}): LockManager {
-    const manager = postgresLockManager({ db: test.db, namespace, ...options });
+    const manager = postgresLockManager({ client: test.db, namespace, ...options });
     managers.push(manager);
     return manager;
   }
@@ -228,7 +232,7 @@ describe.runIf(needs('DATABASE_URL'))('Postgres backends: waits are bounded on t
 
   describe('advisory backend', () => {
     function advisory(): LockManager {
-      const manager = advisoryLockManager({ sql: client, namespace });
+      const manager = advisoryLockManager({ client: client, namespace });
       managers.push(manager);
       return manager;
     }

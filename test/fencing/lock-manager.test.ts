@@ -9,9 +9,9 @@ import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { LeaseLostError, LockUnavailableError } from '../../src/errors.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockEvents } from '../../src/fencing/events.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
 import { migrate } from '../../src/migrate.js';
 import { uniqueNamespace } from '../support/scenario.js';
 
@@ -38,7 +38,7 @@ describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
   });
 
   function fresh(): LockManager {
-    manager = postgresLockManager({ db, namespace: uniqueNamespace('lm'), listen: false });
+    manager = postgresLockManager({ client: db, namespace: uniqueNamespace('lm'), listen: false });
     return manager;
   }
 
@@ -122,7 +122,7 @@ describe('using() when release fails (PGlite closed under the lease)', () => {
     const client = new PGlite();
     const db = drizzle(client) as unknown as Database;
     await migrate(db);
-    const locks = postgresLockManager({ db, namespace: uniqueNamespace('using'), listen: false });
+    const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('using'), listen: false });
     const lost: LockEvents['lost'][] = [];
     locks.events.on('lost', (event) => lost.push(event));
     return { locks, client, lost };

@@ -9,8 +9,8 @@ import { performance } from 'node:perf_hooks';
 import { Redis } from 'ioredis';
 import { afterEach, describe, expect, it } from 'vitest';
 import { LockServiceError, PalisadeError } from '../../src/errors.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { freePorts } from '../support/ports.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
 import { needs } from '../support/services.js';
@@ -33,7 +33,7 @@ function readmeClient(url: string): Redis {
 function manager(redis: Redis, extra: { commandTimeoutMs?: number } = {}): LockManager {
   // allowFreshCounter: these tests are about reaching Redis, not about the fence floor in Postgres.
   return redisLockManager({
-    redis,
+    client: redis,
     namespace: `svc-${process.pid}-${Math.random()}`,
     allowFreshCounter: true,
     ...extra,
@@ -115,7 +115,7 @@ describe('etcd unreachable', () => {
   it('acquire, tryAcquire and inspect throw LockServiceError (code lock_service), cause kept', async () => {
     const [port] = await freePorts(1);
     const { Etcd3 } = await import('etcd3');
-    const { etcdLockManager } = await import('../../src/fencing/etcd.js');
+    const { etcdLockManager } = await import('../../src/fencing/backends/etcd/backend.js');
     const client = new Etcd3({ hosts: [`http://127.0.0.1:${port}`] });
     const locks = etcdLockManager({ client, namespace: 'svc', commandTimeoutMs: 1_000 });
     try {

@@ -4,8 +4,8 @@ import postgres from 'postgres';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { type Database, DatabaseError, execute } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError, LeaseLostError } from '../../src/errors.js';
+import { postgresLockBackend, postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { postgresLockBackend, postgresLockManager } from '../../src/fencing/postgres.js';
 import { migrate } from '../../src/migrate.js';
 import { withQueryLog } from '../repo/fixtures.js';
 import { drivers, type TestDatabase } from '../support/databases.js';
@@ -41,7 +41,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
   beforeEach(async () => {
     test = await scenarioDatabase();
     namespace = uniqueNamespace('pg');
-    manager = postgresLockManager({ db: test.db, namespace });
+    manager = postgresLockManager({ client: test.db, namespace });
   });
   afterEach(async () => {
     await killAllWorkers();
@@ -169,7 +169,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
     ['descending', 'alter sequence palisade.fence_seq increment by -1', /INCREMENT BY -1/],
   ])('an unsafe fence sequence (%s) is refused with FenceSourceError before any grant', async (_, alter, problem) => {
     await test.db.execute(sql.raw(alter));
-    const unsafe = postgresLockManager({ db: test.db, namespace });
+    const unsafe = postgresLockManager({ client: test.db, namespace });
     const err = await unsafe.acquire('job', { ttlMs: 1000 }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(FenceSourceError);
     expect((err as Error).message).toMatch(problem);
@@ -195,11 +195,11 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
     const client = postgres(test.url as string, { max: 2, onnotice: () => {} });
     const logged = drizzlePostgres(client, { logger: { logQuery: (q) => queries.push(q) } }) as unknown as Database;
     try {
-      expect(() => postgresLockManager({ db: logged, namespace: '' })).toThrow(InvalidArgumentError);
-      expect(() => postgresLockManager({ db: undefined as unknown as Database, namespace })).toThrow(
+      expect(() => postgresLockManager({ client: logged, namespace: '' })).toThrow(InvalidArgumentError);
+      expect(() => postgresLockManager({ client: undefined as unknown as Database, namespace })).toThrow(
         InvalidArgumentError,
       );
-      const checked = postgresLockManager({ db: logged, namespace });
+      const checked = postgresLockManager({ client: logged, namespace });
       await expectInvalid(badInputCalls(checked));
       expect(queries).toEqual([]);
 
@@ -237,7 +237,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
   });
 
   it('a waiter is woken by the release notification, not only by its timeout', async () => {
-    const backend = postgresLockBackend({ db: test.db, namespace });
+    const backend = postgresLockBackend({ client: test.db, namespace });
     try {
       await expectReleaseWakesWaiter(backend, manager);
     } finally {
@@ -264,7 +264,7 @@ describe.each(drivers)('postgres lease backend in one process on $name', ({ open
   const exec = (q: SQL) => execute(db, q);
 
   it('grants, inspects, extends and releases; a busy attempt draws no fence', async () => {
-    const backend = postgresLockBackend({ db, namespace: uniqueNamespace('lite') });
+    const backend = postgresLockBackend({ client: db, namespace: uniqueNamespace('lite') });
     const a = await backend.grant('job', 'token-a', 10_000, 'worker a');
     expect(a).not.toBeNull();
     const afterGrant = await lastValue(db);
@@ -289,7 +289,7 @@ describe.each(drivers)('postgres lease backend in one process on $name', ({ open
   });
 
   it('a re-sent grant with the same token returns the same fence and draws nothing', async () => {
-    const backend = postgresLockBackend({ db, namespace: uniqueNamespace('lite') });
+    const backend = postgresLockBackend({ client: db, namespace: uniqueNamespace('lite') });
     const first = await backend.grant('job', 'token-a', 10_000, null);
     const drawn = await lastValue(db);
     const again = await backend.grant('job', 'token-a', 10_000, null);
@@ -300,13 +300,13 @@ describe.each(drivers)('postgres lease backend in one process on $name', ({ open
 
   it('an expired lease is taken over with a higher fence; the old token can neither extend nor release it', async () => {
     const namespace = uniqueNamespace('lite');
-    const manager = postgresLockManager({ db, namespace });
+    const manager = postgresLockManager({ client: db, namespace });
     const old = await manager.acquire('job', { ttlMs: 50 });
     const reason = await aborted(old.signal);
     expect(reason).toBeInstanceOf(LeaseLostError);
     const next = await manager.acquire('job', { ttlMs: 10_000, waitMs: 30_000 });
     expect(next.fence).toBeGreaterThan(old.fence);
-    const backend = postgresLockBackend({ db, namespace });
+    const backend = postgresLockBackend({ client: db, namespace });
     expect(await backend.extend('job', old.token, 10_000)).toBe(false);
     expect(await backend.release('job', old.token)).toBe(false);
     expect(await old.release()).toBe('lost');
@@ -317,7 +317,7 @@ describe.each(drivers)('postgres lease backend in one process on $name', ({ open
   });
 
   it('using() in one process never overlaps either', async () => {
-    const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    const manager = postgresLockManager({ client: db, namespace: uniqueNamespace('lite') });
     let inside = 0;
     let maxInside = 0;
     const worker = async () => {
@@ -335,7 +335,7 @@ describe.each(drivers)('postgres lease backend in one process on $name', ({ open
   });
 
   it('fences above 2^53 come back exact', async () => {
-    const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    const manager = postgresLockManager({ client: db, namespace: uniqueNamespace('lite') });
     const floor = (await lastValue(db)) > TWO_53 ? await lastValue(db) : TWO_53;
     await exec(sql.raw(`select setval('palisade.fence_seq', ${floor})`));
     const lease = await manager.acquire('big', { ttlMs: 10_000 });
@@ -348,13 +348,13 @@ describe.each(drivers)('postgres lease backend in one process on $name', ({ open
   it('an unsafe fence sequence is refused with FenceSourceError', async () => {
     await exec(sql`alter sequence palisade.fence_seq cache 10`);
     try {
-      const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+      const manager = postgresLockManager({ client: db, namespace: uniqueNamespace('lite') });
       await expect(manager.acquire('job', { ttlMs: 1000 })).rejects.toBeInstanceOf(FenceSourceError);
       await manager.close();
     } finally {
       await exec(sql`alter sequence palisade.fence_seq cache 1`);
     }
-    const fixed = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    const fixed = postgresLockManager({ client: db, namespace: uniqueNamespace('lite') });
     const lease = await fixed.acquire('job', { ttlMs: 1000 });
     await lease.release();
     await fixed.close();
@@ -362,15 +362,15 @@ describe.each(drivers)('postgres lease backend in one process on $name', ({ open
 
   it('a waiter is woken by NOTIFY', async () => {
     const namespace = uniqueNamespace('lite');
-    const backend = postgresLockBackend({ db, namespace });
-    const manager = postgresLockManager({ db, namespace });
+    const backend = postgresLockBackend({ client: db, namespace });
+    const manager = postgresLockManager({ client: db, namespace });
     await expectReleaseWakesWaiter(backend, manager);
     await backend.close();
     await manager.close();
   });
 
   it('bad input throws InvalidArgumentError before any query', async () => {
-    const manager = postgresLockManager({ db, namespace: uniqueNamespace('lite') });
+    const manager = postgresLockManager({ client: db, namespace: uniqueNamespace('lite') });
     const before = queries.length;
     await expectInvalid(badInputCalls(manager));
     expect(queries.length).toBe(before);

@@ -10,11 +10,11 @@ import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { Cluster } from 'ioredis';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { AcquireOptions } from '../../src/fencing/options.js';
-import { redisKeyNames, splitRedisFence } from '../../src/fencing/redis.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import type { TestDatabase } from '../support/databases.js';
@@ -60,7 +60,7 @@ describe.runIf(needs('DATABASE_URL') && hasRedisServer)('Redis lock manager on a
   });
 
   function manager(namespace: string): LockManager {
-    const m = redisLockManager({ redis: client, namespace, epochs: scenario.db, commandTimeoutMs: 3_000 });
+    const m = redisLockManager({ client: client, namespace, epochs: scenario.db, commandTimeoutMs: 3_000 });
     opened.push(m);
     return m;
   }

@@ -1,8 +1,8 @@
 import type { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { FenceSourceError } from '../../src/errors.js';
+import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { redisKeyNames, splitRedisFence } from '../../src/fencing/redis.js';
 import { sleep } from '../support/ports.js';
 import { connect, pauseAfter, type RedisScenario, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
@@ -61,7 +61,7 @@ async function primaryAndReplica(s: RedisScenario): Promise<Pair> {
   const p = await startPrivateRedis(PROMPT_SYNC);
   const r = await startPrivateRedis([...PROMPT_SYNC, '--replicaof', '127.0.0.1', String(p.port)]);
   const clients = [connect(p.url), connect(r.url)] as const;
-  const managers = [s.open({ redis: clients[0] }), s.open({ redis: clients[1] })] as const;
+  const managers = [s.open({ client: clients[0] }), s.open({ client: clients[1] })] as const;
   onTestFinished(async () => {
     for (const m of managers) await m.close();
     for (const c of clients) c.disconnect();
@@ -153,7 +153,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       // A client on P puts its placeholder in Redis and takes an epoch, then pauses before activating it.
       const gate = pauseAfter(s.test.db, 'nextval');
       onTestFinished(gate.open);
-      const paused = s.open({ redis: connect(servers[0].url), epochs: gate.db, commandTimeoutMs: 20_000 });
+      const paused = s.open({ client: connect(servers[0].url), epochs: gate.db, commandTimeoutMs: 20_000 });
       const pausedLease = paused.acquire('job', { ttlMs: 5_000, waitMs: 20_000 });
       const taken = await gate.reached;
       await inSync(onR, onP, fenceKey);
@@ -178,7 +178,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       const s = await redisScenario(REDIS_URL);
       const server = await startPrivateRedis();
       const client = connect(server.url);
-      const manager = s.open({ redis: client });
+      const manager = s.open({ client: client });
       onTestFinished(async () => {
         await manager.close();
         client.disconnect();
@@ -210,7 +210,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       const p = await startPrivateRedis();
       const r = await startPrivateRedis(['--replicaof', '127.0.0.1', String(p.port), '--replica-read-only', 'no']);
       const clients = [connect(p.url), connect(r.url)] as const;
-      const [viaP, viaR] = [s.open({ redis: clients[0] }), s.open({ redis: clients[1] })];
+      const [viaP, viaR] = [s.open({ client: clients[0] }), s.open({ client: clients[1] })];
       onTestFinished(async () => {
         for (const m of [viaP, viaR]) await m.close();
         for (const c of clients) c.disconnect();

@@ -9,9 +9,9 @@ import { Redis } from 'ioredis';
 import { afterAll, afterEach, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { execute } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
+import { CommandTimeoutError, redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { CommandTimeoutError, redisKeyNames, splitRedisFence } from '../../src/fencing/redis.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
 import { connect, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
@@ -108,11 +108,11 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
   it('without an epochs database, a restart makes grants fail instead of starting fences again', async () => {
     const { namespace } = await redisScenario(server.url);
     const redis = connect(server.url);
-    const fresh = redisLockManager({ redis, namespace, allowFreshCounter: true });
+    const fresh = redisLockManager({ client: redis, namespace, allowFreshCounter: true });
     const first = await grant(fresh, 'job'); // the namespace's first use, explicitly allowed
     await server.restart();
 
-    const strict = redisLockManager({ redis, namespace });
+    const strict = redisLockManager({ client: redis, namespace });
     let outcome: unknown;
     for (let attempt = 0; attempt < 50; attempt++) {
       outcome = await strict.acquire('job', { ttlMs: 5_000 }).catch((e: unknown) => e);
@@ -174,7 +174,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     const clients = [connect(server.url), connect(server.url)];
     const namespaces = Array.from({ length: NAMESPACES }, (_, i) => `${s.namespace}-${i}`);
     const managers = namespaces.flatMap((namespace) =>
-      clients.map((redis) => redisLockManager({ redis, namespace, epochs: s.test.db })),
+      clients.map((redis) => redisLockManager({ client: redis, namespace, epochs: s.test.db })),
     );
     onTestFinished(async () => {
       for (const m of managers) await m.close();
@@ -216,7 +216,9 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     const replica = await startPrivateRedis(['--replicaof', '127.0.0.1', String(primary.port)]);
     const clients = [connect(primary.url), connect(replica.url)] as const;
     const [onPrimary, onReplica] = clients;
-    const managers = [onPrimary, onReplica].map((redis) => redisLockManager({ redis, namespace, epochs: test.db }));
+    const managers = [onPrimary, onReplica].map((redis) =>
+      redisLockManager({ client: redis, namespace, epochs: test.db }),
+    );
     onTestFinished(async () => {
       for (const m of managers) await m.close();
       for (const c of clients) c.disconnect();
@@ -260,7 +262,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     process.on('unhandledRejection', onUnhandled);
     const redis = new Watched(server.url, { maxRetriesPerRequest: 1 });
     redis.on('error', () => {});
-    const manager = redisLockManager({ redis, namespace, epochs: test.db });
+    const manager = redisLockManager({ client: redis, namespace, epochs: test.db });
     onTestFinished(async () => {
       process.off('unhandledRejection', onUnhandled);
       await manager.close();
@@ -297,7 +299,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
     // A client without a commandTimeout of its own: only palisade's bound applies.
     const redis = new Redis(server.url, { maxRetriesPerRequest: 1 });
     redis.on('error', () => {});
-    const manager = redisLockManager({ redis, namespace, epochs: test.db, commandTimeoutMs: 300 });
+    const manager = redisLockManager({ client: redis, namespace, epochs: test.db, commandTimeoutMs: 300 });
     onTestFinished(async () => {
       server.resume();
       await manager.close();

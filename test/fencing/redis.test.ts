@@ -8,7 +8,6 @@ import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { FenceSourceError, InvalidArgumentError, LeaseLostError, LockUnavailableError } from '../../src/errors.js';
-import type { Lease } from '../../src/fencing/lease.js';
 import {
   CommandTimeoutError,
   REDIS_COUNTER_BITS,
@@ -16,8 +15,9 @@ import {
   REDIS_QUEUE_STALE_MS,
   redisLockBackend,
   splitRedisFence,
-} from '../../src/fencing/redis.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
+} from '../../src/fencing/backends/redis/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
+import type { Lease } from '../../src/fencing/lease.js';
 import { connect, hashTag, namespaceKeys, pauseAfter, redisScenario, trackTimers } from '../support/redis.js';
 import { needs } from '../support/services.js';
 
@@ -67,7 +67,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
 
   it('checks the token on release and extend: another token never frees or extends the lock', async () => {
     const { manager, namespace, test } = await redisScenario(REDIS_URL);
-    const other = redisLockBackend({ redis: connect(REDIS_URL), namespace, epochs: test.db });
+    const other = redisLockBackend({ client: connect(REDIS_URL), namespace, epochs: test.db });
     const lease = await manager.acquire('job', { ttlMs: 30_000 });
 
     expect(await other.release('job', randomBytes(16).toString('hex'))).toBe(false);
@@ -100,7 +100,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
 
   it('a grant is idempotent per token: a re-sent grant returns the same fence', async () => {
     const { namespace, test, redis } = await redisScenario(REDIS_URL);
-    const backend = redisLockBackend({ redis, namespace, epochs: test.db });
+    const backend = redisLockBackend({ client: redis, namespace, epochs: test.db });
     const token = randomBytes(16).toString('hex');
 
     const first = await backend.grant('once', token, 30_000, 'me');
@@ -251,13 +251,13 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
 
   it('without an epochs database, refuses a missing counter unless told it may start fresh', async () => {
     const { namespace, redis, keys } = await redisScenario(REDIS_URL);
-    const strict = redisLockManager({ redis, namespace });
+    const strict = redisLockManager({ client: redis, namespace });
     const error = await strict.acquire('x', { ttlMs: 5_000 }).catch((e: unknown) => e);
     expect(error).toBeInstanceOf(FenceSourceError);
     expect((error as FenceSourceError).code).toBe('fence_source');
     expect(await strict.inspect('x')).toBeNull(); // nothing was taken
 
-    const fresh = redisLockManager({ redis, namespace, allowFreshCounter: true });
+    const fresh = redisLockManager({ client: redis, namespace, allowFreshCounter: true });
     const lease = await fresh.acquire('x', { ttlMs: 5_000 });
     expect(splitRedisFence(lease.fence)).toEqual({ epoch: 1n, counter: 1n });
     await lease.release();
@@ -297,7 +297,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     }
     await rejectsInvalid(() => manager.acquire('fine', { ttlMs: 1_000, waitMs: -1 }));
     await rejectsInvalid(() => manager.acquireAll(['fine'], { ttlMs: 1_000, waitMs: -1 }));
-    expect(() => redisLockManager({ redis, namespace: 'bad}namespace' })).toThrow(InvalidArgumentError);
+    expect(() => redisLockManager({ client: redis, namespace: 'bad}namespace' })).toThrow(InvalidArgumentError);
 
     // The monitor does see this namespace's commands: a valid call shows up, and only its commands are there.
     const valid = `valid-${'x'.repeat(1000)}`;
@@ -315,7 +315,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
 
   it('a waiter wakes on a release notification, not only when its wait runs out', async () => {
     const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
-    const waiter = redisLockBackend({ redis: connect(REDIS_URL), namespace, epochs: test.db });
+    const waiter = redisLockBackend({ client: connect(REDIS_URL), namespace, epochs: test.db });
     const lease = await manager.acquire('door', { ttlMs: 30_000 });
 
     const woken = waiter.waitForRelease('door', 3_600_000, undefined); // an hour: only a notification ends it in time
@@ -426,7 +426,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   it('a waiter that stops retrying loses its place, and one that gives up leaves the line', async () => {
     const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
     const client = connect(REDIS_URL);
-    const backend = redisLockBackend({ redis: client, namespace, epochs: test.db });
+    const backend = redisLockBackend({ client: client, namespace, epochs: test.db });
     onTestFinished(async () => {
       await backend.close();
       client.disconnect();
@@ -465,7 +465,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   it('a release wakes the head of the line and waiters without a token, not the rest of the line', async () => {
     const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
     const client = connect(REDIS_URL);
-    const backend = redisLockBackend({ redis: client, namespace, epochs: test.db });
+    const backend = redisLockBackend({ client: client, namespace, epochs: test.db });
     onTestFinished(() => client.disconnect());
     const lease = await manager.acquire('bell', { ttlMs: 30_000 });
     const [head, second] = [randomBytes(16).toString('hex'), randomBytes(16).toString('hex')];

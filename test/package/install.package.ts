@@ -224,7 +224,7 @@ async function main(): Promise<void> {
   await migrate(db);
   await db.execute(sql\`create table accounts (id text primary key, balance int not null,
     last_fence bigint not null default 0, deleted_at timestamptz)\`);
-  const locks = postgresLockManager({ db, namespace: 'billing' });
+  const locks = postgresLockManager({ client: db, namespace: 'billing' });
   const repo = fencedRepository(db, accounts);
   const status = await locks.using('account:42', { ttlMs: 5_000 }, async (lease) => {
     const result = await repo.upsert({ id: '42', balance: 10 }, lease.fence);
@@ -271,7 +271,7 @@ async function main(): Promise<void> {
   await migrate(db);
   await db.execute(sql\`create table accounts (id text primary key, balance int not null,
     last_fence bigint not null default 0, deleted_at timestamptz)\`);
-  const locks = postgresLockManager({ db, namespace: 'billing' });
+  const locks = postgresLockManager({ client: db, namespace: 'billing' });
   const repo = fencedRepository(db, accounts);
   const status = await locks.using('account:42', { ttlMs: 5_000 }, async (lease) => {
     const result = await repo.upsert({ id: '42', balance: 10 }, lease.fence);

@@ -25,10 +25,10 @@ import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { InvalidArgumentError, type PalisadeError } from '../../src/errors.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { type Fence, MAX_FENCE, toFence } from '../../src/fencing/fence.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { MAX_NAME_BYTES, MAX_TTL_MS } from '../../src/fencing/options.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
 import { migrate } from '../../src/migrate.js';
 import { type FencedRepository, fencedRepository } from '../../src/repo/index.js';
 import { fenceColumns } from '../../src/schema/index.js';
@@ -102,7 +102,7 @@ describe('fuzzing the bad-input surface', () => {
       last_fence bigint not null default 0, deleted_at timestamptz)`);
     db = drizzle(client, { logger: { logQuery: (q) => void queries.push(q) } }) as unknown as Database;
     repo = fencedRepository(db, items);
-    locks = postgresLockManager({ db, namespace: NS, listen: false });
+    locks = postgresLockManager({ client: db, namespace: NS, listen: false });
   });
   afterAll(async () => {
     await locks?.close();

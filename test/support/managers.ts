@@ -7,10 +7,10 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
-import { advisoryLockManager } from '../../src/fencing/advisory.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 
 export type BackendKind = 'redis' | 'postgres' | 'advisory' | 'etcd';
 
@@ -42,24 +42,24 @@ export async function openManager(config: ManagerConfig): Promise<OpenManager> {
       const redis = new Redis(config.redisUrl, { commandTimeout: 2_000, maxRetriesPerRequest: 1 });
       redis.on('error', () => {}); // reconnects by itself; commands fail (bounded) meanwhile
       closers.push(async () => redis.disconnect());
-      manager = redisLockManager({ redis, namespace: config.namespace, epochs: db, commandTimeoutMs: 3_000 });
+      manager = redisLockManager({ client: redis, namespace: config.namespace, epochs: db, commandTimeoutMs: 3_000 });
       break;
     }
     case 'etcd': {
       if (!config.etcdEndpoints?.length) throw new Error('the etcd backend needs etcdEndpoints');
       // Loaded only here: etcd3 (and gRPC) is an optional peer dependency.
       const { Etcd3 } = await import('etcd3');
-      const { etcdLockManager } = await import('../../src/fencing/etcd.js');
+      const { etcdLockManager } = await import('../../src/fencing/backends/etcd/backend.js');
       const etcd = new Etcd3({ hosts: [...config.etcdEndpoints] });
       closers.push(async () => etcd.close());
       manager = etcdLockManager({ client: etcd, namespace: config.namespace });
       break;
     }
     case 'postgres':
-      manager = postgresLockManager({ db, namespace: config.namespace });
+      manager = postgresLockManager({ client: db, namespace: config.namespace });
       break;
     case 'advisory':
-      manager = advisoryLockManager({ sql: client, namespace: config.namespace });
+      manager = advisoryLockManager({ client: client, namespace: config.namespace });
       break;
     default:
       throw new Error(`backend ${config.kind} is not wired into test/support/managers.ts yet`);

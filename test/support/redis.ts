@@ -8,9 +8,9 @@ import { PgDialect } from 'drizzle-orm/pg-core';
 import { Redis } from 'ioredis';
 import { onTestFinished } from 'vitest';
 import type { Database } from '../../src/driver.js';
+import { type RedisLockManagerOptions, redisKeyNames } from '../../src/fencing/backends/redis/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { type RedisLockManagerOptions, redisKeyNames } from '../../src/fencing/redis.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import type { TestDatabase } from './databases.js';
 import { scenarioDatabase, uniqueNamespace } from './scenario.js';
 
@@ -46,13 +46,13 @@ export async function redisScenario(redisUrl: string): Promise<RedisScenario> {
   const clients: Redis[] = [redis];
   const managers: LockManager[] = [];
   const open = (options: Partial<Omit<RedisLockManagerOptions, 'namespace'>> = {}) => {
-    const client = options.redis ?? connect(redisUrl);
-    if (!options.redis) clients.push(client as Redis);
-    const manager = redisLockManager({ redis: client, namespace, epochs: test.db, ...options });
+    const client = options.client ?? connect(redisUrl);
+    if (!options.client) clients.push(client as Redis);
+    const manager = redisLockManager({ client, namespace, epochs: test.db, ...options });
     managers.push(manager);
     return manager;
   };
-  const manager = open({ redis });
+  const manager = open({ client: redis });
   onTestFinished(async () => {
     for (const m of managers) await m.close();
     if (redis.status === 'ready') await deleteNamespace(redis, namespace).catch(() => {});

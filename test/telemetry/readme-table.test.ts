@@ -11,9 +11,9 @@ import { DataPointType } from '@opentelemetry/sdk-metrics';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import { toFence } from '../../src/fencing/fence.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
-import { redisLockManager } from '../../src/fencing/redis-manager.js';
 import { MIGRATE_LOCK_KEY, migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { METRICS } from '../../src/telemetry/catalog.js';
@@ -73,7 +73,7 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))('the README metric t
   it('lists exactly the instruments the SDK received, with their kinds, units and attribute keys', async () => {
     const db = test.db;
     // Lock paths: a grant, a timeout, an extension, a release, a lost lease.
-    const locks = postgresLockManager({ db, namespace: uniqueNamespace('otel-readme') });
+    const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('otel-readme') });
     const lease = await locks.acquire('job', { ttlMs: 10_000 });
     await expect(locks.acquire('job', { ttlMs: 1000, waitMs: 20 })).rejects.toMatchObject({ reason: 'timeout' });
     await lease.extend();
@@ -92,7 +92,7 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))('the README metric t
     // Redis with a durable floor: a fresh namespace's fence counter is missing, so the first grant
     // recovers an epoch from Postgres (recovery, floor check, new epoch).
     const namespace = uniqueNamespace('otel-readme');
-    const redisLocks = redisLockManager({ redis, namespace, epochs: db });
+    const redisLocks = redisLockManager({ client: redis, namespace, epochs: db });
     try {
       await (await redisLocks.acquire('job', { ttlMs: 5_000 })).release();
     } finally {

@@ -10,9 +10,9 @@ import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { LeaseLostError, LockUnavailableError } from '../../src/errors.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { postgresLockManager } from '../../src/fencing/postgres.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { configureTelemetry } from '../../src/telemetry/otel.js';
@@ -45,7 +45,8 @@ describe('telemetry through the real OpenTelemetry SDK (PGlite)', () => {
     await client?.close();
   });
 
-  const manager = (): LockManager => postgresLockManager({ db, namespace: uniqueNamespace('otel'), listen: false });
+  const manager = (): LockManager =>
+    postgresLockManager({ client: db, namespace: uniqueNamespace('otel'), listen: false });
 
   it('a stale write: exactly one refused-write count and one span with outcome stale; no key or value exported', async () => {
     const accounts = await createAccounts(db);

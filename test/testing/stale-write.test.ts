@@ -40,7 +40,7 @@ describe('assertStaleWriteRefused on PGlite with the Postgres lease lock manager
   });
 
   it('my repository refuses a paused holder’s late write', async () => {
-    const locks = postgresLockManager({ db, namespace: 'my-app-tests' });
+    const locks = postgresLockManager({ client: db, namespace: 'my-app-tests' });
     const repo = fencedRepository(db, accounts);
 
     const outcome = await assertStaleWriteRefused({
@@ -58,7 +58,7 @@ describe('assertStaleWriteRefused on PGlite with the Postgres lease lock manager
   });
 
   it('fails loudly for a write path that ignores the fence', async () => {
-    const locks = postgresLockManager({ db, namespace: 'my-app-tests-unfenced' });
+    const locks = postgresLockManager({ client: db, namespace: 'my-app-tests-unfenced' });
     // A plain drizzle update: holds the lock, never checks the fence. Reported as "applied" every time.
     const unfenced = async () => {
       const [row] = await db

@@ -45,8 +45,8 @@ async function onEvent(e: { type: string }): Promise<void> {
 const { sql, db, close } = connect(args.databaseUrl, 4);
 const locks =
   args.example === 'nightly-report'
-    ? advisoryLockManager({ sql, namespace: args.namespace })
-    : postgresLockManager({ db, namespace: args.namespace });
+    ? advisoryLockManager({ client: sql, namespace: args.namespace })
+    : postgresLockManager({ client: db, namespace: args.namespace });
 let result: unknown;
 try {
   switch (args.example) {

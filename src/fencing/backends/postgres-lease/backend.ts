@@ -36,23 +36,29 @@ import {
   prepared,
   type RawRow,
   sqlStateOf,
-} from '../driver.js';
-import { InvalidArgumentError, LockTimeoutError } from '../errors.js';
-import type { Grant, LockBackend, LockInfo } from './backend.js';
-import { toFence } from './fence.js';
-import { createLockManager, type LockManager } from './lock-manager.js';
-import { DEFAULT_LOCK_TIMEOUT_MS, MAX_WAIT_MS, MIN_GRANT_LOCK_WAIT_MS, SERVER_WAIT_GRACE_MS } from './options.js';
-import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
-import { checkFenceSequence } from './sequence.js';
+} from '../../../driver.js';
+import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { toFence } from '../../fence.js';
+import { createLockManager, type LockManager } from '../../lock-manager.js';
+import {
+  checkNamespace,
+  DEFAULT_LOCK_TIMEOUT_MS,
+  MAX_WAIT_MS,
+  MIN_GRANT_LOCK_WAIT_MS,
+  SERVER_WAIT_GRACE_MS,
+} from '../../options.js';
+import { RELEASE_CHANNEL, ReleaseListener, releasePayload } from '../../release-listener.js';
+import { checkFenceSequence } from '../../sequence.js';
 
 /** Options of {@link postgresLockManager}. */
-export interface PostgresLockOptions {
+export interface PostgresLockManagerOptions {
   /**
    * A drizzle database (postgres-js or PGlite) where `migrate()` has run.
    * Pass the database, not a transaction: a grant made inside an open
    * transaction is invisible to other processes until it commits.
    */
-  readonly db: Database;
+  readonly client: Database;
   /** Locks and their names are scoped to this string (at most 256 UTF-8 bytes). Fences are shared by every namespace. */
   readonly namespace: string;
   /**
@@ -135,11 +141,11 @@ function isDrizzlePostgres(value: unknown): value is Database {
  * @throws {InvalidArgumentError} for a bad namespace, a `db` that is not a drizzle Postgres database, or a
  *   `listen` that is neither `false` nor a client that can LISTEN — at once, before any query.
  */
-export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
-  if (options === null || typeof options !== 'object' || !isDrizzlePostgres(options.db)) {
-    throw new InvalidArgumentError('postgresLockManager needs { db, namespace } with a drizzle Postgres database');
+export function postgresLockBackend(options: PostgresLockManagerOptions): LockBackend {
+  if (options === null || typeof options !== 'object' || !isDrizzlePostgres(options.client)) {
+    throw new InvalidArgumentError('postgresLockManager needs { client, namespace } with a drizzle Postgres database');
   }
-  const db = options.db;
+  const db = options.client;
   const ns = checkNamespace(options.namespace);
   if (options.listen !== undefined && options.listen !== false && !isListenClient(options.listen)) {
     // Anything else would fail only at the first wait, and silently: waiters would poll.
@@ -252,7 +258,7 @@ export function postgresLockBackend(options: PostgresLockOptions): LockBackend {
  * its late writes. The close() of the manager stops listening but leaves
  * the caller's database client open.
  */
-export function postgresLockManager(options: PostgresLockOptions): LockManager {
+export function postgresLockManager(options: PostgresLockManagerOptions): LockManager {
   // The server bounds the grant's lock waits itself (lock_timeout): let its answer arrive.
   return createLockManager(postgresLockBackend(options), { waitGraceMs: SERVER_WAIT_GRACE_MS });
 }

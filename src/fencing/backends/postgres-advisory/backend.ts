@@ -58,33 +58,34 @@
 import { createHash } from 'node:crypto';
 import { PgDialect } from 'drizzle-orm/pg-core';
 import type postgres from 'postgres';
-import { int8, listen, type RawRow, sqlStateOf, translateError } from '../driver.js';
-import { InvalidArgumentError, PalisadeError } from '../errors.js';
-import { loadPeer } from '../optional.js';
-import type { Grant, LockBackend, LockInfo } from './backend.js';
-import { type Fence, toFence } from './fence.js';
-import type { Lease } from './lease.js';
-import { createLockManager, type LockManager } from './lock-manager.js';
+import { int8, listen, type RawRow, sqlStateOf, translateError } from '../../../driver.js';
+import { InvalidArgumentError, PalisadeError } from '../../../errors.js';
+import { loadPeer } from '../../../optional.js';
+import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { type Fence, toFence } from '../../fence.js';
+import type { Lease } from '../../lease.js';
+import { createLockManager, type LockManager } from '../../lock-manager.js';
 import {
   type AcquireOptions,
   checkLockName,
+  checkNamespace,
   DEFAULT_LOCK_TIMEOUT_MS,
   MAX_WAIT_MS,
   MIN_GRANT_LOCK_WAIT_MS,
   SERVER_WAIT_GRACE_MS,
-} from './options.js';
-import { checkNamespace, RELEASE_CHANNEL, ReleaseListener, releasePayload } from './release-listener.js';
-import { fenceSequenceQuery, judgeFenceSequence } from './sequence.js';
+} from '../../options.js';
+import { RELEASE_CHANNEL, ReleaseListener, releasePayload } from '../../release-listener.js';
+import { fenceSequenceQuery, judgeFenceSequence } from '../../sequence.js';
 
 /** Options of {@link advisoryLockManager}. */
-export interface AdvisoryLockOptions {
+export interface AdvisoryLockManagerOptions {
   /**
    * A postgres.js client of a real Postgres (14 or later) where `migrate()`
    * has run, connected directly or through a *session*-mode pooler. Lease
    * sessions are new connections with the same settings; the client itself
    * runs only `inspect`, the one-time checks and LISTEN.
    */
-  readonly sql: postgres.Sql;
+  readonly client: postgres.Sql;
   /** Locks are scoped to this string (at most 256 UTF-8 bytes); it is part of the 64-bit key. Fences are shared by every namespace. */
   readonly namespace: string;
   /** Released sessions kept open for the next grant (default 1, at most 16). */
@@ -217,15 +218,15 @@ function holderLabel(holder: string | null): string {
  * report a server-side TTL (`remainingMs` is `null`).
  * @throws {InvalidArgumentError} unless `sql` is a postgres.js client, for a bad namespace or `maxIdleSessions`.
  */
-export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
-  if (options === null || typeof options !== 'object' || !isPostgresJs(options.sql)) {
+export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBackend {
+  if (options === null || typeof options !== 'object' || !isPostgresJs(options.client)) {
     throw new InvalidArgumentError(
-      'advisoryLockManager needs { sql } with a postgres.js client of a real Postgres server: ' +
+      'advisoryLockManager needs { client } with a postgres.js client of a real Postgres server: ' +
         'advisory locks are held by a session, which drizzle databases and PGlite do not expose ' +
-        '(and PGlite grants every advisory lock). Use postgresLockManager({ db }) there.',
+        '(and PGlite grants every advisory lock). Use postgresLockManager({ client: db }) there.',
     );
   }
-  const sql = options.sql;
+  const sql = options.client;
   const ns = checkNamespace(options.namespace);
   const maxIdle = options.maxIdleSessions ?? 1;
   if (!Number.isInteger(maxIdle) || maxIdle < 0 || maxIdle > 16) {
@@ -453,7 +454,7 @@ export function advisoryLockBackend(options: AdvisoryLockOptions): LockBackend {
  * leases; the caller's client stays open.
  * @throws {InvalidArgumentError} unless `sql` is a postgres.js client.
  */
-export function advisoryLockManager(options: AdvisoryLockOptions): LockManager {
+export function advisoryLockManager(options: AdvisoryLockManagerOptions): LockManager {
   // The server bounds the grant's lock waits itself (lock_timeout): let its answer arrive.
   return createLockManager(advisoryLockBackend(options), { waitGraceMs: SERVER_WAIT_GRACE_MS });
 }

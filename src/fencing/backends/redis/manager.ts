@@ -5,8 +5,8 @@
  * while disconnected with "Stream isn't writeable…", which says nothing of
  * the cause; its `error` events do ("connect ECONNREFUSED 127.0.0.1:6379").
  */
-import { createLockManager, type LockManager } from './lock-manager.js';
-import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from './redis.js';
+import { createLockManager, type LockManager } from '../../lock-manager.js';
+import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from './backend.js';
 
 /**
  * A lock manager on Redis (ioredis). Each grant is one Lua script: `SET key
@@ -81,7 +81,7 @@ import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from
  */
 export function redisLockManager(options: RedisLockManagerOptions): LockManager {
   const backend = redisLockBackend(options);
-  const watch = watchConnection(options.redis);
+  const watch = watchConnection(options.client);
   return createLockManager(
     {
       ...backend,

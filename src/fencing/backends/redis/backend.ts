@@ -67,13 +67,14 @@ import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
 import type { Cluster, Redis } from 'ioredis';
-import { type Database, execute, int8 } from '../driver.js';
-import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../errors.js';
-import { recordFenceSource } from '../telemetry/otel.js';
-import type { Grant, LockBackend, LockInfo } from './backend.js';
-import { type Fence, toFence } from './fence.js';
-import { ReleaseListener } from './release-listener.js';
-import { fenceSequenceQuery, judgeFenceSequence } from './sequence.js';
+import { type Database, execute, int8 } from '../../../driver.js';
+import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../../../errors.js';
+import { recordFenceSource } from '../../../telemetry/otel.js';
+import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { type Fence, toFence } from '../../fence.js';
+import { checkNamespace } from '../../options.js';
+import { ReleaseListener } from '../../release-listener.js';
+import { fenceSequenceQuery, judgeFenceSequence } from '../../sequence.js';
 
 /** Bits of a Redis fence below the epoch. */
 export const REDIS_COUNTER_BITS = 39;
@@ -94,7 +95,6 @@ const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
 const MAX_PRUNE = 64;
 const DEFAULT_COMMAND_TIMEOUT_MS = 5_000;
 const MAX_GRANT_ROUNDS = 200;
-const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
 
 /**
  * Any ioredis client, whatever its `replyMapping` (the scripts only reply
@@ -102,7 +102,7 @@ const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
  */
 export type RedisClient = Redis<'legacy'> | Redis<'resp3'> | Cluster<'legacy'> | Cluster<'resp3'>;
 
-/** Options of `redisLockManager` (./redis-manager.ts). */
+/** Options of `redisLockManager` (./manager.ts). */
 export interface RedisLockManagerOptions {
   /**
    * The caller's ioredis client; palisade defines its scripts on it
@@ -110,7 +110,7 @@ export interface RedisLockManagerOptions {
    * Recommended: `new Redis(url, { commandTimeout: 2000, maxRetriesPerRequest: 1,
    * enableOfflineQueue: false })` so that nothing queues while Redis is away.
    */
-  readonly redis: RedisClient;
+  readonly client: RedisClient;
   /** Separates lock sets (and fence counters): 1–100 characters of `[A-Za-z0-9_.-]`. */
   readonly namespace: string;
   /**
@@ -167,9 +167,7 @@ export interface RedisKeyNames {
  * @throws {InvalidArgumentError} for a namespace outside `[A-Za-z0-9_.-]{1,100}`.
  */
 export function redisKeyNames(namespace: string): RedisKeyNames {
-  if (typeof namespace !== 'string' || !NAMESPACE.test(namespace)) {
-    throw new InvalidArgumentError('namespace must be 1–100 characters of A–Z, a–z, 0–9, _ . -');
-  }
+  checkNamespace(namespace);
   const tag = `{palisade:${namespace}}`;
   return {
     fence: `${tag}:fence`,
@@ -445,7 +443,7 @@ const DEFINITIONS: Record<keyof Scripts, { lua: string; numberOfKeys: number; re
  */
 export function redisLockBackend(options: RedisLockManagerOptions): LockBackend {
   if (options === null || typeof options !== 'object') throw new InvalidArgumentError('options are required');
-  const { redis, epochs } = options;
+  const { client: redis, epochs } = options;
   if (!redis || typeof (redis as { defineCommand?: unknown }).defineCommand !== 'function') {
     throw new InvalidArgumentError('redis must be an ioredis client');
   }

@@ -34,15 +34,15 @@
  */
 import { performance } from 'node:perf_hooks';
 import type { Etcd3, IKeyValue, IRequestOp, IResponseHeader, ITxnRequest, ITxnResponse, Watcher } from 'etcd3';
-import { FenceSourceError, InvalidArgumentError, LockServiceError, PalisadeError } from '../errors.js';
-import type { Grant, LockBackend, LockInfo } from './backend.js';
-import { type Fence, toFence } from './fence.js';
-import { createLockManager, type LockManager } from './lock-manager.js';
+import { FenceSourceError, InvalidArgumentError, LockServiceError, PalisadeError } from '../../../errors.js';
+import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { type Fence, toFence } from '../../fence.js';
+import { createLockManager, type LockManager } from '../../lock-manager.js';
+import { checkNamespace } from '../../options.js';
 
 const DEFAULT_COMMAND_TIMEOUT_MS = 10_000;
 const MAX_COMMAND_TIMEOUT_MS = 120_000;
 const MAX_ATTEMPTS = 12;
-const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
 
 /** Options of {@link etcdLockManager}. */
 export interface EtcdLockManagerOptions {
@@ -81,9 +81,7 @@ export interface EtcdKeyNames {
  * @throws {InvalidArgumentError} for a namespace outside `[A-Za-z0-9_.-]{1,100}`.
  */
 export function etcdKeyNames(namespace: string): EtcdKeyNames {
-  if (typeof namespace !== 'string' || !NAMESPACE.test(namespace)) {
-    throw new InvalidArgumentError('namespace must be 1–100 characters of A–Z, a–z, 0–9, _ . -');
-  }
+  checkNamespace(namespace);
   const prefix = `palisade/${namespace}/`;
   return { prefix, lock: (name) => `${prefix}lock/${name}`, holder: (name) => `${prefix}holder/${name}` };
 }
