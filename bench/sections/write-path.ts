@@ -19,7 +19,7 @@ import type postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { updateStatement } from '../../src/repo/statements.js';
+import { updateStatements } from '../../src/repo/statements.js';
 import { describeTable } from '../../src/repo/table.js';
 import type { BenchContext } from '../lib/context.js';
 import { type Case, compare, type Measured } from '../lib/measure.js';
@@ -34,7 +34,7 @@ export function repositoryUpdateSql(table: Accounts): {
   params: (values: Record<string, unknown>) => unknown[];
 } {
   const info = describeTable(table);
-  const st = updateStatement(info, [['id', 1]], [['balance', 0]], 1n, 'reject');
+  const st = updateStatements(info, [['id', 1]], [['balance', 0]], 1n, 'reject').refusal;
   const query = new PgDialect().sqlToQuery(st.build());
   return { text: query.sql, params: (values) => fillPlaceholders(query.params, values) };
 }
