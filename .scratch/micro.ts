@@ -1,0 +1,26 @@
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
+import { describeTable, keyEntries, patchEntries, mapRow } from '../src/repo/table.js';
+import { updateStatements } from '../src/repo/statements.js';
+import { prepared } from '../src/driver.js';
+import { observeWrite } from '../src/telemetry/otel.js';
+import { makeAccounts } from '../bench/lib/tables.js';
+const table = makeAccounts('x');
+const info = describeTable(table as any);
+const sql = postgres('postgres://postgres@127.0.0.1:5432/test', { max: 1 });
+const db = drizzle(sql) as any;
+const time = (label: string, fn: () => unknown, n = 200000) => {
+  for (let i = 0; i < 20000; i++) fn();
+  const t0 = process.cpuUsage(); for (let i = 0; i < n; i++) fn(); const c = process.cpuUsage(t0);
+  console.log(label.padEnd(30), ((c.user + c.system) / n).toFixed(2), 'µs');
+};
+time('keyEntries+patchEntries', () => { keyEntries(info, { id: 5 }); patchEntries(info, { balance: 3 }, false); });
+time('updateStatements', () => updateStatements(info, [['id', 5]], [['balance', 3]], 7n, 'reject'));
+const st = updateStatements(info, [['id', 5]], [['balance', 3]], 7n, 'reject');
+time('prepared lookup', () => prepared(db, st.write.key, st.write.build));
+const raw = { id: 1, balance: 2, last_fence: '7', deleted_at: null, palisade_applied: true };
+time('mapRow', () => mapRow(info, raw));
+time('observeWrite', () => observeWrite('x', 'update', 'UPDATE', 7n, async () => ({ status: 'applied' as const })));
+const { fillPlaceholders } = await import('drizzle-orm');
+const q = (prepared as any);
+await sql.end();
