@@ -6,17 +6,30 @@
  * the server) like a statement with plain values.
  */
 import { Column, is, Name, Param, SQL, StringChunk, sql as sqlTag, Table } from 'drizzle-orm';
-import { PgDialect } from 'drizzle-orm/pg-core';
 
 /** An expression with its values lifted into placeholders. */
 export interface ExpressionTemplate {
   readonly sql: SQL;
-  /** The compiled text of `sql`: equal texts, equal templates. */
-  readonly text: string;
+  /**
+   * Equal shapes compile to equal text (on one database object): the text
+   * chunks, identifiers and placeholders in order, columns and tables by
+   * identity. Built without compiling, which would cost more than the rest
+   * of the call.
+   */
+  readonly shape: string;
 }
 
-// Only for the template's text (a cache key): identifiers and placeholders compile the same under any dialect config.
-const dialect = new PgDialect();
+// Schema objects live as long as the process: a number each is a cheap, exact stand-in for how they compile.
+const ids = new WeakMap<object, number>();
+let lastId = 0;
+const idOf = (object: object): number => {
+  let id = ids.get(object);
+  if (id === undefined) {
+    id = ++lastId;
+    ids.set(object, id);
+  }
+  return id;
+};
 
 /**
  * Lifts the values of `expression` into placeholders named `${prefix}_${i}`
@@ -31,21 +44,34 @@ export function templateOf(
   values: Record<string, unknown>,
 ): ExpressionTemplate | undefined {
   let n = 0;
+  let shape = '';
   const lift = (value: unknown, encoder?: Param['encoder']): Param => {
     const name = `${prefix}_${n++}`;
     values[name] = value;
+    shape += '\u0000$';
     // A null is sent as is: drizzle never passes it to an encoder when it compiles the value in place.
     return new Param(sqlTag.placeholder(name), value === null ? undefined : encoder);
   };
   const rewrite = (chunks: readonly unknown[]): unknown[] | undefined => {
     const out: unknown[] = [];
     for (const chunk of chunks) {
-      if (chunk === undefined || is(chunk, StringChunk) || is(chunk, Name) || is(chunk, Column) || is(chunk, Table)) {
+      if (chunk === undefined) {
+        out.push(chunk);
+      } else if (is(chunk, StringChunk)) {
+        shape += `\u0000s${chunk.value.join('')}`;
+        out.push(chunk);
+      } else if (is(chunk, Name)) {
+        shape += `\u0000n${chunk.value}`;
+        out.push(chunk);
+      } else if (is(chunk, Column) || is(chunk, Table)) {
+        shape += `\u0000o${idOf(chunk)}`;
         out.push(chunk);
       } else if (is(chunk, SQL)) {
         if (inlines(chunk)) return undefined;
+        shape += '\u0000(';
         const inner = rewrite(chunk.queryChunks);
         if (!inner) return undefined;
+        shape += '\u0000)';
         out.push(new SQL(inner as SQL['queryChunks']));
       } else if (is(chunk, Param)) {
         if (!isPlainValue(chunk.value)) return undefined;
@@ -60,8 +86,7 @@ export function templateOf(
   };
   const chunks = inlines(expression) ? undefined : rewrite(expression.queryChunks);
   if (!chunks) return undefined;
-  const sql = new SQL(chunks as SQL['queryChunks']);
-  return { sql, text: dialect.sqlToQuery(sql).sql };
+  return { sql: new SQL(chunks as SQL['queryChunks']), shape };
 }
 
 // `.inlineParams()` writes the values into the text: not a template.

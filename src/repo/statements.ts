@@ -126,7 +126,7 @@ function patchPlan(info: TableInfo, patch: Entries, values: Record<string, unkno
     if (isSql(value)) {
       const template = templateOf(value, `v${i}`, values);
       templates[i] = template;
-      key = key === undefined || template === undefined ? undefined : `${key}${name}=(${template.text}),`;
+      key = key === undefined || template === undefined ? undefined : `${key}${name}=(${template.shape}),`;
     } else {
       values[`v${i}`] = value;
       if (key !== undefined) key = `${key}${name},`;
