@@ -5,6 +5,7 @@
  *   npm run bench                      full run, writes bench/results/latest.{md,json}
  *   npm run bench -- --quick           short run for developing the benchmark (writes bench/results/quick.*)
  *   npm run bench -- --only=1,2        some sections only (never written as latest)
+ *   npm run bench -- --only=7d         a part of a section that can run alone (here: the tombstone purge)
  *   npm run bench -- --render          rewrite latest.md and latest.svg from latest.json (after editing the findings)
  *
  * Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test;
@@ -25,14 +26,15 @@ import { type RunMeta, renderMarkdown, runMeta } from './lib/results.js';
 import { benchDatabase, benchRedis } from './lib/services.js';
 import { endToEnd } from './sections/end-to-end.js';
 import { fenceIssuance } from './sections/fence-issuance.js';
-import { growth } from './sections/growth.js';
+import { growth, tombstonePurge } from './sections/growth.js';
 import { handoff } from './sections/handoff.js';
 import { lockRoundTrips } from './sections/lock-round-trips.js';
 import { memory } from './sections/memory.js';
 import { telemetry } from './sections/telemetry.js';
 import { writePath } from './sections/write-path.js';
 
-const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise<void> }[] = [
+// `part`: runs only when named in --only (its section runs it otherwise).
+const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise<void>; part?: true }[] = [
   { id: '1', title: 'Fenced write path', run: writePath },
   { id: '2', title: 'Lock round trips', run: lockRoundTrips },
   { id: '3', title: 'Handoff under contention', run: handoff },
@@ -40,6 +42,7 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
   { id: '5', title: 'Fence issuance', run: fenceIssuance },
   { id: '6', title: 'Memory', run: memory },
   { id: '7', title: 'Growth', run: growth },
+  { id: '7d', title: 'Growth: tombstone purge', run: tombstonePurge, part: true },
   { id: '8', title: 'Telemetry overhead', run: telemetry },
 ];
 
@@ -95,7 +98,7 @@ async function main(): Promise<void> {
       `palisade bench (${scale.name}) — database ${pg.name}, redis ${redis.url}${redis.own ? ' (own server)' : ''}`,
     );
     for (const section of SECTIONS) {
-      if (only && !only.includes(section.id)) continue;
+      if (only ? !only.includes(section.id) : section.part) continue;
       if (interrupted) break;
       const t0 = Date.now();
       console.log(`\n=== ${section.id}. ${section.title}`);

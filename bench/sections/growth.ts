@@ -394,7 +394,7 @@ async function purgeRun(ctx: BenchContext, pace: number): Promise<PurgeRun> {
   };
 }
 
-async function tombstonePurge(ctx: BenchContext): Promise<void> {
+export async function tombstonePurge(ctx: BenchContext): Promise<void> {
   const { report, scale } = ctx;
   const pace = 5;
   const runs = [await purgeRun(ctx, 0), await purgeRun(ctx, pace)];

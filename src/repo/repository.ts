@@ -18,13 +18,15 @@ import { observeBatch, observeWrite } from '../telemetry/otel.js';
 import { type BatchResult, rememberContext, type WriteResult } from './result.js';
 import {
   APPLIED,
-  deleteStatement,
+  deleteStatements,
+  type FencedWrite,
   FLOOR,
   PREV_DELETED,
   PREV_FENCE,
+  type Returning,
   type SameFence,
   type Statement,
-  updateStatement,
+  updateStatements,
   updateWhereStatement,
   upsertStatement,
 } from './statements.js';
@@ -91,14 +93,31 @@ export interface FencedRepository<T extends FencedTable> {
   /** Live rows matching `where` (all live rows without it). */
   find(where?: SQL): Promise<RowOf<T>[]>;
   /**
-   * `UPDATE … SET patch, last_fence = fence WHERE key AND live AND last_fence < fence`,
-   * one statement, one round trip on the success path. Patch values may be
-   * SQL expressions. Guarantees: applied only if no fence ≥ `fence` wrote the
+   * `UPDATE … SET patch, last_fence = fence WHERE key AND live AND last_fence < fence`:
+   * one statement and one round trip on the success path; a write that did
+   * not apply costs a second statement, which tries the write again and
+   * says why not (README, "The write path"). Patch values may be SQL
+   * expressions. Guarantees: applied only if no fence ≥ `fence` wrote the
    * row before. A deleted (or absent) row is `missing` and nothing is
    * written, its fence included. Does not: create the row (see `upsert`) or
    * retry.
+   *
+   * With `{ returning: 'status' }` the row is not sent back (`row` is
+   * `undefined` when applied): less to transfer and decode, for callers
+   * that only need the outcome.
    */
-  update(key: KeyOf<T>, fence: Fence, patch: PatchOf<T>): Promise<WriteResult<RowOf<T>>>;
+  update(
+    key: KeyOf<T>,
+    fence: Fence,
+    patch: PatchOf<T>,
+    options?: { returning?: 'row' },
+  ): Promise<WriteResult<RowOf<T>>>;
+  update(
+    key: KeyOf<T>,
+    fence: Fence,
+    patch: PatchOf<T>,
+    options: { returning: 'status' },
+  ): Promise<WriteResult<undefined>>;
   /**
    * Fenced insert-or-update in one statement. A row deleted with a fence ≥
    * `fence` stays deleted (`stale`; `duplicate` when this fence deleted it).
@@ -116,7 +135,8 @@ export interface FencedRepository<T extends FencedTable> {
   upsert(values: ValuesOf<T>, fence: Fence): Promise<WriteResult<RowOf<T>>>;
   /**
    * Fenced delete of a live row that leaves a tombstone carrying the fence;
-   * `row` is the row as it was deleted. A tombstone or an absent row is
+   * `row` is the row as it was deleted. One round trip on the success path,
+   * two when it did not apply (as for `update`). A tombstone or an absent row is
    * `missing` and nothing is written (a retried delete reports `missing`).
    */
   delete(key: KeyOf<T>, fence: Fence): Promise<WriteResult<RowOf<T>>>;
@@ -166,7 +186,8 @@ export interface FencedRepository<T extends FencedTable> {
 /** {@link FencedRepository} bound to one lease: the fence argument is implied. */
 export interface LeasedRepository<T extends FencedTable> {
   readonly fence: Fence;
-  update(key: KeyOf<T>, patch: PatchOf<T>): Promise<WriteResult<RowOf<T>>>;
+  update(key: KeyOf<T>, patch: PatchOf<T>, options?: { returning?: 'row' }): Promise<WriteResult<RowOf<T>>>;
+  update(key: KeyOf<T>, patch: PatchOf<T>, options: { returning: 'status' }): Promise<WriteResult<undefined>>;
   upsert(values: ValuesOf<T>): Promise<WriteResult<RowOf<T>>>;
   delete(key: KeyOf<T>): Promise<WriteResult<RowOf<T>>>;
   modify(
@@ -203,19 +224,43 @@ export function fencedRepository<T extends FencedTable>(
     return prepared(on, statement.key, statement.build)(statement.values);
   }
 
+  // The success path: the plain write, and nothing else when it applied. Otherwise the refusal
+  // statement tries the write again (it applies if the row became writable in between) and explains.
   async function write(
     on: Database,
-    method: 'update' | 'upsert' | 'delete',
+    method: 'update' | 'delete',
     key: [string, unknown][],
     fence: Fence,
-    statement: Statement,
+    statements: FencedWrite,
+    returning: Returning,
   ): Promise<WriteResult<RowOf<T>>> {
-    return observeWrite(info.label, method, method === 'upsert' ? 'INSERT' : 'UPDATE', fence, async () => {
-      const raw = (await run(on, statement))[0] ?? {};
-      let result = classify(method, raw, fence);
-      if (result === 'race') result = await reclassify(on, method, key, fence);
-      return report(result, key, fence);
+    return observeWrite(info.label, method, 'UPDATE', fence, async () => {
+      const [written] = await run(on, statements.write);
+      if (written !== undefined) return applied(written, returning);
+      const raw = (await run(on, statements.refusal))[0] ?? {};
+      if (raw[APPLIED] === true) return applied(raw, returning);
+      return explain(on, method, raw, key, fence);
     });
+  }
+
+  async function writeUpsert(on: Database, key: [string, unknown][], fence: Fence, statement: Statement) {
+    return observeWrite(info.label, 'upsert', 'INSERT', fence, async () => {
+      const raw = (await run(on, statement))[0] ?? {};
+      if (raw[APPLIED] === true) return applied(raw, 'row');
+      return explain(on, 'upsert', raw, key, fence);
+    });
+  }
+
+  // An applied result needs no context: `mustApply` returns its row.
+  const applied = (raw: RawRow, returning: Returning): WriteResult<RowOf<T>> => ({
+    status: 'applied',
+    row: (returning === 'row' ? mapRow(info, raw) : undefined) as RowOf<T>,
+  });
+
+  async function explain(on: Database, method: string, raw: RawRow, key: [string, unknown][], fence: Fence) {
+    let result = classify(method, raw, fence);
+    if (result === 'race') result = await reclassify(on, method, key, fence);
+    return report(result, key, fence);
   }
 
   // The serial model (README, "The write path"): update, modify and delete write a LIVE row whose
@@ -226,7 +271,6 @@ export function fencedRepository<T extends FencedTable>(
   // (the statement's snapshot) explains a refusal, unless the row changed while the statement waited
   // for its lock: then the row is read again and the refusal explained by that later state.
   function classify(method: string, raw: RawRow, fence: Fence): WriteResult<RowOf<T>> | 'race' {
-    if (raw[APPLIED] === true) return { status: 'applied', row: mapRow(info, raw) as RowOf<T> };
     const prevFence = int8(raw[PREV_FENCE]);
     const prevDeleted = raw[PREV_DELETED] === true;
     if (method !== 'upsert') {
@@ -291,11 +335,18 @@ export function fencedRepository<T extends FencedTable>(
     return result;
   }
 
-  function update(on: Database, keyIn: KeyOf<T>, fenceIn: Fence, patchIn: PatchOf<T>) {
+  function update(on: Database, keyIn: KeyOf<T>, fenceIn: Fence, patchIn: PatchOf<T>, returning: Returning) {
     const fence = assertFence(fenceIn);
     const key = keyEntries(info, keyIn);
     const patch = patchEntries(info, patchIn, false);
-    return write(on, 'update', key, fence, updateStatement(info, key, patch, fence, same));
+    return write(on, 'update', key, fence, updateStatements(info, key, patch, fence, same, returning), returning);
+  }
+
+  function returningOf(options: unknown): Returning {
+    if (options === undefined) return 'row';
+    const returning = (options as { returning?: unknown } | null)?.returning;
+    if (returning === undefined || returning === 'row' || returning === 'status') return returning ?? 'row';
+    throw new InvalidArgumentError("update's returning must be 'row' or 'status'");
   }
 
   const repo: FencedRepository<T> = {
@@ -330,19 +381,20 @@ export function fencedRepository<T extends FencedTable>(
     },
 
     // async: bad input rejects the promise, like every other method, rather than throwing.
-    update: async (key, fence, patch) => update(on(db), key, fence, patch),
+    update: (async (key: KeyOf<T>, fence: Fence, patch: PatchOf<T>, opts?: unknown) =>
+      update(on(db), key, fence, patch, returningOf(opts))) as FencedRepository<T>['update'],
 
     async upsert(valuesIn, fenceIn) {
       const fence = assertFence(fenceIn);
       const row = patchEntries(info, valuesIn, true);
       const key = keyEntries(info, Object.fromEntries(row.filter(([name]) => info.keyNames.includes(name))));
-      return write(on(db), 'upsert', key, fence, upsertStatement(info, key, row, fence, same));
+      return writeUpsert(on(db), key, fence, upsertStatement(info, key, row, fence, same));
     },
 
     async delete(keyIn, fenceIn) {
       const fence = assertFence(fenceIn);
       const key = keyEntries(info, keyIn);
-      return write(on(db), 'delete', key, fence, deleteStatement(info, key, fence, same));
+      return write(on(db), 'delete', key, fence, deleteStatements(info, key, fence, same), 'row');
     },
 
     async modify(keyIn, fenceIn, fn) {
@@ -370,7 +422,7 @@ export function fencedRepository<T extends FencedTable>(
         // Inside fn, this repository (and any other on the same db) reads and writes through the
         // transaction: on PGlite, or a pool of one, the outer db would wait behind it forever.
         const patch = await joined.run(withJoined(db, tx), () => call(locked, tx));
-        return update(tx, keyIn, fence, patch);
+        return update(tx, keyIn, fence, patch, 'row');
       }).catch((err: unknown) => {
         throw thrown ? thrown.error : err;
       });
@@ -427,7 +479,8 @@ export function fencedRepository<T extends FencedTable>(
       };
       return {
         fence,
-        update: async (key, patch) => repo.update(key, live(), patch),
+        update: (async (key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning: 'status' }) =>
+          repo.update(key, live(), patch, opts as { returning: 'status' })) as LeasedRepository<T>['update'],
         upsert: async (values) => repo.upsert(values, live()),
         delete: async (key) => repo.delete(key, live()),
         modify: async (key, fn) => repo.modify(key, live(), fn),

@@ -1,8 +1,16 @@
 /**
- * The SQL of every fenced write. Each is ONE statement: the write itself
- * plus a sibling CTE that reads the row as it was before the statement, so
- * the same round trip says why a write did not apply (data-modifying CTEs
- * and their siblings share the statement's snapshot).
+ * The SQL of every fenced write.
+ *
+ * `update` and `delete` are two statements (see {@link FencedWrite}): the
+ * plain fenced write, which is all the success path sends, and — only when
+ * it wrote nothing — a refusal statement that tries the same write again
+ * and reads, beside it, the row as it was before (data-modifying CTEs and
+ * their siblings share the statement's snapshot), so one round trip more
+ * says why a write did not apply. Trying again is what keeps the outcome
+ * serial: between the two statements the row may have become writable (a
+ * resurrection committed, a blocker rolled back), and a refusal statement
+ * that only read would then report a refusal no serial order explains.
+ * `upsert` stays one statement (its success path already is one).
  *
  * Each write is decided by ONE row version: the write's own WHERE (or ON
  * CONFLICT … WHERE), which Postgres re-checks on the newest version after
@@ -12,16 +20,20 @@
  * sibling that reads the previous row only explains a refusal; when it
  * cannot, the repository reads the row again (see `classify`).
  *
- * Plain values become placeholders, so a statement's text depends only on
- * its shape (which columns, which of them are SQL expressions) and can be
- * compiled once and reused; see `statementKey`.
+ * Plain values become placeholders, and so do the values inside SQL
+ * expressions of a patch (see `templateOf`), so a statement's text depends
+ * only on its shape and is compiled once and reused; see `shape`.
  */
 import { type DriverValueEncoder, Param, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
+import { type ExpressionTemplate, templateOf } from './expressions.js';
 import { isSql, type TableInfo } from './table.js';
 
 /** `reject`: a fence writes a row at most once (`<`). `allow`: `<=`, for several writes per grant. */
 export type SameFence = 'reject' | 'allow';
+
+/** What an applied write sends back: the row as written, or only that it applied. */
+export type Returning = 'row' | 'status';
 
 /** A statement ready to compile, with the values for its placeholders. */
 export interface Statement {
@@ -29,6 +41,19 @@ export interface Statement {
   readonly key: string | undefined;
   readonly build: () => SQL;
   readonly values: Record<string, unknown>;
+}
+
+/**
+ * A fenced write of one row as two statements over the same values.
+ * `write` is the plain conditional write: one result row when it applied,
+ * none when it did not. `refusal` runs only then: it attempts the very same
+ * write again (it applies if the row became writable since) and reports the
+ * row as it was before it, in exactly one result row. A guard that must
+ * hold for the write to land belongs in both, through `condition`.
+ */
+export interface FencedWrite {
+  readonly write: Statement;
+  readonly refusal: Statement;
 }
 
 type Entries = readonly (readonly [string, unknown])[];
@@ -43,7 +68,7 @@ const fenceParam = (info: TableInfo) => new Param(sql.placeholder('fence'), info
 const cmp = (same: SameFence) => sql.raw(same === 'allow' ? '<=' : '<');
 const bare = (column: PgColumn) => sql.identifier(column.name);
 
-/** A placeholder encoded by `column`, or the SQL expression itself. */
+/** A placeholder encoded by `column`. */
 function bind(values: Record<string, unknown>, name: string, value: unknown, column: PgColumn): SQL | Param {
   if (isSql(value)) return value;
   values[name] = value;
@@ -56,11 +81,21 @@ const nullable = (column: PgColumn): DriverValueEncoder<unknown, unknown> => ({
   mapToDriverValue: (value) => (value === null ? null : column.mapToDriverValue(value)),
 });
 
+// The database names and types too: two table objects of one name may differ in them. Worked out once per table.
+const tableShapes = new WeakMap<TableInfo, string>();
+function tableShape(info: TableInfo): string {
+  let shape = tableShapes.get(info);
+  if (shape === undefined) {
+    const columns = Object.entries(info.columns).map(([key, c]) => `${key}=${c.name}:${c.getSQLType()}`);
+    shape = `${info.label}|${columns.join(',')}`;
+    tableShapes.set(info, shape);
+  }
+  return shape;
+}
+
 function shape(method: string, info: TableInfo, same: SameFence, entries: Entries): string | undefined {
   if (entries.some(([, v]) => isSql(v))) return undefined;
-  // The database names and types too: two table objects of one name may differ in them.
-  const columns = Object.entries(info.columns).map(([key, c]) => `${key}=${c.name}:${c.getSQLType()}`);
-  return `${info.label}|${columns.join(',')}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
+  return `${tableShape(info)}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
 }
 
 function keyCondition(info: TableInfo, key: Entries, values: Record<string, unknown>): SQL {
@@ -73,11 +108,52 @@ function keyCondition(info: TableInfo, key: Entries, values: Record<string, unkn
   );
 }
 
-function sets(info: TableInfo, patch: Entries, values: Record<string, unknown>): SQL[] {
-  return patch.map(([name, value], i) => {
-    const column = info.columns[name] as PgColumn;
-    return sql`${bare(column)} = ${bind(values, `v${i}`, value, column)}`;
+/**
+ * A patch's values as placeholders: plain values as `v{i}`, the values
+ * inside an SQL expression as `v{i}_{j}` (see `templateOf`). `key` names the
+ * statement shape the patch gives, `undefined` when an expression cannot be
+ * a template (then the statement is compiled for this call only).
+ */
+interface PatchPlan {
+  readonly assignments: (info: TableInfo) => SQL[];
+  readonly key: string | undefined;
+}
+
+function patchPlan(info: TableInfo, patch: Entries, values: Record<string, unknown>): PatchPlan {
+  const templates: (ExpressionTemplate | undefined)[] = [];
+  let key: string | undefined = '';
+  patch.forEach(([name, value], i) => {
+    if (isSql(value)) {
+      const template = templateOf(value, `v${i}`, values);
+      templates[i] = template;
+      key = key === undefined || template === undefined ? undefined : `${key}${name}=(${template.shape}),`;
+    } else {
+      values[`v${i}`] = value;
+      if (key !== undefined) key = `${key}${name},`;
+    }
   });
+  const assignments = () =>
+    patch.map(([name, value], i) => {
+      const column = info.columns[name] as PgColumn;
+      const template = templates[i];
+      const set = template
+        ? template.sql
+        : isSql(value)
+          ? value
+          : new Param(sql.placeholder(`v${i}`), nullable(column));
+      return sql`${bare(column)} = ${set}`;
+    });
+  return { assignments, key };
+}
+
+/**
+ * The conditions under which a fenced write of one row lands: the key
+ * matches, the row is live and its fence is below this one. Both statements
+ * of a {@link FencedWrite} use exactly this.
+ */
+export function liveAndBelow(info: TableInfo, where: SQL, same: SameFence): SQL {
+  const t = info.table;
+  return sql`${where} and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)}`;
 }
 
 /** Reads the row before the write and joins the write's RETURNING onto it: always exactly one result row. */
@@ -89,35 +165,76 @@ select w.*, (select fence from prev) as ${sql.identifier(PREV_FENCE)}, (select d
 from (select 1) as palisade_one left join w on true`;
 }
 
-const returning = sql.raw(`returning *, true as ${APPLIED}`);
+const returningRow = sql.raw(`returning *, true as ${APPLIED}`);
+const returningStatus = sql.raw(`returning true as ${APPLIED}`);
+
+/**
+ * The two statements of a fenced single-row UPDATE whose SET is `set`: the
+ * plain one returning what `returning` asks for, the refusal one always the
+ * row (it is off the success path).
+ */
+function fencedWrite(
+  info: TableInfo,
+  method: string,
+  key: Entries,
+  set: (info: TableInfo) => SQL[],
+  shapeKey: string | undefined,
+  values: Record<string, unknown>,
+  same: SameFence,
+  returning: Returning,
+): FencedWrite {
+  const t = info.table;
+  const update = (tail: SQL) => {
+    const where = keyCondition(info, key, values);
+    const assignments = [...set(info), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
+    return {
+      where,
+      sql: sql`update ${t} set ${sql.join(assignments, sql`, `)}
+  where ${liveAndBelow(info, where, same)} ${tail}`,
+    };
+  };
+  const base = shapeKey === undefined ? undefined : `${tableShape(info)}|${method}|${same}|${shapeKey}`;
+  fillKey(values, key);
+  return {
+    write: {
+      key: base === undefined ? undefined : `${base}|${returning}`,
+      build: () => update(returning === 'row' ? returningRow : returningStatus).sql,
+      values,
+    },
+    refusal: {
+      key: base === undefined ? undefined : `${base}|refusal`,
+      build: () => {
+        const { where, sql: write } = update(returningRow);
+        return withPrevious(info, where, write);
+      },
+      values,
+    },
+  };
+}
 
 /**
  * `UPDATE … SET patch, last_fence = $fence WHERE key AND live AND last_fence < $fence`.
  * A tombstone is not live: the update writes nothing there (no fence moves),
  * exactly as for a row that does not exist.
  */
-export function updateStatement(
+export function updateStatements(
   info: TableInfo,
   key: Entries,
   patch: Entries,
   fence: bigint,
   same: SameFence,
-): Statement {
+  returning: Returning = 'row',
+): FencedWrite {
   const values: Record<string, unknown> = { fence };
-  const t = info.table;
-  const build = () => {
-    const where = keyCondition(info, key, values);
-    const assignments = [...sets(info, patch, values), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
-    return withPrevious(
-      info,
-      where,
-      sql`update ${t} set ${sql.join(assignments, sql`, `)}
-  where ${where} and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}`,
-    );
-  };
-  const statement = { key: shape('update', info, same, patch), build, values };
-  fillValues(statement, key, patch);
-  return statement;
+  const plan = patchPlan(info, patch, values);
+  return fencedWrite(info, 'update', key, plan.assignments, plan.key, values, same, returning);
+}
+
+/** Marks a live row deleted: a tombstone that keeps the fence. A tombstone is not live: nothing is written. */
+export function deleteStatements(info: TableInfo, key: Entries, fence: bigint, same: SameFence): FencedWrite {
+  const values: Record<string, unknown> = { fence };
+  const set = (i: TableInfo) => [sql`${bare(i.table.deletedAt)} = now()`];
+  return fencedWrite(info, 'delete', key, set, '', values, same, 'row');
 }
 
 /**
@@ -173,27 +290,11 @@ select w.*, (select fence from prev) as ${sql.identifier(PREV_FENCE)}, (select d
   (select fence from floor) as ${sql.identifier(FLOOR)}
 from (select 1) as palisade_one left join w on true`;
   };
-  const statement = { key: shape('upsert', info, same, row), build, values };
-  fillValues(statement, key, row);
-  return statement;
-}
-
-/** Marks a live row deleted: a tombstone that keeps the fence. A tombstone is not live: nothing is written. */
-export function deleteStatement(info: TableInfo, key: Entries, fence: bigint, same: SameFence): Statement {
-  const values: Record<string, unknown> = { fence };
-  const t = info.table;
-  const build = () => {
-    const where = keyCondition(info, key, values);
-    return withPrevious(
-      info,
-      where,
-      sql`update ${t} set ${bare(t.deletedAt)} = now(), ${bare(t.lastFence)} = ${fenceParam(info)}
-  where ${where} and ${t.deletedAt} is null and ${t.lastFence} ${cmp(same)} ${fenceParam(info)} ${returning}`,
-    );
-  };
-  const statement = { key: shape('delete', info, same, []), build, values };
-  fillValues(statement, key, []);
-  return statement;
+  fillKey(values, key);
+  row.forEach(([, value], i) => {
+    if (!isSql(value)) values[`v${i}`] = value;
+  });
+  return { key: shape('upsert', info, same, row), build, values };
 }
 
 /**
@@ -212,7 +313,10 @@ export function updateWhereStatement(
   const values: Record<string, unknown> = { fence };
   const t = info.table;
   const keyColumns = info.keyNames.map((name) => info.columns[name] as PgColumn);
-  const assignments = [...sets(info, patch, values), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
+  const assignments = [
+    ...patchPlan(info, patch, values).assignments(info),
+    sql`${bare(t.lastFence)} = ${fenceParam(info)}`,
+  ];
   const guard = allOrNothing
     ? sql` and not exists (select 1 from target where not (target.palisade_fence ${cmp(same)} ${fenceParam(info)}))`
     : sql``;
@@ -235,11 +339,8 @@ select (select count(*) from w) as applied, ${stale} as stale`;
 
 // Placeholder values must exist even when the cached text is reused and
 // `build` (which records them) does not run.
-function fillValues(statement: Statement, key: Entries, patch: Entries): void {
+function fillKey(values: Record<string, unknown>, key: Entries): void {
   key.forEach(([, value], i) => {
-    statement.values[`k${i}`] = value;
-  });
-  patch.forEach(([, value], i) => {
-    if (!isSql(value)) statement.values[`v${i}`] = value;
+    values[`k${i}`] = value;
   });
 }

@@ -15,7 +15,9 @@
  *   fence it removed, in the same transaction.
  *
  * Every operation runs on a connection of its own. `fc.scheduler` decides
- * when each starts. Some operations are *blockers*: an explicit transaction
+ * when each starts, and — for an update or delete that did not apply with
+ * its first statement — when its second (refusal) statement runs: anything
+ * may happen to the row between the two. Some operations are *blockers*: an explicit transaction
  * that holds the row (`FOR UPDATE`, an uncommitted delete or resurrection)
  * until the scheduler lets it commit or roll back, so the others queue on
  * the row lock. Before every scheduling decision the harness waits until
@@ -120,6 +122,8 @@ interface Outcome {
   readonly final: { state: 'absent' | 'live' | 'tomb'; fence: bigint; n: number };
   readonly base: bigint;
   readonly waited: boolean;
+  /** Some write ran its refusal statement: the scheduler could run others between its two statements. */
+  readonly refused: boolean;
 }
 
 /** One connection per operation slot, so `pg_stat_activity` tells which operation waits for which. */
@@ -127,6 +131,8 @@ interface Slot {
   readonly client: Sql;
   readonly db: Database;
   readonly pid: number;
+  /** Awaited before the slot's client sends a refusal statement (set by the run using the slot). */
+  beforeRefusal?: () => Promise<void>;
 }
 
 export interface Harness {
@@ -135,6 +141,41 @@ export interface Harness {
   readonly slots: Slot[];
   nextBase: bigint;
   keySeq: number;
+  /**
+   * `false` turns the refusal statement into a read only (its write CTE
+   * selects nothing): what the repository would do if it did not try the
+   * write again. Only for showing that the property catches it.
+   */
+  reattempt: boolean;
+}
+
+// The refusal statement of an update or delete: it reads the previous row and tries the write again.
+const REFUSAL = /^with prev as \(.*\),\s*w as \((update .*? returning \*, true as palisade_applied)\)/s;
+
+/**
+ * The slot's postgres.js client, seen through a proxy that lets the run
+ * pause between the write and its refusal statement (and, with `reattempt`
+ * off, strips the write out of the refusal statement).
+ */
+function pausingClient(client: Sql, slot: () => Slot, h: () => Harness): Sql {
+  return new Proxy(client, {
+    get(target, prop, receiver) {
+      const value = Reflect.get(target, prop, receiver);
+      if (prop !== 'unsafe') return value;
+      return (query: string, params?: unknown[], options?: unknown) => {
+        const match = REFUSAL.exec(query);
+        const hook = slot().beforeRefusal;
+        if (!match || !hook) return target.unsafe(query, params as never, options as never);
+        const sent = h().reattempt
+          ? query
+          : query.replace(
+              match[1] as string,
+              'select *, true as palisade_applied from palisade_prop_tombs where false',
+            );
+        return hook().then(() => target.unsafe(sent, params as never, options as never));
+      };
+    },
+  });
 }
 
 export async function openHarness(test: TestDatabase): Promise<Harness> {
@@ -161,12 +202,20 @@ export async function openHarness(test: TestDatabase): Promise<Harness> {
       for each row execute function palisade_prop_tombs_audit()`);
   const probe = postgres(test.url as string, { max: 1, onnotice: () => {} });
   const slots: Slot[] = [];
+  const harness: Harness = { main, probe, slots, nextBase: 0n, keySeq: 0, reattempt: true };
   for (let i = 0; i < MAX_OPS; i++) {
     const client = postgres(test.url as string, { max: 1, onnotice: () => {} });
     const [row] = await client`select pg_backend_pid() as pid`;
-    slots.push({ client, db: drizzle(client) as unknown as Database, pid: Number(row?.pid) });
+    const db = drizzle(
+      pausingClient(
+        client,
+        () => slots[i] as Slot,
+        () => harness,
+      ),
+    ) as unknown as Database;
+    slots.push({ client, db, pid: Number(row?.pid) });
   }
-  return { main, probe, slots, nextBase: 0n, keySeq: 0 };
+  return harness;
 }
 
 export async function closeHarness(h: Harness | undefined): Promise<void> {
@@ -203,6 +252,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
 
   let clock = 0;
   let waited = false;
+  let refused = false;
   const runs: OpRun[] = scenario.ops.map((spec, index) => ({
     index,
     spec,
@@ -218,6 +268,8 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
 
   /** Waits until every running operation is finished or waiting on a lock; records who blocks whom. */
   async function settle(): Promise<void> {
+    // Let the task just released mark itself running first (it does so in a microtask).
+    await new Promise((resolve) => setImmediate(resolve));
     for (let i = 0; i < 300 && inFlight.size > 0; i++) {
       const pids = [...inFlight].map((op) => h.slots[op]?.pid as number);
       const rows = await h.probe`select pid, state, wait_event_type, pg_blocking_pids(pid) as blockers
@@ -248,6 +300,13 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
     const repo = fencedRepository(slot.db, docs);
     const fence = toFence(run.fence);
     const id = { id: key };
+    // Between the two statements of a write that did not apply: not running, not waiting on a lock.
+    slot.beforeRefusal = async () => {
+      refused = true;
+      inFlight.delete(run.index);
+      await s.schedule(Promise.resolve(run.tag), `refusal statement of ${run.tag}`);
+      inFlight.add(run.index);
+    };
     await s.schedule(Promise.resolve(run.tag), `start ${run.tag} f${run.spec.fence}`);
     inFlight.add(run.index);
     run.start = ++clock;
@@ -298,6 +357,8 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
               inFlight.delete(run.index);
               held = true;
               await s.schedule(Promise.resolve(run.tag), `${run.spec.commit ? 'commit' : 'rollback'} ${run.tag}`);
+              // Committing (or rolling back) runs until the transaction ends: later tasks see its outcome.
+              inFlight.add(run.index);
               if (!run.spec.commit) tx.rollback();
             });
             run.committed = true;
@@ -310,6 +371,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
     } finally {
       run.end = ++clock;
       inFlight.delete(run.index);
+      slot.beforeRefusal = undefined;
     }
   }
 
@@ -331,6 +393,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
     runs,
     base,
     waited,
+    refused,
     audit: auditRows.map((r) => ({ op: String(r.op), fence: int8(r.fence) ?? 0n, deleted: r.deleted === true })),
     final: row
       ? { state: row.deleted === true ? 'tomb' : 'live', fence: int8(row.last_fence) ?? 0n, n: Number(row.n) }
@@ -545,17 +608,23 @@ describe.runIf(needs('DATABASE_URL'))('tombstone life cycle under interleavings 
   it('update / upsert / delete / modify / purge with blockers on the row: every outcome is a serial one', async () => {
     let runs = 0;
     let waitedRuns = 0;
+    let refusedRuns = 0;
     await fc.assert(
       fc.asyncProperty(fc.scheduler(), scenarioArb, async (s, scenario) => {
         const o = await playAndCheck(h, s, scenario);
         runs++;
         if (o.waited) waitedRuns++;
+        if (o.refused) refusedRuns++;
       }),
       propertyParams({ numRuns: propertyRuns(150) }),
     );
     // The point of the blockers: statements really queued on a row lock in a good share of the runs.
     expect(waitedRuns, `runs that waited on a lock: ${waitedRuns} of ${runs}`).toBeGreaterThan(0);
-    console.info(`tombstone model: ${waitedRuns} of ${runs} runs waited on a row lock`);
+    // And writes that did not apply at once gave the others a turn between their two statements.
+    expect(refusedRuns, `runs with a refusal statement: ${refusedRuns} of ${runs}`).toBeGreaterThan(0);
+    console.info(
+      `tombstone model: ${waitedRuns} of ${runs} runs waited on a row lock, ${refusedRuns} paused between a write's two statements`,
+    );
   }, 300_000);
 
   /**
@@ -571,9 +640,10 @@ describe.runIf(needs('DATABASE_URL'))('tombstone life cycle under interleavings 
     const op = (kind: OpKind, fence = 1, commit = true): OpSpec => ({ kind, fence, commit });
 
     it("an update that finds a tombstone writes nothing: the same holder's upsert then applies (not duplicate)", async () => {
-      await replay({ init: { state: 'tomb', fence: 4 }, ops: [op('update', 7), op('upsert', 7)] }, [1, 2]);
+      // Task 3: the refusal statement of the update / delete (modify decides on the row it locked).
+      await replay({ init: { state: 'tomb', fence: 4 }, ops: [op('update', 7), op('upsert', 7)] }, [1, 3, 2]);
       await replay({ init: { state: 'tomb', fence: 4 }, ops: [op('modify', 7), op('upsert', 7)] }, [1, 2]);
-      await replay({ init: { state: 'tomb', fence: 4 }, ops: [op('delete', 7), op('upsert', 7)] }, [1, 2]);
+      await replay({ init: { state: 'tomb', fence: 4 }, ops: [op('delete', 7), op('upsert', 7)] }, [1, 3, 2]);
     });
 
     it("a purge keeps what a stale fence must beat: a fence below the purged tombstone's cannot recreate the row", async () => {
@@ -597,15 +667,37 @@ describe.runIf(needs('DATABASE_URL'))('tombstone life cycle under interleavings 
     });
 
     it('an update beside a concurrent resurrection: applied after it, or missing before it commits', async () => {
-      const o = await replay({ init: { state: 'tomb', fence: 4 }, ops: [op('res', 6), op('update', 8)] }, [1, 2, 3]);
+      // Task 3 commits the resurrection, task 4 is the update's refusal statement: here it runs first.
+      const o = await replay({ init: { state: 'tomb', fence: 4 }, ops: [op('res', 6), op('update', 8)] }, [1, 2, 4, 3]);
       const [res, update] = o.runs;
       // Decided on the snapshot's tombstone (no wait, done before the commit), or on the new row after waiting.
       if (update?.result?.status === 'missing') expect(update.end).toBeLessThan(res?.end as number);
       else expect(update?.result?.status).toBe('applied');
     });
 
+    it('an update whose row became writable between its two statements applies (the refusal statement tries again)', async () => {
+      // 1 start res, 2 start update (sees the tombstone, writes nothing), 3 res commits, 4 the update's refusal statement.
+      for (const kind of ['update', 'delete'] as const) {
+        const scenario: Scenario = { init: { state: 'tomb', fence: 4 }, ops: [op('res', 6), op(kind, 8)] };
+        const o = await replay(scenario, [1, 2, 3, 4]);
+        expect(o.runs[1]?.result?.status).toBe('applied');
+      }
+    });
+
+    it('the property catches a refusal statement that only reads', async () => {
+      h.reattempt = false;
+      try {
+        const scenario: Scenario = { init: { state: 'tomb', fence: 4 }, ops: [op('res', 6), op('update', 8)] };
+        await expect(playAndCheck(h, fc.schedulerFor([1, 2, 3, 4]), scenario)).rejects.toThrow(
+          /no serial order explains this run/,
+        );
+      } finally {
+        h.reattempt = true;
+      }
+    });
+
     it('an update waiting on a concurrent delete reports missing and writes nothing', async () => {
-      const o = await replay({ init: { state: 'live', fence: 4 }, ops: [op('del', 6), op('update', 8)] }, [1, 2, 3]);
+      const o = await replay({ init: { state: 'live', fence: 4 }, ops: [op('del', 6), op('update', 8)] }, [1, 2, 3, 4]);
       expect(o.waited).toBe(true);
       expect(o.runs[1]?.result?.status).toBe('missing');
     });

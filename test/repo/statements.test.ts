@@ -8,9 +8,9 @@ import { eq, is, Param, Placeholder, type SQL, sql } from 'drizzle-orm';
 import { PgDialect } from 'drizzle-orm/pg-core';
 import { describe, expect, it } from 'vitest';
 import {
-  deleteStatement,
+  deleteStatements,
   type Statement,
-  updateStatement,
+  updateStatements,
   updateWhereStatement,
   upsertStatement,
 } from '../../src/repo/statements.js';
@@ -34,52 +34,76 @@ function compile(statement: Statement | SQL): { text: string; inline: unknown[] 
   return { text: text.replace(/\s+/g, ' '), inline };
 }
 
-describe('update statement', () => {
-  const statement = updateStatement(info, [['id', 'a']], [['balance', 5]], 7n, 'reject');
-  const { text } = compile(statement);
+describe('update statements', () => {
+  const statements = updateStatements(info, [['id', 'a']], [['balance', 5]], 7n, 'reject');
+  const { text } = compile(statements.write);
+  const { text: refusal } = compile(statements.refusal);
+  const write =
+    'update "accounts" set "balance" = :v0, "last_fence" = :fence ' +
+    'where "accounts"."id" = :k0 and "accounts"."deleted_at" is null and "accounts"."last_fence" < :fence ' +
+    'returning *, true as palisade_applied';
 
-  it('sets the patch and the fence only where the key matches, the row is live and its fence is lower', () => {
-    expect(text).toContain(
-      'update "accounts" set "balance" = :v0, "last_fence" = :fence ' +
-        'where "accounts"."id" = :k0 and "accounts"."deleted_at" is null and "accounts"."last_fence" < :fence ' +
-        'returning *, true as palisade_applied',
-    );
+  it('the success path is the plain fenced UPDATE: key matches, row live, fence lower — nothing else', () => {
+    expect(text).toBe(write);
   });
 
-  it('reads the previous fence in the same statement; one UPDATE decides, nothing else writes the row', () => {
-    expect(text).toMatch(
+  it('the refusal statement tries the same write again and reads the previous fence beside it', () => {
+    expect(refusal).toMatch(
       /^with prev as \(select "accounts"\."last_fence" as fence, "accounts"\."deleted_at" is not null as deleted from "accounts" where "accounts"\."id" = :k0\), w as \(update /,
     );
+    expect(refusal).toContain(write);
     // A second data-modifying CTE on the same row would split on deleted_at in the snapshot.
-    expect(text.match(/update "accounts"/g)).toHaveLength(1);
-    expect(text).not.toContain('tomb as');
-    expect(text).toMatch(/select w\.\*, \(select fence from prev\) as "palisade_prev_fence".* left join w on true$/);
+    expect(refusal.match(/update "accounts"/g)).toHaveLength(1);
+    expect(refusal).not.toContain('tomb as');
+    expect(refusal).toMatch(/select w\.\*, \(select fence from prev\) as "palisade_prev_fence".* left join w on true$/);
   });
 
-  it('carries the values for its placeholders and is cached by shape', () => {
-    expect(statement.values).toEqual({ fence: 7n, k0: 'a', v0: 5 });
-    expect(statement.key).toMatch(
-      /^accounts\|id=id:text,owner=owner:text,balance=balance:integer,.*\|update\|reject\|balance$/,
+  it('both carry the values for their placeholders and are cached by shape, under different keys', () => {
+    expect(statements.write.values).toEqual({ fence: 7n, k0: 'a', v0: 5 });
+    expect(statements.refusal.values).toBe(statements.write.values);
+    expect(statements.write.key).toMatch(
+      /^accounts\|id=id:text,owner=owner:text,balance=balance:integer,.*\|update\|reject\|balance,\|row$/,
     );
+    expect(statements.refusal.key).toMatch(/\|update\|reject\|balance,\|refusal$/);
+  });
+
+  it("returning 'status' sends back only that the write applied", () => {
+    const status = updateStatements(info, [['id', 'a']], [['balance', 5]], 7n, 'reject', 'status');
+    expect(compile(status.write).text).toMatch(/< :fence returning true as palisade_applied$/);
+    expect(status.write.key).toMatch(/\|status$/);
+    // Off the success path the row comes back anyway; the repository drops it.
+    expect(compile(status.refusal).text).toContain('returning *, true as palisade_applied');
   });
 
   it("compares with <= under sameFence 'allow'", () => {
-    const allow = compile(updateStatement(info, [['id', 'a']], [['balance', 5]], 7n, 'allow')).text;
+    const allow = compile(updateStatements(info, [['id', 'a']], [['balance', 5]], 7n, 'allow').write).text;
     expect(allow).toContain('"accounts"."deleted_at" is null and "accounts"."last_fence" <= :fence returning');
   });
 
-  it('inlines an SQL expression and is then never cached', () => {
-    const expression = updateStatement(
-      info,
-      [['id', 'a']],
-      [['balance', sql`${accounts.balance} + ${1}`]],
-      7n,
-      'reject',
-    );
-    const { text: withExpression, inline } = compile(expression);
-    expect(withExpression).toContain('set "balance" = "accounts"."balance" + $1, "last_fence" = :fence');
-    expect(inline).toEqual([1]);
-    expect(expression.key).toBeUndefined();
+  it("lifts an SQL expression's values into placeholders: cached by the expression's shape", () => {
+    const plusOne = updateStatements(info, [['id', 'a']], [['balance', sql`${accounts.balance} + ${1}`]], 7n, 'reject');
+    const plusTwo = updateStatements(info, [['id', 'b']], [['balance', sql`${accounts.balance} + ${2}`]], 8n, 'reject');
+    const { text: withExpression, inline } = compile(plusOne.write);
+    expect(withExpression).toContain('set "balance" = "accounts"."balance" + :v0_0, "last_fence" = :fence');
+    expect(inline).toEqual([]);
+    expect(plusOne.write.values).toEqual({ fence: 7n, k0: 'a', v0_0: 1 });
+    expect(plusTwo.write.values).toEqual({ fence: 8n, k0: 'b', v0_0: 2 });
+    expect(plusOne.write.key).toBeDefined();
+    expect(plusOne.write.key).toBe(plusTwo.write.key);
+    const times = updateStatements(info, [['id', 'a']], [['balance', sql`${accounts.balance} * ${2}`]], 7n, 'reject');
+    expect(times.write.key).not.toBe(plusOne.write.key);
+  });
+
+  it('an expression whose text is not its shape alone (inlined values, arrays) is compiled per call', () => {
+    const inlined = sql`${accounts.balance} + ${1}`.inlineParams();
+    const once = updateStatements(info, [['id', 'a']], [['balance', inlined]], 7n, 'reject');
+    expect(once.write.key).toBeUndefined();
+    expect(compile(once.write).text).toContain('set "balance" = "accounts"."balance" + 1,');
+    const array = updateStatements(info, [['id', 'a']], [['balance', sql`least(${[1, 2]})`]], 7n, 'reject');
+    expect(array.write.key).toBeUndefined();
+    const { text: t, inline } = compile(array.write);
+    expect(t).toContain('least(($1, $2))');
+    expect(inline).toEqual([1, 2]);
   });
 });
 
@@ -153,15 +177,17 @@ describe('upsert statement', () => {
   });
 });
 
-describe('delete statement', () => {
-  const { text } = compile(deleteStatement(info, [['id', 'a']], 7n, 'reject'));
+describe('delete statements', () => {
+  const statements = deleteStatements(info, [['id', 'a']], 7n, 'reject');
+  const { text } = compile(statements.write);
 
   it('marks a live row deleted and keeps the fence: a tombstone, never a DELETE; a tombstone is left alone', () => {
-    expect(text).toContain(
+    expect(text).toBe(
       'update "accounts" set "deleted_at" = now(), "last_fence" = :fence ' +
-        'where "accounts"."id" = :k0 and "accounts"."deleted_at" is null and "accounts"."last_fence" < :fence returning *',
+        'where "accounts"."id" = :k0 and "accounts"."deleted_at" is null and "accounts"."last_fence" < :fence returning *, true as palisade_applied',
     );
     expect(text).not.toMatch(/delete from/i);
+    expect(compile(statements.refusal).text).toContain(`w as (${text})`);
   });
 });
 
