@@ -16,6 +16,15 @@ export function releasePayload(namespace: string, name: string): string {
 }
 
 /**
+ * @internal Opens a subscription and resolves to its unlisten function; when
+ * `closing` aborts before it is open, it gives up (rejects) instead of waiting.
+ */
+type Subscribe = (
+  onPayload: (payload: string, prefix?: string) => void,
+  closing: AbortSignal,
+) => Promise<() => Promise<void>>;
+
+/**
  * @internal One subscription per lock manager (a LISTEN, a Redis SUBSCRIBE),
  * opened at the first wait, shared by all waiters, closed by
  * {@link ReleaseListener.close}. If it cannot be opened (no client given, a
@@ -23,17 +32,15 @@ export function releasePayload(namespace: string, name: string): string {
  * timeouts: waiting still works, by polling.
  */
 export class ReleaseListener {
-  readonly #subscribe:
-    | ((onPayload: (payload: string, prefix?: string) => void) => Promise<() => Promise<void>>)
-    | undefined;
+  readonly #subscribe: Subscribe | undefined;
+  // Aborted by close(): a subscription still being opened (a server away, an offline queue) gives up.
+  readonly #closing = new AbortController();
   readonly #waiters = new Map<string, Set<() => void>>();
   #opening: Promise<void> | undefined;
   #unlisten: (() => Promise<void>) | undefined;
   #closed = false;
 
-  constructor(
-    subscribe: ((onPayload: (payload: string, prefix?: string) => void) => Promise<() => Promise<void>>) | undefined,
-  ) {
+  constructor(subscribe: Subscribe | undefined) {
     this.#subscribe = subscribe;
   }
 
@@ -65,6 +72,7 @@ export class ReleaseListener {
   /** Wakes every current waiter and stops listening; later waits only time out. Safe to call more than once. */
   async close(): Promise<void> {
     this.#closed = true;
+    this.#closing.abort();
     for (const set of [...this.#waiters.values()]) for (const done of [...set]) done();
     await this.#opening;
     const unlisten = this.#unlisten;
@@ -74,7 +82,7 @@ export class ReleaseListener {
 
   #open(): void {
     if (this.#opening || !this.#subscribe) return;
-    this.#opening = this.#subscribe((payload, prefix) => this.#wake(payload, prefix)).then(
+    this.#opening = this.#subscribe((payload, prefix) => this.#wake(payload, prefix), this.#closing.signal).then(
       async (unlisten) => {
         if (this.#closed) await unlisten().catch(() => {});
         else this.#unlisten = unlisten;

@@ -703,7 +703,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
  * also ends at its timeout.
  */
 function releaseListener(redis: RedisClient, channel: string): ReleaseListener {
-  return new ReleaseListener(async (onReleased) => {
+  return new ReleaseListener(async (onReleased, closing) => {
     // An offline queue here is harmless: nothing awaits it, disconnect() flushes it.
     const subscriber = redis.isCluster
       ? (redis as Cluster).duplicate([], { enableOfflineQueue: true }) // same startup nodes; PUBLISH reaches every node
@@ -730,6 +730,8 @@ function releaseListener(redis: RedisClient, channel: string): ReleaseListener {
         onReleased(message.slice(0, cut)); // … and waiters that gave no token
       }
     });
+    // Closed while Redis is away: disconnect() rejects the queued SUBSCRIBE instead of leaving it pending.
+    closing.addEventListener('abort', () => subscriber.disconnect(), { once: true });
     try {
       await subscriber.subscribe(channel);
     } catch (err) {
