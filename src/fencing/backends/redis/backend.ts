@@ -68,7 +68,7 @@ import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
 import type { Cluster, Redis } from 'ioredis';
 import { type Database, execute, int8 } from '../../../driver.js';
-import { FenceSourceError, InvalidArgumentError, PalisadeError } from '../../../errors.js';
+import { CommandTimeoutError, FenceSourceError, InvalidArgumentError } from '../../../errors.js';
 import { recordFenceSource } from '../../../telemetry/otel.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type Fence, toFence } from '../../fence.js';
@@ -137,13 +137,6 @@ export interface RedisLockManagerOptions {
    * released (best effort) and otherwise expires with its TTL.
    */
   readonly commandTimeoutMs?: number;
-}
-
-/** A Redis command or Postgres statement did not answer within `commandTimeoutMs`. */
-export class CommandTimeoutError extends PalisadeError {
-  constructor(what: string, ms: number) {
-    super('command_timeout', `${what} did not answer within ${ms} ms (it may still run)`);
-  }
 }
 
 /** The Redis keys and channel of one namespace (for operators and tests). */
