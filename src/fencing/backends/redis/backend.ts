@@ -20,7 +20,6 @@ import { LEAVE_SCRIPT, RELEASE_SCRIPT, runLeave, runRelease } from './scripts/re
 import { scriptRunner } from './scripts/script.js';
 
 // Existing import paths (tests, tools) keep working.
-export { CommandTimeoutError } from './command-deadline.js';
 export {
   REDIS_COUNTER_BITS,
   REDIS_MAX_COUNTER,

@@ -3,14 +3,7 @@
  * backend (`commandTimeoutMs`), whatever the client's own timeout: with
  * resend off a pending ioredis command may never settle.
  */
-import { PalisadeError } from '../../../errors.js';
-
-/** A Redis command or Postgres statement did not answer within `commandTimeoutMs`. */
-export class CommandTimeoutError extends PalisadeError {
-  constructor(what: string, ms: number) {
-    super('command_timeout', `${what} did not answer within ${ms} ms (it may still run)`);
-  }
-}
+import { CommandTimeoutError } from '../../../errors.js';
 
 /** @internal Runs a command and rejects with {@link CommandTimeoutError} if it has not settled after the bound. */
 export type Bounded = <T>(what: string, run: () => Promise<T>) => Promise<T>;
