@@ -31,12 +31,9 @@ export {
   StaleFenceError,
   UnsupportedDatabaseError,
 } from './errors.js';
-export {
-  type AdvisoryLockManagerOptions,
-  advisoryLockManager,
-  type LeaderRun,
-  runIfLeader,
-} from './fencing/backends/postgres-advisory/backend.js';
+export { advisoryLockManager } from './fencing/backends/postgres-advisory/backend.js';
+export { type LeaderRun, runIfLeader } from './fencing/backends/postgres-advisory/leader.js';
+export type { AdvisoryLockManagerOptions } from './fencing/backends/postgres-advisory/options.js';
 export { type PostgresLockManagerOptions, postgresLockManager } from './fencing/backends/postgres-lease/backend.js';
 export type { RedisClient, RedisLockManagerOptions } from './fencing/backends/redis/backend.js';
 export { redisLockManager } from './fencing/backends/redis/manager.js';
