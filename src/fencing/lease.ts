@@ -1,7 +1,7 @@
 import { performance } from 'node:perf_hooks';
 import { LeaseLostError } from '../errors.js';
 import type { LostReason } from '../telemetry/catalog.js';
-import { observeExtend, observeRelease, recordLost } from '../telemetry/otel.js';
+import { observeExtend, observeRelease, recordLost } from '../telemetry/locks.js';
 import type { LockBackend } from './backend.js';
 import type { Emitter, LockEvents } from './events.js';
 import type { Fence } from './fence.js';
