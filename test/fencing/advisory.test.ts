@@ -1,6 +1,6 @@
 /**
- * The advisory-lock backend on the real Postgres: the seed's scheduler
- * singleton (exercise 8) and the fault scenarios with real OS processes,
+ * The advisory-lock backend on the real Postgres: the scheduler singleton
+ * and the fault scenarios with real OS processes,
  * killed, paused, or with their session terminated by the server. Each test
  * has its own database and namespace. PGlite is refused (its advisory locks
  * always succeed), which the last block checks without a server.
