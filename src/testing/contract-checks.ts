@@ -164,20 +164,21 @@ export async function checkInspect(subject: ContractSubject, expect: ContractExp
 /** A backend that counts the calls made on it, to prove none was made. */
 function counted(backend: LockBackend): { backend: LockBackend; calls: string[] } {
   const calls: string[] = [];
+  const count = <A extends unknown[], R>(method: string, fn: (...args: A) => R) => {
+    return (...args: A): R => {
+      calls.push(method);
+      return fn(...args);
+    };
+  };
+  const leave = backend.leave?.bind(backend);
   const wrapped: LockBackend = {
     kind: backend.kind,
-    grant: (...args) => (calls.push('grant'), backend.grant(...args)),
-    extend: (...args) => (calls.push('extend'), backend.extend(...args)),
-    release: (...args) => (calls.push('release'), backend.release(...args)),
-    inspect: (...args) => (calls.push('inspect'), backend.inspect(...args)),
-    waitForRelease: (...args) => (calls.push('waitForRelease'), backend.waitForRelease(...args)),
-    ...(backend.leave
-      ? {
-          leave: (name: string, token: string) => (
-            calls.push('leave'), backend.leave?.(name, token) ?? Promise.resolve()
-          ),
-        }
-      : {}),
+    grant: count('grant', backend.grant.bind(backend)),
+    extend: count('extend', backend.extend.bind(backend)),
+    release: count('release', backend.release.bind(backend)),
+    inspect: count('inspect', backend.inspect.bind(backend)),
+    waitForRelease: count('waitForRelease', backend.waitForRelease.bind(backend)),
+    ...(leave ? { leave: count('leave', leave) } : {}),
     close: () => backend.close(),
   };
   return { backend: wrapped, calls };
