@@ -14,7 +14,7 @@ import { promisify } from 'node:util';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ERROR_CODES } from '../src/errors.js';
-import { withDatabase } from './support/databases.js';
+import { withDatabase } from './support/scratch-database.js';
 import { needs, services } from './support/services.js';
 
 const run = promisify(execFile);
