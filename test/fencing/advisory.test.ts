@@ -21,9 +21,6 @@ import {
 } from '../../src/fencing/backends/postgres-advisory/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from '../support/databases.js';
-import { killAllWorkers, type Message } from '../support/processes.js';
-import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
-import { needs } from '../support/services.js';
 import {
   aborted,
   eventually,
@@ -33,7 +30,10 @@ import {
   ready,
   request,
   resourceRow,
-} from './pg-lock-helpers.js';
+} from '../support/lock-workers.js';
+import { killAllWorkers, type Message } from '../support/processes.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
 
 const TWO_53 = 2n ** 53n;
 

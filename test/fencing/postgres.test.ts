@@ -8,9 +8,6 @@ import { postgresLockBackend, postgresLockManager } from '../../src/fencing/back
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
 import { drivers, type TestDatabase } from '../support/databases.js';
-import { killAllWorkers } from '../support/processes.js';
-import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
-import { needs } from '../support/services.js';
 import {
   aborted,
   expectInvalid,
@@ -20,7 +17,10 @@ import {
   ready,
   request,
   resourceRow,
-} from './pg-lock-helpers.js';
+} from '../support/lock-workers.js';
+import { killAllWorkers } from '../support/processes.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
 
 const TWO_53 = 2n ** 53n;
 const MAX_FENCE = 2n ** 63n - 1n;
