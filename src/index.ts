@@ -3,12 +3,19 @@
  * every write through a fenced repository is conditional on it, so the
  * database itself refuses a write from a holder whose lease has expired.
  */
-export { type Database, DatabaseError, type DriverName } from './driver.js';
+export type { Database, DriverName } from './driver.js';
 export {
+  CliError,
+  CommandTimeoutError,
+  DatabaseError,
+  DriverError,
+  ERROR_CLASSES,
   ERROR_CODES,
   FenceSourceError,
+  ForeignLockError,
   InvalidArgumentError,
   LeaseLostError,
+  LockManagerClosedError,
   LockServiceError,
   LockTimeoutError,
   LockUnavailableError,
@@ -19,6 +26,7 @@ export {
   RetryableWriteError,
   RowMissingError,
   StaleFenceError,
+  UnsupportedDatabaseError,
 } from './errors.js';
 export * from './fencing/index.js';
 export {

@@ -13,7 +13,7 @@ import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { ERROR_CODES } from '../src/errors.js';
+import { ERROR_CLASSES, ERROR_CODES, type PalisadeErrorCode } from '../src/errors.js';
 import { withDatabase } from './support/scratch-database.js';
 import { needs, services } from './support/services.js';
 
@@ -233,9 +233,11 @@ describe('README', () => {
     });
   }
 
-  it('the error table lists exactly the codes of ERROR_CODES', () => {
+  it('the error table lists exactly the codes of ERROR_CODES, each once, with its class', () => {
     const section = README.slice(README.indexOf('## Errors'), README.indexOf('\n## ', README.indexOf('## Errors') + 5));
-    const codes = [...section.matchAll(/^\| `([a-z_]+)` \|/gm)].map((m) => m[1]);
-    expect(codes.sort()).toEqual(Object.keys(ERROR_CODES).sort());
+    const rows = [...section.matchAll(/^\| `([a-z_]+)` \| `([A-Za-z]+)` \|/gm)].map((m) => [m[1], m[2]]);
+    expect(rows.map(([code]) => code).sort()).toEqual(Object.keys(ERROR_CODES).sort());
+    expect(Object.keys(ERROR_CLASSES).sort()).toEqual(Object.keys(ERROR_CODES).sort());
+    for (const [code, name] of rows) expect(name).toBe(ERROR_CLASSES[code as PalisadeErrorCode].name);
   });
 });

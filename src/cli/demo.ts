@@ -27,8 +27,9 @@ import { fileURLToPath } from 'node:url';
 import { sql } from 'drizzle-orm';
 import type { Database } from '../driver.js';
 import { execute, int8 } from '../driver.js';
+import { CliError } from '../errors.js';
 import { migrate } from '../migrate.js';
-import { CliError, type Command, describeUrl, type Io, loadCliPeer, parse } from './common.js';
+import { type Command, describeUrl, type Io, loadCliPeer, parse } from './common.js';
 import type { DemoConnection, WorkerCommand, WorkerConfig } from './demo-shared.js';
 
 const help = `Usage: palisade demo [--ttl MS]

@@ -8,7 +8,6 @@ export {
 } from './backends/postgres-advisory/backend.js';
 export { type PostgresLockManagerOptions, postgresLockManager } from './backends/postgres-lease/backend.js';
 export {
-  CommandTimeoutError,
   REDIS_QUEUE_STALE_MS,
   type RedisClient,
   type RedisLockManagerOptions,

@@ -7,9 +7,14 @@
 import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import { FenceSourceError, InvalidArgumentError, LeaseLostError, LockUnavailableError } from '../../src/errors.js';
 import {
   CommandTimeoutError,
+  FenceSourceError,
+  InvalidArgumentError,
+  LeaseLostError,
+  LockUnavailableError,
+} from '../../src/errors.js';
+import {
   REDIS_COUNTER_BITS,
   REDIS_MAX_COUNTER,
   REDIS_QUEUE_STALE_MS,

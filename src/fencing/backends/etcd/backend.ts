@@ -252,7 +252,9 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       };
       stream.on('data', (res) => settle(() => resolve(BigInt(res.TTL || '0') > 0n)));
       stream.on('error', (err) => settle(() => reject(err)));
-      stream.on('end', () => settle(() => reject(new Error('etcd keep-alive stream ended without an answer'))));
+      stream.on('end', () =>
+        settle(() => reject(new LockServiceError('etcd', 'etcd keep-alive stream ended without an answer'))),
+      );
       stream.write({ ID: leaseId });
     });
   }

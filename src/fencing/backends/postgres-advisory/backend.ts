@@ -58,9 +58,16 @@
 import { createHash } from 'node:crypto';
 import { PgDialect } from 'drizzle-orm/pg-core';
 import type postgres from 'postgres';
-import { int8, listen, type RawRow, sqlStateOf, translateError } from '../../../driver.js';
-import { InvalidArgumentError, PalisadeError } from '../../../errors.js';
+import { int8, listen, type RawRow, translateError } from '../../../driver.js';
+import {
+  ForeignLockError,
+  InvalidArgumentError,
+  LockManagerClosedError,
+  LockServiceError,
+  UnsupportedDatabaseError,
+} from '../../../errors.js';
 import { loadPeer } from '../../../optional.js';
+import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type Fence, toFence } from '../../fence.js';
 import type { Lease } from '../../lease.js';
@@ -258,8 +265,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       factory ??= (await loadPeer<{ default: typeof postgres }>('postgres', 'advisoryLockManager')).default;
       const [server] = await run(sql, `select version() ~* '(pglite|emscripten)' as embedded`, []);
       if (server?.embedded === true) {
-        throw new PalisadeError(
-          'unsupported_database',
+        throw new UnsupportedDatabaseError(
           'advisory locks need a real Postgres server: this is PGlite, which grants every advisory lock',
         );
       }
@@ -292,7 +298,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       onclose: () => {
         session.dead = true;
         if (session.ending) return;
-        session.lost?.abort(new Error('the lease session’s connection closed'));
+        session.lost?.abort(new LockServiceError('advisory', 'the lease session’s connection closed'));
         // Never used again: ended, so postgres.js cannot reconnect it behind our back.
         void endSession(session);
       },
@@ -326,7 +332,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const mine = held.get(token);
       if (mine) return mine.name === name ? mine.grant : null;
-      if (closed) throw new PalisadeError('closed', 'this advisory lock manager is closed');
+      if (closed) throw new LockManagerClosedError('advisory lock manager');
       await ensureReady();
       const key = advisoryKey(ns, name);
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
@@ -410,10 +416,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
           };
         }
       }
-      throw new PalisadeError(
-        'foreign_lock',
-        'the advisory lock is held by a session that is not a palisade lease (same 64-bit key)',
-      );
+      throw new ForeignLockError(name);
     },
 
     waitForRelease(name, ms, signal) {
@@ -423,7 +426,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     async close() {
       closed = true;
       // Ending the sessions frees their locks: the leases are lost, and told so.
-      for (const { session } of held.values()) session.lost?.abort(new Error('the lock manager was closed'));
+      for (const { session } of held.values()) session.lost?.abort(new LockManagerClosedError('advisory lock manager'));
       held.clear();
       await listener.close();
       await Promise.all([...sessions].map((session) => endSession(session)));

@@ -35,9 +35,9 @@ import {
   listenClientOf,
   prepared,
   type RawRow,
-  sqlStateOf,
 } from '../../../driver.js';
 import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';

@@ -1,6 +1,5 @@
 /** The Redis lock backend; the README's "Redis" section is its manual. */
 export {
-  CommandTimeoutError,
   REDIS_QUEUE_STALE_MS,
   type RedisClient,
   type RedisLockManagerOptions,
