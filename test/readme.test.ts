@@ -14,7 +14,7 @@ import { promisify } from 'node:util';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ERROR_CLASSES, ERROR_CODES, type PalisadeErrorCode } from '../src/errors.js';
-import { withDatabase } from './support/databases.js';
+import { withDatabase } from './support/scratch-database.js';
 import { needs, services } from './support/services.js';
 
 const run = promisify(execFile);
@@ -110,6 +110,28 @@ const repo = fencedRepository(db, accounts);
     prints: 'refused',
   },
   {
+    name: 'Writing a lock backend',
+    marker: 'function mapLockBackend(): LockBackend {',
+    postlude: `process.exit(0);\n`,
+    prints: '1n released',
+  },
+  {
+    name: 'the lock backend contract suite',
+    marker: "describeLockBackend('my backend'",
+    // Registers the checks with a runner that only counts them: the suite itself runs in test/fencing/.
+    prelude: `import { postgresLockBackend } from 'palisade-db/backend';
+import { PGlite } from '@electric-sql/pglite';
+import { drizzle } from 'drizzle-orm/pglite';
+const checks: string[] = [];
+const describe = (_name: string, body: () => void) => body();
+const it = (name: string, _fn: () => Promise<void>) => void checks.push(name);
+const expect = (_actual: unknown) => ({ toBe: (_e: unknown) => {}, toEqual: (_e: unknown) => {} });
+const myLockBackend = (o: { namespace: string }) => postgresLockBackend({ client: drizzle(new PGlite()), namespace: o.namespace });
+`,
+    postlude: `console.log(\`\${checks.length} checks\`);\nprocess.exit(0);\n`,
+    prints: '8 checks',
+  },
+  {
     name: 'OpenTelemetry',
     marker: 'configureTelemetry({',
     prelude: `import { MeterProvider } from '@opentelemetry/sdk-metrics';
@@ -131,6 +153,7 @@ function source(harness: Harness, block: string): string {
   const code = `${harness.prelude ?? ''}${block}\n${harness.postlude ?? ''}`;
   return code
     .replaceAll("from 'palisade-db/testing'", `from '${resolve('src/testing/index.ts')}'`)
+    .replaceAll("from 'palisade-db/backend'", `from '${resolve('src/backend.ts')}'`)
     .replaceAll("from 'palisade-db'", `from '${resolve('src/index.ts')}'`)
     .replaceAll("namespace: 'orders'", `namespace: 'readme-${randomBytes(4).toString('hex')}'`);
 }

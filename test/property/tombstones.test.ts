@@ -46,6 +46,7 @@ import type { WriteResult } from '../../src/repo/result.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns } from './support.js';
 
 const docs = pgTable('palisade_prop_tombs', {
@@ -224,8 +225,6 @@ export async function closeHarness(h: Harness | undefined): Promise<void> {
   await h.probe.end({ timeout: 5 });
   for (const s of h.slots) await s.client.end({ timeout: 5 });
 }
-
-const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /**
  * Runs `scenario` under `s`. Each operation's start is a scheduled task, and
