@@ -1,4 +1,3 @@
-import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { InvalidArgumentError, LockServiceError, LockUnavailableError, PalisadeError } from '../errors.js';
 import { observeAcquire } from '../telemetry/otel.js';
@@ -6,6 +5,7 @@ import type { LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
 import { ActiveLease, type Lease } from './lease.js';
 import { type AcquireOptions, type CheckedOptions, checkLockName, checkOptions } from './options.js';
+import { newToken } from './token.js';
 
 const DEFAULT_WAIT_MS = 10_000;
 const BACKOFF_BASE_MS = 5;
@@ -133,7 +133,14 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       autoExtend: opts.autoExtend,
       maxHoldMs: opts.maxHoldMs,
     });
-    events.emit('acquired', { name, fence: grant.fence, holder: opts.holder, waitedMs: performance.now() - startedAt });
+    if (events.listens('acquired')) {
+      events.emit('acquired', {
+        name,
+        fence: grant.fence,
+        holder: opts.holder,
+        waitedMs: performance.now() - startedAt,
+      });
+    }
     return lease;
   }
 
@@ -142,7 +149,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
   // same token returns the same fence, so reuse is safe).
   async function acquireUntil(name: string, opts: CheckedOptions, deadline: number): Promise<Lease> {
     const startedAt = performance.now();
-    const token = randomBytes(16).toString('hex');
+    const token = newToken();
     let queued = false;
     let unreachable: unknown;
     let answered = false;
@@ -203,7 +210,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
       const now = performance.now();
-      const token = randomBytes(16).toString('hex');
+      const token = newToken();
       return observeAcquire(backend.kind, checked, async () => {
         try {
           return await attempt(checked, opts, now, token, false, now);
