@@ -6,6 +6,7 @@
  *   npm run bench -- --quick           short run for developing the benchmark (writes bench/results/quick.*)
  *   npm run bench -- --only=1,2        some sections only (never written as latest)
  *   npm run bench -- --only=7d         a part of a section that can run alone (here: the tombstone purge)
+ *   npm run bench -- --only=2,3 --redis-locks   lock sections with the Redis locks only (no Postgres managers)
  *   npm run bench -- --render          rewrite latest.md and latest.svg from latest.json (after editing the findings)
  *
  * Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test;
@@ -83,7 +84,14 @@ async function main(): Promise<void> {
   const pg = await benchDatabase(24);
   const redis = await benchRedis();
   const report = new Report();
-  const ctx: BenchContext = { scale, pg, redis, report, syncguardPath: process.env.SYNCGUARD_PATH || undefined };
+  const ctx: BenchContext = {
+    scale,
+    pg,
+    redis,
+    report,
+    syncguardPath: process.env.SYNCGUARD_PATH || undefined,
+    redisLocksOnly: args.includes('--redis-locks'),
+  };
   let interrupted = false;
   const onSignal = () => {
     interrupted = true;
