@@ -9,6 +9,8 @@ export {
 export { type PostgresLockManagerOptions, postgresLockManager } from './backends/postgres-lease/backend.js';
 export {
   CommandTimeoutError,
+  REDIS_HANDOFF_CONFIRM_MS,
+  REDIS_HANDOFF_RECENT_MS,
   REDIS_QUEUE_STALE_MS,
   type RedisClient,
   type RedisLockManagerOptions,

@@ -58,6 +58,11 @@ export interface LeaseInit {
   readonly backendLost: AbortSignal | undefined;
   readonly autoExtend: boolean;
   readonly maxHoldMs: number | undefined;
+  /**
+   * A grant a release handed over: held only `withinMs` from `sentAt` until
+   * `run` (sent at once) confirms it, then `ttlMs` from the confirmation's send.
+   */
+  readonly confirm?: { readonly withinMs: number; readonly run: () => Promise<boolean> };
 }
 
 /** @internal */
@@ -84,14 +89,36 @@ export class ActiveLease implements Lease {
     this.token = init.token;
     this.fence = init.fence;
     this.holder = init.holder;
-    this.#expiresAt = init.sentAt + init.ttlMs;
+    this.#expiresAt = init.sentAt + (init.confirm ? Math.min(init.confirm.withinMs, init.ttlMs) : init.ttlMs);
     this.#armDeadline();
+    if (init.confirm) this.#confirm(init.confirm.run);
     if (init.backendLost) {
       this.#onBackendLost = () => this.#lose('the backend lost the lock (connection dropped)', 'connection_dropped');
       if (init.backendLost.aborted) this.#onBackendLost();
       else init.backendLost.addEventListener('abort', this.#onBackendLost, { once: true });
     }
     if (init.autoExtend) this.#startWatchdog();
+  }
+
+  #confirm(run: () => Promise<boolean>): void {
+    const sentAt = performance.now();
+    run().then(
+      (held) => {
+        if (this.#aborted) return;
+        if (!held) {
+          this.#lose('the lock handed over by a release was gone before it was confirmed', 'extension_refused');
+          return;
+        }
+        // A shorter estimate from an extension sent meanwhile stays; the confirmation only lengthens.
+        this.#expiresAt = Math.max(this.#expiresAt, sentAt + this.#init.ttlMs);
+        this.#armDeadline();
+      },
+      (err: unknown) =>
+        this.#lose(
+          `the confirmation of a lock handed over failed: ${err instanceof Error ? err.message : String(err)}`,
+          'extension_failed',
+        ),
+    );
   }
 
   get signal(): AbortSignal {

@@ -1,7 +1,7 @@
 import { performance } from 'node:perf_hooks';
 import { InvalidArgumentError, LockServiceError, LockUnavailableError, PalisadeError } from '../errors.js';
 import { observeAcquire } from '../telemetry/otel.js';
-import type { LockBackend, LockInfo } from './backend.js';
+import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
 import { ActiveLease, type Lease } from './lease.js';
 import { type AcquireOptions, type CheckedOptions, checkLockName, checkOptions } from './options.js';
@@ -144,6 +144,46 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     return lease;
   }
 
+  // A grant a release handed over: the lease starts now, held until the end of the confirmation
+  // window counted from our last send; the confirmation (sent at once, ahead of anything the caller
+  // sends on this lease) gives it the full TTL.
+  function handedOver(
+    name: string,
+    opts: CheckedOptions,
+    startedAt: number,
+    token: string,
+    grant: Grant,
+    lastSentAt: number,
+  ): Lease {
+    const confirm = backend.confirm as NonNullable<LockBackend['confirm']>;
+    const lease = new ActiveLease({
+      backend,
+      events,
+      name,
+      token,
+      fence: grant.fence,
+      holder: opts.holder,
+      ttlMs: opts.ttlMs,
+      sentAt: lastSentAt,
+      backendLost: grant.lost,
+      autoExtend: opts.autoExtend,
+      maxHoldMs: opts.maxHoldMs,
+      confirm: {
+        withinMs: grant.confirmWithinMs ?? 0,
+        run: () => confirm(name, token, opts.ttlMs, opts.holder, grant.fence),
+      },
+    });
+    if (events.listens('acquired')) {
+      events.emit('acquired', {
+        name,
+        fence: grant.fence,
+        holder: opts.holder,
+        waitedMs: performance.now() - startedAt,
+      });
+    }
+    return lease;
+  }
+
   // One token for the whole call: a backend with a fair order keeps the
   // token's place in its queue across attempts (a re-sent grant with the
   // same token returns the same fence, so reuse is safe).
@@ -153,6 +193,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     let queued = false;
     let unreachable: unknown;
     let answered = false;
+    let lastSentAt = startedAt;
     try {
       for (let tries = 0; ; tries++) {
         if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
@@ -165,6 +206,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
             opts.waitMs > 0
               ? Math.max(deadline + (hooks.waitGraceMs ?? 0), performance.now() + MIN_ATTEMPT_MS)
               : Infinity;
+          lastSentAt = performance.now();
           lease = await attempt(name, opts, startedAt, token, true, deadline, cutAt);
           unreachable = undefined;
           answered = true;
@@ -187,7 +229,17 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         // Full jitter spreads retries (and, in a queue, refreshes our place);
         // a release notification cuts the wait short.
         const backoff = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
-        await backend.waitForRelease(name, Math.min(left, backoff), opts.signal, token);
+        if (backend.waitForTurn && backend.confirm) {
+          const handed = await backend.waitForTurn(name, Math.min(left, backoff), opts.signal, token);
+          // The lock was handed over to us: our wake-up is our grant, unless its confirmation window
+          // (counted from our last grant call, sent before the release) is as good as over.
+          if (handed && performance.now() < lastSentAt + (handed.confirmWithinMs ?? 0) / 2) {
+            queued = false;
+            return handedOver(name, opts, startedAt, token, handed, lastSentAt);
+          }
+        } else {
+          await backend.waitForRelease(name, Math.min(left, backoff), opts.signal, token);
+        }
       }
     } finally {
       // Gave up (timeout, abort, error): leave the queue, best effort, without delaying the throw.

@@ -13,6 +13,10 @@
  * order in which they first found the lock taken, and a releaser that
  * acquires again goes to the back instead of barging in.
  *
+ * A release that finds a live waiter at the head of the line hands the
+ * lock over to it (./release.ts); the waiter's next grant call — or its
+ * confirmation — makes the grant its own, with its TTL and holder label.
+ *
  * A waiter that stops retrying (killed, paused, cut off) for longer than
  * {@link REDIS_QUEUE_STALE_MS} loses its place: the next grant drops it, so
  * it delays the lock by at most about that long; if it comes back it queues
@@ -65,8 +69,17 @@ local function wait_in_line(ms)
 end
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
-  local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
-  if g[1] == ARGV[1] then return {'OK', g[2], g[3]} end
+  local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter', 'handoff')
+  if g[1] == ARGV[1] then
+    if g[4] then
+      -- Handed over by a release (only for its confirmation window): this grant confirms it.
+      redis.call('PEXPIRE', KEYS[1], ARGV[2])
+      redis.call('PEXPIRE', KEYS[2], ARGV[2])
+      redis.call('HDEL', KEYS[2], 'handoff')
+      if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+    end
+    return {'OK', g[2], g[3]}
+  end
 elseif current then
   if waiting then return wait_in_line(now()) end
   return {'BUSY'}
@@ -119,7 +132,7 @@ return {'OK', st[2], counter}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV3', lua: GRANT_LUA, numberOfKeys: 5 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV4', lua: GRANT_LUA, numberOfKeys: 5 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or
