@@ -90,6 +90,13 @@ export interface LockManagerHooks {
    * server refused on time is a timeout, not "no answer". Default 0.
    */
   readonly waitGraceMs?: number;
+  /**
+   * For a backend with a fair queue that hands the lock over (Redis): after
+   * its first attempt a waiting acquire retries every `min`–`max` ms (jitter)
+   * instead of backing off from 5 ms — its turn comes by a handoff, a retry
+   * only keeps its place. `max` must stay below the backend's staleness bound.
+   */
+  readonly queuedRetryMs?: { readonly min: number; readonly max: number };
 }
 
 /**
@@ -228,7 +235,10 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         }
         // Full jitter spreads retries (and, in a queue, refreshes our place);
         // a release notification cuts the wait short.
-        const backoff = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
+        const queuedRetry = hooks.queuedRetryMs;
+        const backoff = queuedRetry
+          ? queuedRetry.min + Math.random() * (queuedRetry.max - queuedRetry.min)
+          : Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
         if (backend.waitForTurn && backend.confirm) {
           const handed = await backend.waitForTurn(name, Math.min(left, backoff), opts.signal, token);
           // The lock was handed over to us: our wake-up is our grant, unless its confirmation window

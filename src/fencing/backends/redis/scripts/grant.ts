@@ -7,7 +7,7 @@
  * script puts the token at the end of the lock's queue (or, if it is
  * already there, only notes that it is still alive) and answers BUSY. A
  * release wakes only the head of the line (the other waiters retry at their
- * backoff, at most every 250 ms, which keeps their places). A free
+ * retry interval, every 100–200 ms with redisLockManager, which keeps their places). A free
  * lock goes only to the head of the queue; `tryAcquire` gets it only when
  * nobody waits. So among the waiters of one lock name, grants follow the
  * order in which they first found the lock taken, and a releaser that
@@ -37,7 +37,7 @@ import type { LuaScript, RunScript } from './script.js';
 /**
  * A queued waiter that has not retried for this long (by the Redis server's
  * clock) loses its place in the lock's queue. Waiting acquires retry at
- * least every 250 ms (the lock manager's backoff cap) and at every release.
+ * least every 250 ms (redisLockManager: every 100–200 ms) and at every release.
  */
 export const REDIS_QUEUE_STALE_MS = 1_000;
 /** The queue keys expire this long after their last write. */
