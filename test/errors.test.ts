@@ -102,10 +102,13 @@ describe('errors', () => {
  * Files allowed a plain `Error`: the server-error copy (a sanitised stand-in
  * for the driver's error, only ever a `cause`), the demo worker (a child
  * process whose failures the demo reports as a CliError) and the testing
- * helper's assertion failures (a failed test, not a library error).
+ * helpers' assertion failures: the stale-write helper's and the backend
+ * contract suite's (a failed test, not a library error).
  */
 const ALLOWED_PLAIN_ERRORS = new Set([
   join('src', 'server-error.ts'),
   join('src', 'cli', 'demo-worker.ts'),
   join('src', 'testing', 'stale-write.ts'),
+  join('src', 'testing', 'contract-checks.ts'),
+  join('src', 'testing', 'contract-process.ts'),
 ]);

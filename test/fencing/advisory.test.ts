@@ -1,6 +1,6 @@
 /**
- * The advisory-lock backend on the real Postgres: the seed's scheduler
- * singleton (exercise 8) and the fault scenarios with real OS processes,
+ * The advisory-lock backend on the real Postgres: the scheduler singleton
+ * and the fault scenarios with real OS processes,
  * killed, paused, or with their session terminated by the server. Each test
  * has its own database and namespace. PGlite is refused (its advisory locks
  * always succeed), which the last block checks without a server.
@@ -13,12 +13,9 @@ import postgres from 'postgres';
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError, LeaseLostError, PalisadeError } from '../../src/errors.js';
-import {
-  advisoryKey,
-  advisoryKeyParts,
-  advisoryLockManager,
-  runIfLeader,
-} from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryKey, advisoryKeyParts } from '../../src/fencing/backends/postgres-advisory/keys.js';
+import { runIfLeader } from '../../src/fencing/backends/postgres-advisory/leader.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from '../support/databases.js';
 import {

@@ -10,12 +10,9 @@ import { Etcd3 } from 'etcd3';
 import { ConnectionPool } from 'etcd3/lib/connection-pool.js';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { InvalidArgumentError, LeaseLostError } from '../../src/errors.js';
-import {
-  etcdKeyNames,
-  etcdLeaseSeconds,
-  etcdLockBackend,
-  etcdLockManager,
-} from '../../src/fencing/backends/etcd/backend.js';
+import { etcdLockBackend } from '../../src/fencing/backends/etcd/backend.js';
+import { etcdKeyNames, etcdLeaseSeconds } from '../../src/fencing/backends/etcd/keys.js';
+import { etcdLockManager } from '../../src/fencing/backends/etcd/manager.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';

@@ -11,11 +11,8 @@ import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import { execute } from '../../src/driver.js';
 import type { LockBackend } from '../../src/fencing/backend.js';
-import {
-  advisoryKey,
-  advisoryKeyParts,
-  advisoryLockBackend,
-} from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryLockBackend } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryKey, advisoryKeyParts } from '../../src/fencing/backends/postgres-advisory/keys.js';
 import { postgresLockBackend } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { redisLockBackend } from '../../src/fencing/backends/redis/backend.js';
 import type { LockManagerHooks } from '../../src/fencing/lock-manager.js';

@@ -1,7 +1,7 @@
 /**
  * Postgres lease backend: one row per lock in `palisade.leases`, fences from
- * `palisade.fence_seq`. Works on the real Postgres (postgres.js) and on
- * PGlite.
+ * `palisade.fence_seq`. The README's "Postgres leases and advisory locks"
+ * section is the manual; what follows is why the SQL is shaped as it is.
  *
  * Clock. Expiry is decided by the database only, with `clock_timestamp()`
  * (the time the expression is evaluated), never a client clock. Not
