@@ -54,6 +54,9 @@ export interface ContractSubject {
 /**
  * How the suite gets backends. Every call of `open` must give a backend in
  * a namespace no other call uses, so checks run in parallel and twice.
+ * An options object, so that what later versions of the contract need (a
+ * lock identity carried by grants, for lock-scoped fencing) can be added
+ * without breaking contracts written against this one.
  */
 export interface LockBackendContract {
   open(): Promise<ContractSubject>;
