@@ -1,6 +1,6 @@
 /**
  * Which way the imports run, and how long a file may grow (the README's
- * "Development" notes and issue 15): each lock backend lives in its own
+ * "Development" notes): each lock backend lives in its own
  * folder under src/fencing/backends/ and imports no other backend; the core
  * (src/fencing outside backends/, src/repo, src/schema) imports no backend;
  * no file in src/ is over 400 lines.
