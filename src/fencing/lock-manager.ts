@@ -126,6 +126,10 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       name,
       token,
       fence: grant.fence,
+      lock:
+        grant.source === undefined || backend.namespace === undefined
+          ? undefined
+          : Object.freeze({ kind: backend.kind, source: grant.source, namespace: backend.namespace, name }),
       holder: opts.holder,
       ttlMs: opts.ttlMs,
       sentAt,

@@ -9,4 +9,4 @@ export {
   fenceTriggerStatements,
   installFenceTrigger,
 } from './fence-trigger.js';
-export { epochSequence, fenceSequence, leases, palisadeSchema } from './palisade.js';
+export { epochSequence, fenceSequence, fenceSources, leases, lockRegisters, palisadeSchema } from './palisade.js';

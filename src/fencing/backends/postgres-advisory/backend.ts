@@ -110,16 +110,24 @@ const IDLE_APP_NAME = 'palisade';
 // a lock on the sequence (an ALTER SEQUENCE not yet committed): `w` sets this
 // attempt's lock_timeout first ($4: what is left of the acquire's wait; the
 // sequence is locked when nextval runs, after it), and the last column puts
-// the session's own bound back ($5). A statement that fails after the
+// the session's own bound back ($5). The grant claims its lock's register in
+// the same statement (palisade.register_grant, migration 0005; $6 namespace,
+// $7 name), waiting at most the same lock_timeout for a fenced transaction
+// that holds it: a timeout there is "not granted", as for the sequence. A statement that fails after the
 // try-lock leaves the advisory lock held (advisory locks ignore rollback):
 // the session is then ended, which frees it.
 const GRANT = `
   with w as materialized (select set_config('lock_timeout', $4::text, false) as lt),
   t as materialized (select pg_try_advisory_lock($1::int8) as got from w),
-  f as materialized (
+  f0 as materialized (
     select got, case when got then nextval('palisade.fence_seq') end as fence,
            floor(extract(epoch from clock_timestamp()) * 1000)::int8 as at
     from t
+  ),
+  f as materialized (
+    select got, fence, at,
+           case when got then palisade.register_grant('advisory', $6::text, $7::text, fence) end as registered
+    from f0
   )
   select got, fence::text as fence,
          case when got then set_config('application_name',
@@ -252,6 +260,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     }
   };
 
+  let source = '';
   const ensureReady = (): Promise<void> => {
     ready ??= (async () => {
       // postgres.js is an optional peer: loaded when the first lease needs a session of its own.
@@ -266,6 +275,8 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       const query = new PgDialect().sqlToQuery(fenceSequenceQuery());
       const [row] = await run(sql, query.sql, query.params);
       judgeFenceSequence(row);
+      const [id] = await run(sql, 'select palisade.fence_source_id() as id', []);
+      source = String(id?.id);
     })().catch((err: unknown) => {
       ready = undefined;
       throw err;
@@ -322,6 +333,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
 
   return {
     kind: 'advisory',
+    namespace: ns,
 
     async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const mine = held.get(token);
@@ -330,7 +342,15 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       await ensureReady();
       const key = advisoryKey(ns, name);
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
-      const params = [key.toString(), String(ttlMs), holderLabel(holder), String(wait), String(lockTimeoutMs)];
+      const params = [
+        key.toString(),
+        String(ttlMs),
+        holderLabel(holder),
+        String(wait),
+        String(lockTimeoutMs),
+        ns,
+        name,
+      ];
       let reused = idle.length > 0;
       let session = idle.pop() ?? openSession();
       let row: RawRow | undefined;
@@ -357,7 +377,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       }
       const lost = new AbortController();
       session.lost = lost;
-      const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal };
+      const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal, source };
       held.set(token, { name, key, session, grant });
       return grant;
     },
