@@ -6,9 +6,11 @@
 export { type Database, DatabaseError, type DriverName } from './driver.js';
 export {
   ERROR_CODES,
+  FenceNotIssuedError,
   FenceSourceError,
   InvalidArgumentError,
   LeaseLostError,
+  LockScopeError,
   LockServiceError,
   LockTimeoutError,
   LockUnavailableError,

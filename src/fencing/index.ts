@@ -18,5 +18,6 @@ export { redisLockManager } from './backends/redis/manager.js';
 export type { LockEvents } from './events.js';
 export { assertFence, type Fence, isFence, MAX_FENCE, toFence } from './fence.js';
 export type { Lease } from './lease.js';
+export { checkLockIdentity, type LockIdentity } from './lock-identity.js';
 export { createLockManager, type LockManager, type LockManagerHooks } from './lock-manager.js';
 export { type AcquireOptions, MAX_NAME_BYTES, MAX_TTL_MS } from './options.js';
