@@ -39,6 +39,8 @@ import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type Fence, toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import { checkNamespace } from '../../options.js';
+import { withFenceSource } from '../../source.js';
+import { etcdFenceSource } from './source.js';
 
 const DEFAULT_COMMAND_TIMEOUT_MS = 10_000;
 const MAX_COMMAND_TIMEOUT_MS = 120_000;
@@ -138,7 +140,10 @@ export function etcdLeaseSeconds(ttlMs: number): number {
  * @throws {InvalidArgumentError} for bad options.
  */
 export function etcdLockManager(options: EtcdLockManagerOptions): LockManager {
-  return createLockManager(etcdLockBackend(options));
+  const backend = etcdLockBackend(options);
+  return createLockManager(
+    withFenceSource(backend, checkNamespace(options.namespace), etcdFenceSource(options.client)),
+  );
 }
 
 /** What the backend remembers of a lease it granted, by token. */

@@ -6,7 +6,10 @@
  * the cause; its `error` events do ("connect ECONNREFUSED 127.0.0.1:6379").
  */
 import { createLockManager, type LockManager } from '../../lock-manager.js';
+import { checkNamespace } from '../../options.js';
+import { withFenceSource } from '../../source.js';
 import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from './backend.js';
+import { redisFenceSource } from './source.js';
 
 /**
  * A lock manager on Redis (ioredis). Each grant is one Lua script: `SET key
@@ -80,7 +83,9 @@ import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from
  * @throws {InvalidArgumentError} for bad options.
  */
 export function redisLockManager(options: RedisLockManagerOptions): LockManager {
-  const backend = redisLockBackend(options);
+  const inner = redisLockBackend(options);
+  const namespace = checkNamespace(options.namespace);
+  const backend = withFenceSource(inner, namespace, redisFenceSource(options, namespace));
   const watch = watchConnection(options.client);
   return createLockManager(
     {
