@@ -15,7 +15,7 @@ import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { killAllCli, runCli } from '../support/cli.js';
 import { type EtcdCluster, startEtcdCluster } from '../support/etcd-cluster.js';
 import { type BackendKind, type ManagerConfig, openManager } from '../support/managers.js';
-import { killAllWorkers, startWorker, type Worker } from '../support/processes.js';
+import { killAllWorkers, startWorker } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs, services } from '../support/services.js';
 
