@@ -98,8 +98,9 @@ export async function lockScope(ctx: BenchContext): Promise<void> {
     {
       name: `plain transaction of ${TX_WRITES} row-scoped writes`,
       fn: () =>
-        db.transaction(async () => {
-          for (let i = 0; i < TX_WRITES; i++) await repo.update({ id: randomId(ROWS) }, fence, { balance: value() });
+        db.transaction(async (tx) => {
+          const inTx = fencedRepository(tx as unknown as Database, table, { sameFence: 'allow' });
+          for (let i = 0; i < TX_WRITES; i++) await inTx.update({ id: randomId(ROWS) }, fence, { balance: value() });
         }),
     },
     {
