@@ -190,6 +190,7 @@ async function main(): Promise<void> {
     const label = labelOf(i);
     const record = historyRecorder(args.history, label);
     let round = 0;
+    const unaborted = new AbortController().signal;
     while (!stopping && Date.now() < stopAt) {
       record({ type: 'invoke', op: 'acquire', lock });
       const { manager, server } = managers.current(slot);
@@ -220,20 +221,28 @@ async function main(): Promise<void> {
         for (const k of keys) record({ type: 'invoke', op: 'increment', key: k, fence });
         const written: { key: string; n: number }[] = [];
         try {
-          const result = await fencedTransaction(db, lease, async (tx) => {
-            for (const k of keys) {
-              const r = await fencedRepository(db, chaosCounter)
-                .with(lease)
-                .modify({ id: k }, (row) => ({ n: row.n + 1 }));
-              if (r.status !== 'applied') return r.status;
-              const lockLabel = `${slot.namespace}/${lock}`;
-              await tx
-                .insert(chaosAudit)
-                .values({ key: k, fence: lease.fence, process: label, value: r.row.n, lock: lockLabel });
-              written.push({ key: k, n: r.row.n });
-            }
-            return 'applied';
-          });
+          // The holder goes on as if it still held the lock (its signal is not consulted): the database
+          // alone must refuse it. The idle timeout stays at one TTL, so a paused holder cannot wedge the lock.
+          const holder = { fence: lease.fence, lock: lease.lock, signal: unaborted };
+          const result = await fencedTransaction(
+            db,
+            holder,
+            async (tx) => {
+              for (const k of keys) {
+                const r = await fencedRepository(db, chaosCounter)
+                  .with(holder)
+                  .modify({ id: k }, (row) => ({ n: row.n + 1 }));
+                if (r.status !== 'applied') return r.status;
+                const lockLabel = `${slot.namespace}/${lock}`;
+                await tx
+                  .insert(chaosAudit)
+                  .values({ key: k, fence: lease.fence, process: label, value: r.row.n, lock: lockLabel });
+                written.push({ key: k, n: r.row.n });
+              }
+              return 'applied';
+            },
+            { idleTimeoutMs: args.ttlMs },
+          );
           const status = result.status === 'applied' ? result.value : result.status;
           for (const k of keys) {
             if (status === 'applied') {
