@@ -3,16 +3,8 @@
  * registers of lock-scoped fencing (README, "Two scopes of fencing",
  * "Resetting a register").
  */
-import {
-  CliError,
-  type Command,
-  connect,
-  connectionError,
-  parse,
-  requireDatabaseUrl,
-  table,
-  toJson,
-} from './common.js';
+import { CliError } from '../errors.js';
+import { type Command, connect, connectionError, parse, requireDatabaseUrl, table, toJson } from './common.js';
 
 const listHelp = `Usage: palisade locks registers [--namespace NS] [--limit N] [--json]
 

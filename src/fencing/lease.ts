@@ -1,7 +1,7 @@
 import { performance } from 'node:perf_hooks';
 import { LeaseLostError } from '../errors.js';
 import type { LostReason } from '../telemetry/catalog.js';
-import { observeExtend, observeRelease, recordLost } from '../telemetry/otel.js';
+import { observeExtend, observeRelease, recordLost } from '../telemetry/locks.js';
 import type { LockBackend } from './backend.js';
 import type { Emitter, LockEvents } from './events.js';
 import type { Fence } from './fence.js';
@@ -204,7 +204,7 @@ export class ActiveLease implements Lease {
     if (this.signal.aborted) return;
     // Every release aborts the signal: there, skip the stack trace. Captured under the deep async
     // stack of a Redis reply it cost ~30 µs of client CPU per release, a fifth of a whole
-    // acquire+release cycle (bench/, section 2), and it would only point into this class.
+    // acquire+release cycle (bench/sections/lock-round-trips.ts), and it would only point into this class.
     const limit = Error.stackTraceLimit;
     if (reason === 'released') Error.stackTraceLimit = 0;
     let error: LeaseLostError;

@@ -1,7 +1,7 @@
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { InvalidArgumentError, LockServiceError, LockUnavailableError, PalisadeError } from '../errors.js';
-import { observeAcquire } from '../telemetry/otel.js';
+import { observeAcquire } from '../telemetry/locks.js';
 import type { LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
 import { ActiveLease, type Lease } from './lease.js';

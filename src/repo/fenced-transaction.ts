@@ -47,9 +47,6 @@ export type FencedTransactionResult<R> =
 
 const DEFAULT_IDLE_MS = 60_000;
 
-// Thrown to roll back; the driver's error translation wraps it, so the refusal travels beside it.
-const ROLLBACK = 'palisade: fenced transaction refused';
-
 /**
  * Runs `fn(tx)` in one transaction bound to `leases`: first, in one
  * statement and sorted order, it claims every lease's lock register (so two
@@ -85,7 +82,8 @@ export async function fencedTransaction<R>(
   let refusal: Refusal | undefined;
   const refuse = (r: Refusal): never => {
     refusal = r;
-    throw new Error(ROLLBACK);
+    // Thrown to roll back; the call returns the refusal instead of this error.
+    throw new StaleFenceError(r.table ?? '(lock register)', r.key ?? {}, r.attemptedFence, r.currentFence);
   };
   try {
     return await transaction(on(db), async (tx) => {

@@ -18,11 +18,20 @@ import {
 import { InvalidArgumentError, LockScopeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import type { LockIdentity } from '../fencing/lock-identity.js';
-import { observeBatch, observeWrite } from '../telemetry/otel.js';
+import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
 import { joining, on, recordRefusal } from './joined.js';
 import { inClaim, leasedRepository, returningOf, type WriteCore } from './lock-scope.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
+
+export type {
+  FencedRepository,
+  FenceHolder,
+  LeasedRepository,
+  RepositoryOptions,
+  StaleWriteEvent,
+} from './repository-api.js';
+
 import { rememberContext, type WriteResult } from './result.js';
 import {
   APPLIED,

@@ -1,0 +1,169 @@
+/**
+ * The grant script: `SET key token NX PX ttl`, the fence counter increment
+ * and the grant record in one step, in the fair order of the lock's queue.
+ *
+ * A waiting `acquire` keeps one token for the whole wait. When its grant
+ * finds the lock held — or free but promised to an earlier waiter — the
+ * script puts the token at the end of the lock's queue (or, if it is
+ * already there, only notes that it is still alive) and answers BUSY. A
+ * release wakes only the head of the line (the other waiters retry at their
+ * backoff, at most every 250 ms, which keeps their places). A free
+ * lock goes only to the head of the queue; `tryAcquire` gets it only when
+ * nobody waits. So among the waiters of one lock name, grants follow the
+ * order in which they first found the lock taken, and a releaser that
+ * acquires again goes to the back instead of barging in.
+ *
+ * A waiter that stops retrying (killed, paused, cut off) for longer than
+ * {@link REDIS_QUEUE_STALE_MS} loses its place: the next grant drops it, so
+ * it delays the lock by at most about that long; if it comes back it queues
+ * again at the end. A waiter that gives up (timeout, abort) leaves the queue
+ * at once (best effort). The queue keys expire a few seconds after their
+ * last write, so nothing stays behind.
+ *
+ * The script issues a fence only from an active fence state of the current
+ * data history whose counter is not used up; otherwise it answers NOEPOCH
+ * and the client takes a new epoch (../epochs.ts).
+ */
+import { FenceSourceError } from '../../../../errors.js';
+import type { Fence } from '../../../fence.js';
+import { fenceOf, REDIS_MAX_COUNTER_ARG, type RedisKeyNames } from '../keys.js';
+import { IDENTITY_LUA } from './identity.js';
+import type { LuaScript, RunScript } from './script.js';
+
+/**
+ * A queued waiter that has not retried for this long (by the Redis server's
+ * clock) loses its place in the lock's queue. Waiting acquires retry at
+ * least every 250 ms (the lock manager's backoff cap) and at every release.
+ */
+export const REDIS_QUEUE_STALE_MS = 1_000;
+/** The queue keys expire this long after their last write. */
+export const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
+/** At most this many dead entries are dropped from a queue per grant (the rest at the next ones). */
+const MAX_PRUNE = 64;
+
+// KEYS: lock, grant record, fence state, queue, seen.
+// ARGV: token, ttl ms, holder, has holder ('1'/'0'), max counter, waiting ('1'/'0'), stale ms, queue ttl ms, max prune.
+// Replies: {'OK', epoch, counter} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}.
+// The queue: KEYS[4] token → place (order of arrival), KEYS[5] token → last retry (Redis TIME, ms).
+const GRANT_LUA = `${IDENTITY_LUA}
+local waiting = ARGV[6] == '1'
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function wait_in_line(ms)
+  if not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
+    local last = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')
+    local place = 1
+    if last[2] then place = tonumber(last[2]) + 1 end
+    redis.call('ZADD', KEYS[4], place, ARGV[1])
+  end
+  redis.call('ZADD', KEYS[5], ms, ARGV[1])
+  redis.call('PEXPIRE', KEYS[4], ARGV[8])
+  redis.call('PEXPIRE', KEYS[5], ARGV[8])
+  return {'BUSY'}
+end
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then
+  local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
+  if g[1] == ARGV[1] then return {'OK', g[2], g[3]} end
+elseif current then
+  if waiting then return wait_in_line(now()) end
+  return {'BUSY'}
+else
+  -- Free: it goes to the head of the line, once waiters that stopped retrying are dropped.
+  local ms = now()
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ms - tonumber(ARGV[7]), 'LIMIT', 0, tonumber(ARGV[9]))
+  for _, t in ipairs(dead) do
+    redis.call('ZREM', KEYS[4], t)
+    redis.call('ZREM', KEYS[5], t)
+  end
+  for _ = 1, tonumber(ARGV[9]) do
+    local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+    if not head or head == ARGV[1] then break end
+    if redis.call('ZSCORE', KEYS[5], head) then
+      if waiting then return wait_in_line(ms) end
+      return {'BUSY'}
+    end
+    redis.call('ZREM', KEYS[4], head)
+  end
+end
+local id = identity()
+if not id then return {'NOEPOCH', 'replica', ''} end
+local st = redis.call('HMGET', KEYS[3], 'state', 'epoch', 'counter', 'id')
+if not st[1] then return {'NOEPOCH', 'missing', ''} end
+if st[1] ~= 'active' then
+  if st[4] == id then return {'NOEPOCH', 'pending', st[2] or ''} end
+  return {'NOEPOCH', 'server', st[2] or ''}
+end
+if st[4] ~= id then return {'NOEPOCH', 'server', st[2]} end
+if tonumber(st[3]) >= tonumber(ARGV[5]) then return {'NOEPOCH', 'exhausted', st[2]} end
+if current then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {'BUSY'}
+end
+redis.call('HINCRBY', KEYS[3], 'counter', 1)
+local counter = redis.call('HGET', KEYS[3], 'counter')
+local t = redis.call('TIME')
+local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at)
+if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+if waiting then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('ZREM', KEYS[5], ARGV[1])
+end
+return {'OK', st[2], counter}
+`;
+
+/** @internal */
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV3', lua: GRANT_LUA, numberOfKeys: 5 };
+
+/**
+ * @internal What a grant attempt found: the lock with its fence, taken (or
+ * promised to an earlier waiter), or a fence state that needs a new epoch
+ * (`reason`: missing, server, pending, exhausted, replica; `observed`: the
+ * epoch seen, '' if none).
+ */
+export type GrantReply =
+  | { readonly kind: 'granted'; readonly fence: Fence }
+  | { readonly kind: 'busy' }
+  | { readonly kind: 'no-epoch'; readonly reason: string; readonly observed: string };
+
+const BUSY: GrantReply = { kind: 'busy' };
+
+/** @internal One run of the grant script. */
+export async function runGrant(
+  run: RunScript,
+  keys: RedisKeyNames,
+  name: string,
+  token: string,
+  ttlMs: number,
+  holder: string | null,
+  waiting: boolean,
+): Promise<GrantReply> {
+  const reply = (await run(GRANT_SCRIPT, [
+    keys.lock(name),
+    keys.grant(name),
+    keys.fence,
+    keys.queue(name),
+    keys.seen(name),
+    token,
+    ttlMs,
+    holder ?? '',
+    holder === null ? '0' : '1',
+    REDIS_MAX_COUNTER_ARG,
+    waiting ? '1' : '0',
+    REDIS_QUEUE_STALE_MS,
+    QUEUE_TTL_MS,
+    MAX_PRUNE,
+  ])) as string[];
+  if (reply[0] === 'OK') return { kind: 'granted', fence: fenceOf(reply[1], reply[2]) };
+  if (reply[0] === 'BUSY') return BUSY;
+  if (reply[0] !== 'NOEPOCH') {
+    throw new FenceSourceError(`unexpected reply to the grant script: ${JSON.stringify(reply)}`);
+  }
+  return { kind: 'no-epoch', reason: String(reply[1]), observed: String(reply[2] ?? '') };
+}

@@ -1,0 +1,67 @@
+/** The scripts that read or renew a held lock without changing its owner: extend and inspect. */
+import { FenceSourceError } from '../../../../errors.js';
+import type { LockInfo } from '../../../backend.js';
+import { fenceOf, type RedisKeyNames } from '../keys.js';
+import type { LuaScript, RunScript } from './script.js';
+
+// KEYS: lock, grant record. ARGV: token, ttl ms.
+const EXTEND_LUA = `
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return 'HELD'
+end
+return 'LOST'
+`;
+
+// KEYS: lock, grant record. Replies: {'FREE'} | {'HELD', epoch, counter, holder, has holder, at ms, pttl} | {'NORECORD'}.
+const INSPECT_LUA = `
+local token = redis.call('GET', KEYS[1])
+if not token then return {'FREE'} end
+local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter', 'holder', 'at')
+if g[1] ~= token then return {'NORECORD'} end
+local pttl = redis.call('PTTL', KEYS[1])
+return {'HELD', g[2], g[3], g[4] or '', g[4] and '1' or '0', g[5], tostring(pttl)}
+`;
+
+/** @internal */
+export const EXTEND_SCRIPT: LuaScript = { name: 'palisadeExtendV1', lua: EXTEND_LUA, numberOfKeys: 2 };
+/** @internal */
+export const INSPECT_SCRIPT: LuaScript = {
+  name: 'palisadeInspectV1',
+  lua: INSPECT_LUA,
+  numberOfKeys: 2,
+  readOnly: true,
+};
+
+/** @internal Resets the TTL if `token` holds the lock; false if it does not. */
+export async function runExtend(
+  run: RunScript,
+  keys: RedisKeyNames,
+  name: string,
+  token: string,
+  ttlMs: number,
+): Promise<boolean> {
+  return (await run(EXTEND_SCRIPT, [keys.lock(name), keys.grant(name), token, ttlMs])) === 'HELD';
+}
+
+/**
+ * @internal Who holds the lock, or null if it is free.
+ * @throws {FenceSourceError} when the lock is held but its grant record is gone.
+ */
+export async function runInspect(run: RunScript, keys: RedisKeyNames, name: string): Promise<LockInfo | null> {
+  const reply = (await run(INSPECT_SCRIPT, [keys.lock(name), keys.grant(name)])) as string[];
+  if (reply[0] === 'FREE') return null;
+  if (reply[0] !== 'HELD') {
+    throw new FenceSourceError(`lock ${JSON.stringify(name)} is held but its grant record is missing (evicted?)`);
+  }
+  const [, epoch, counter, holder, hasHolder, at, pttl] = reply;
+  const remaining = Number(pttl);
+  return {
+    name,
+    holder: hasHolder === '1' ? (holder ?? '') : null,
+    fence: fenceOf(epoch, counter),
+    acquiredAt: at && /^\d+$/.test(at) ? new Date(Number(at)) : null,
+    remainingMs: Number.isFinite(remaining) && remaining >= 0 ? remaining : null,
+  };
+}
