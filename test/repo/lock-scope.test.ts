@@ -8,11 +8,14 @@ import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { afterEach, describe, expect, it } from 'vitest';
 import { FenceNotIssuedError, LockScopeError } from '../../src/errors.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { Lease } from '../../src/fencing/lease.js';
+import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { killAllCli, runCli } from '../support/cli.js';
+import { pgliteDatabase } from '../support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from '../support/etcd-cluster.js';
 import { type BackendKind, type ManagerConfig, openManager } from '../support/managers.js';
 import { killAllWorkers, startWorker } from '../support/processes.js';
@@ -270,3 +273,39 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
     });
   },
 );
+
+describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, () => {
+  it('the Postgres lease backend claims at grant: the old holder is refused on a row the new one never wrote', async () => {
+    const test = await pgliteDatabase();
+    const locks = postgresLockManager({ client: test.db, namespace: uniqueNamespace('pglite'), listen: false });
+    try {
+      await migrate(test.db);
+      await test.db.execute(
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await test.db.execute(sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
+      const repo = fencedRepository(test.db, resource, { scope: 'lock' });
+      const old = await locks.acquire('L', { ttlMs: 100, autoExtend: false });
+      expect((await repo.with(unaware(old)).update({ id: 1 }, { value: 'old' })).status).toBe('applied');
+      const current = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
+      // The grant alone refuses the old holder, before the new one writes anything.
+      expect(await repo.with(unaware(old)).update({ id: 2 }, { value: 'late' })).toEqual({
+        status: 'stale',
+        currentFence: current.fence,
+      });
+      const result = await fencedTransaction(test.db, current, async () => {
+        await repo.with(current).update({ id: 1 }, { value: 'new 1' });
+        await repo.with(current).update({ id: 2 }, { value: 'new 2' });
+        return 'done';
+      });
+      expect(result).toEqual({ status: 'applied', value: 'done' });
+      const refused = await fencedTransaction(test.db, unaware(old), async () => 'never');
+      expect(refused.status).toBe('stale');
+      expect((await repo.get({ id: 2 }))?.value).toBe('new 2');
+      await current.release();
+    } finally {
+      await locks.close();
+      await test.close();
+    }
+  });
+});
