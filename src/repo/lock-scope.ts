@@ -3,7 +3,7 @@
  * scopes of fencing"). The SQL of the register is in migration 0005.
  */
 import { sql } from 'drizzle-orm';
-import { type Database, int8, prepared, transaction } from '../driver.js';
+import { assertSupportedDriver, type Database, int8, prepared, transaction } from '../driver.js';
 import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
@@ -116,4 +116,29 @@ export function returningOf(options: unknown): Returning {
   const returning = (options as { returning?: unknown } | null)?.returning;
   if (returning === undefined || returning === 'row' || returning === 'status') return returning ?? 'row';
   throw new InvalidArgumentError("update's returning must be 'row' or 'status'");
+}
+
+/**
+ * The eager claim: claims `holder.lock`'s register on `db` for
+ * `holder.fence` now, in one statement, rather than at the first
+ * lock-scoped write. Call it right after `acquire` where the backend does
+ * not claim at grant (Redis, etcd, a Postgres manager on another database):
+ * from then on every lock-scoped write of a lower fence of the lock is
+ * refused, even on rows this holder never writes. Returns `claimed`, or
+ * `stale` with the register's fence when a higher fence claimed it first.
+ * Takes no lock beyond its own statement.
+ * @throws {LockScopeError} for a holder without `lock`; {@link FenceNotIssuedError}
+ * for a fence above the latest grant of a lock whose grants claim on `db`.
+ */
+export async function claimLockRegister(
+  db: Database,
+  holder: FenceHolder,
+): Promise<{ readonly status: 'claimed' } | { readonly status: 'stale'; readonly currentFence: Fence }> {
+  assertSupportedDriver(db, 'claimLockRegister');
+  const fence = assertFence(holder?.fence, 'lease fence');
+  if (holder.lock === undefined || holder.lock === null) {
+    throw new LockScopeError('claimLockRegister needs a holder with a lock (every built-in lease has one)');
+  }
+  const registered = await claimLock(db, checkLockIdentity(holder.lock), fence);
+  return registered === fence ? { status: 'claimed' } : { status: 'stale', currentFence: registered };
 }

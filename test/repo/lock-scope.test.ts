@@ -12,6 +12,7 @@ import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/b
 import type { Lease } from '../../src/fencing/lease.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { claimLockRegister } from '../../src/repo/lock-scope.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { killAllCli, runCli } from '../support/cli.js';
@@ -265,6 +266,16 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
           expect((await repo.with(lease).update({ id: 2 }, { value: 'real' })).status).toBe('applied');
           const bad = await runCli(['locks', 'reset-register', '--kind', 'redis'], env);
           expect(bad.code).toBe(2);
+          // The eager claim: a newer Redis lease claims at once, and an older holder is refused everywhere.
+          const newer = await m.manager.acquire('L2', { ttlMs: 60_000 });
+          const older = { ...unaware(newer), fence: (newer.fence - 1n) as typeof newer.fence };
+          expect(await claimLockRegister(m.db, newer)).toEqual({ status: 'claimed' });
+          expect(await claimLockRegister(m.db, older)).toEqual({ status: 'stale', currentFence: newer.fence });
+          expect(await repo.with(older).update({ id: 1 }, { value: 'older' })).toEqual({
+            status: 'stale',
+            currentFence: newer.fence,
+          });
+          await newer.release();
           await lease.release();
         } finally {
           await m.close();
