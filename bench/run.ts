@@ -6,6 +6,8 @@
  *   npm run bench -- --quick           short run for developing the benchmark (writes bench/results/quick.*)
  *   npm run bench -- --only=1,2        some sections only (never written as latest)
  *   npm run bench -- --only=7d         a part of a section that can run alone (here: the tombstone purge)
+ *   npm run bench -- --only=2,3 --redis-locks   lock sections with the Redis locks only (no Postgres managers)
+ *   npm run bench -- --rounds=5        at least 5 interleaved rounds in every comparison (the handoff too)
  *   npm run bench -- --render          rewrite latest.md and latest.svg from latest.json (after editing the findings)
  *
  * Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test;
@@ -76,7 +78,12 @@ function formatResults(...files: string[]): void {
 async function main(): Promise<void> {
   const args = process.argv.slice(2);
   if (args.includes('--render')) return renderOnly();
-  const scale = SCALES[args.includes('--quick') ? 'quick' : 'full'];
+  const chosen = SCALES[args.includes('--quick') ? 'quick' : 'full'];
+  const rounds = Number(args.find((a) => a.startsWith('--rounds='))?.slice('--rounds='.length) ?? 0);
+  const scale =
+    Number.isInteger(rounds) && rounds > 0
+      ? { ...chosen, rounds: Math.max(chosen.rounds, rounds), handoffRounds: Math.max(chosen.handoffRounds, rounds) }
+      : chosen;
   const only = args
     .find((a) => a.startsWith('--only='))
     ?.slice('--only='.length)
@@ -85,7 +92,14 @@ async function main(): Promise<void> {
   const pg = await benchDatabase(24);
   const redis = await benchRedis();
   const report = new Report();
-  const ctx: BenchContext = { scale, pg, redis, report, syncguardPath: process.env.SYNCGUARD_PATH || undefined };
+  const ctx: BenchContext = {
+    scale,
+    pg,
+    redis,
+    report,
+    syncguardPath: process.env.SYNCGUARD_PATH || undefined,
+    redisLocksOnly: args.includes('--redis-locks'),
+  };
   let interrupted = false;
   const onSignal = () => {
     interrupted = true;

@@ -37,8 +37,8 @@ export { advisoryLockManager } from './fencing/backends/postgres-advisory/backen
 export { type LeaderRun, runIfLeader } from './fencing/backends/postgres-advisory/leader.js';
 export type { AdvisoryLockManagerOptions } from './fencing/backends/postgres-advisory/options.js';
 export { type PostgresLockManagerOptions, postgresLockManager } from './fencing/backends/postgres-lease/backend.js';
-export type { RedisClient, RedisLockManagerOptions } from './fencing/backends/redis/backend.js';
 export { redisLockManager } from './fencing/backends/redis/manager.js';
+export type { RedisClient, RedisLockManagerOptions } from './fencing/backends/redis/options.js';
 export type { LockEvents } from './fencing/events.js';
 export { assertFence, type Fence, isFence, MAX_FENCE, toFence } from './fencing/fence.js';
 export type { Lease } from './fencing/lease.js';

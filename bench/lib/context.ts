@@ -68,4 +68,6 @@ export interface BenchContext {
   readonly report: Report;
   /** Path of a syncguard build (`SYNCGUARD_PATH`), if given. */
   readonly syncguardPath: string | undefined;
+  /** `--redis-locks`: sections 2 and 3 compare the Redis locks only (palisade Redis and the Redis peers). */
+  readonly redisLocksOnly?: boolean;
 }

@@ -34,6 +34,8 @@ export interface HandoffResult {
   readonly maxShareDeviation: number;
   readonly shares: number[];
   readonly sentPerCs: number;
+  /** Client CPU (process.cpuUsage, user + system) per critical section, the fenced UPDATE's included. */
+  readonly cpuUsPerCs: number;
   readonly executedPerCs: number | null;
   readonly timeouts: number;
   /** Share of critical sections taken by the worker that had just released the lock (1/8 if fair). */
@@ -58,6 +60,7 @@ async function runOnce(ctx: BenchContext, lock: LockUnderTest, durationMs: numbe
   const stats0 = lock.store === 'redis' && ctx.redis.own ? await ctx.redis.commandStats() : undefined;
   let lastHolder = -1;
   let repeats = 0;
+  const cpu0 = process.cpuUsage();
   const { wallMs, iterations } = await closedLoop(WORKERS, durationMs, 1_000_000, async (worker) => {
     const t0 = performance.now();
     let held: Awaited<ReturnType<LockUnderTest['acquire']>>;
@@ -85,6 +88,7 @@ async function runOnce(ctx: BenchContext, lock: LockUnderTest, durationMs: numbe
       await held.release();
     }
   });
+  const cpu = process.cpuUsage(cpu0);
   const sent = lock.sent() - sent0;
   let executed: number | null = null;
   if (stats0) {
@@ -112,6 +116,7 @@ async function runOnce(ctx: BenchContext, lock: LockUnderTest, durationMs: numbe
     maxShareDeviation: Math.max(...shares.map((s) => Math.abs(s - 1 / WORKERS))) * 100,
     shares,
     sentPerCs: sent / Math.max(1, cs),
+    cpuUsPerCs: (cpu.user + cpu.system) / Math.max(1, cs),
     executedPerCs: executed === null ? null : executed / Math.max(1, cs),
     timeouts,
     repeatRate: repeats / Math.max(1, cs),
@@ -144,6 +149,7 @@ export async function handoffAll(ctx: BenchContext, locks: LockUnderTest[]): Pro
       maxShareDeviation: median(rs.map((r) => r.maxShareDeviation)),
       shares: mid.shares,
       sentPerCs: median(rs.map((r) => r.sentPerCs)),
+      cpuUsPerCs: median(rs.map((r) => r.cpuUsPerCs)),
       executedPerCs: rs[0]?.executedPerCs === null ? null : median(rs.map((r) => r.executedPerCs ?? 0)),
       timeouts: sum((r) => r.timeouts),
       repeatRate: median(rs.map((r) => r.repeatRate)),
@@ -163,9 +169,11 @@ export async function handoff(ctx: BenchContext): Promise<void> {
   const { report } = ctx;
   await createAccounts(ctx.pg.sql, 'bench_handoff', 1);
   const locks = await redisLocks(ctx);
-  locks.push(palisadePostgres(ctx));
-  const advisory = await palisadeAdvisory(ctx);
-  if (advisory) locks.push(advisory);
+  if (!ctx.redisLocksOnly) {
+    locks.push(palisadePostgres(ctx));
+    const advisory = await palisadeAdvisory(ctx);
+    if (advisory) locks.push(advisory);
+  }
   try {
     const results = await handoffAll(ctx, locks);
     report.raw.handoff = results;
@@ -185,6 +193,7 @@ export async function handoff(ctx: BenchContext): Promise<void> {
         'max share deviation (points)',
         'same worker again',
         'lock cmds sent / CS',
+        'client CPU µs / CS',
         'Redis cmds executed / CS (incl. in scripts)',
         'timeouts',
         'overlaps',
@@ -203,6 +212,7 @@ export async function handoff(ctx: BenchContext): Promise<void> {
         r.maxShareDeviation.toFixed(1),
         `${(r.repeatRate * 100).toFixed(0)}%`,
         r.sentPerCs.toFixed(2),
+        r.cpuUsPerCs.toFixed(0),
         r.executedPerCs === null ? null : r.executedPerCs.toFixed(1),
         r.timeouts,
         r.overlaps,
@@ -214,6 +224,7 @@ export async function handoff(ctx: BenchContext): Promise<void> {
       `Shares per worker (median round): ${results.map((r) => `${r.lock}: ${r.shares.map((s) => (s * 100).toFixed(1)).join('/')}`).join('; ')}.`,
       'Locks without fences (redis-semaphore, redlock) write with a fence from an in-process counter: free, valid only within one process.',
       '"same worker again": share of grants that went to the worker that had just released (12.5% if the order were fair; higher means the releaser barges back in before the woken waiters).',
+      '"client CPU µs / CS": process.cpuUsage (user + system) of the bench process per critical section, all 8 workers, the fenced UPDATE (postgres.js) included — the same statement for every lock.',
       '"overlaps": a worker entered the critical section while another was inside (in-process check; none expected with a 10 s TTL).',
     );
     printTable(t);

@@ -49,6 +49,7 @@ export function roundTripCase(lock: LockUnderTest, prefix: string, names: number
 /** All locks of sections 2–5: the Redis ones (palisade first) and palisade's Postgres ones. */
 export async function allLocks(ctx: BenchContext): Promise<LockUnderTest[]> {
   const locks = await redisLocks(ctx);
+  if (ctx.redisLocksOnly) return locks;
   locks.push(palisadePostgres(ctx));
   const advisory = await palisadeAdvisory(ctx);
   if (advisory) locks.push(advisory);

@@ -24,6 +24,12 @@ export interface Grant {
    * without one (row scope only).
    */
   readonly source?: string;
+  /**
+   * Only on a grant a release handed over (`waitForRelease`): the lock is
+   * held for at most this long from the waiter's last grant call unless
+   * {@link LockBackend.confirm} makes it the waiter's own.
+   */
+  readonly confirmWithinMs?: number;
 }
 
 /** How a grant is asked for. */
@@ -90,6 +96,18 @@ export interface LockBackend {
    * wake only the waiter whose turn it is (the others retry at `ms`).
    */
   waitForRelease(name: string, ms: number, signal: AbortSignal | undefined, token?: string): Promise<void>;
+  /**
+   * Optional, for a backend whose release hands the lock over to the head of
+   * its queue: {@link waitForRelease} for a waiting acquire's `token`, which
+   * resolves with the grant (its `confirmWithinMs` set) when the lock was
+   * handed over to that token, else with `undefined`. Never rejects.
+   */
+  waitForTurn?(name: string, ms: number, signal: AbortSignal | undefined, token: string): Promise<Grant | undefined>;
+  /**
+   * With {@link waitForTurn}: makes a lock handed over to `token` its own,
+   * with the caller's TTL and holder. True if `token` still held it with `fence`.
+   */
+  confirm?(name: string, token: string, ttlMs: number, holder: string | null, fence: Fence): Promise<boolean>;
   /** Frees what the backend holds (subscriptions, reserved connections). Not the caller's clients. */
   close(): Promise<void>;
 }

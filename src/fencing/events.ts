@@ -23,6 +23,11 @@ export class Emitter<E extends object> {
     return () => set.delete(listener as (event: never) => void);
   }
 
+  /** Whether anyone listens to `type`: callers skip building an event nobody receives. */
+  listens(type: keyof E): boolean {
+    return (this.#listeners.get(type)?.size ?? 0) > 0;
+  }
+
   emit<K extends keyof E>(type: K, event: E[K]): void {
     for (const listener of this.#listeners.get(type) ?? []) {
       try {

@@ -68,6 +68,11 @@ export interface LeaseInit {
   readonly backendLost: AbortSignal | undefined;
   readonly autoExtend: boolean;
   readonly maxHoldMs: number | undefined;
+  /**
+   * A grant a release handed over: held only `withinMs` from `sentAt` until
+   * `run` (sent at once) confirms it, then `ttlMs` from the confirmation's send.
+   */
+  readonly confirm?: { readonly withinMs: number; readonly run: () => Promise<boolean> };
 }
 
 /** @internal */
@@ -78,7 +83,11 @@ export class ActiveLease implements Lease {
   readonly lock: LockIdentity | undefined;
   readonly holder: string | null;
   readonly #init: LeaseInit;
-  readonly #controller = new AbortController();
+  // Created when someone reads `signal` (most leases are released without anyone looking).
+  #controller: AbortController | undefined;
+  #aborted = false;
+  #reason: string | undefined;
+  #error: LeaseLostError | undefined;
   #expiresAt: number;
   #deadlineTimer: NodeJS.Timeout | undefined;
   #watchdog: NodeJS.Timeout | undefined;
@@ -92,8 +101,9 @@ export class ActiveLease implements Lease {
     this.fence = init.fence;
     this.lock = init.lock;
     this.holder = init.holder;
-    this.#expiresAt = init.sentAt + init.ttlMs;
+    this.#expiresAt = init.sentAt + (init.confirm ? Math.min(init.confirm.withinMs, init.ttlMs) : init.ttlMs);
     this.#armDeadline();
+    if (init.confirm) this.#confirm(init.confirm.run);
     if (init.backendLost) {
       this.#onBackendLost = () => this.#lose('the backend lost the lock (connection dropped)', 'connection_dropped');
       if (init.backendLost.aborted) this.#onBackendLost();
@@ -102,7 +112,32 @@ export class ActiveLease implements Lease {
     if (init.autoExtend) this.#startWatchdog();
   }
 
+  #confirm(run: () => Promise<boolean>): void {
+    const sentAt = performance.now();
+    run().then(
+      (held) => {
+        if (this.#aborted) return;
+        if (!held) {
+          this.#lose('the lock handed over by a release was gone before it was confirmed', 'extension_refused');
+          return;
+        }
+        // A shorter estimate from an extension sent meanwhile stays; the confirmation only lengthens.
+        this.#expiresAt = Math.max(this.#expiresAt, sentAt + this.#init.ttlMs);
+        this.#armDeadline();
+      },
+      (err: unknown) =>
+        this.#lose(
+          `the confirmation of a lock handed over failed: ${err instanceof Error ? err.message : String(err)}`,
+          'extension_failed',
+        ),
+    );
+  }
+
   get signal(): AbortSignal {
+    if (!this.#controller) {
+      this.#controller = new AbortController();
+      if (this.#aborted) this.#controller.abort(this.#lostError());
+    }
     return this.#controller.signal;
   }
 
@@ -116,7 +151,7 @@ export class ActiveLease implements Lease {
 
   async #extend(ttlMs?: number): Promise<void> {
     const ttl = ttlMs === undefined ? this.#init.ttlMs : checkTtl(ttlMs);
-    if (this.signal.aborted) throw this.signal.reason;
+    if (this.#aborted) throw this.#lostError();
     const sentAt = performance.now();
     let held: boolean;
     try {
@@ -124,16 +159,18 @@ export class ActiveLease implements Lease {
     } catch (err) {
       // An unconfirmed extension is presumed lost: we cannot know the TTL was reset.
       this.#lose(`extension failed: ${err instanceof Error ? err.message : String(err)}`, 'extension_failed');
-      throw this.signal.reason;
+      throw this.#lostError();
     }
     if (!held) {
       this.#lose('an extension found the lock held by someone else or expired', 'extension_refused');
-      throw this.signal.reason;
+      throw this.#lostError();
     }
-    if (this.signal.aborted) throw this.signal.reason;
+    if (this.#aborted) throw this.#lostError();
     this.#expiresAt = sentAt + ttl;
     this.#armDeadline();
-    this.#init.events.emit('extended', { name: this.name, fence: this.fence, ttlMs: ttl });
+    if (this.#init.events.listens('extended')) {
+      this.#init.events.emit('extended', { name: this.name, fence: this.fence, ttlMs: ttl });
+    }
   }
 
   release(): Promise<'released' | 'lost'> {
@@ -143,7 +180,7 @@ export class ActiveLease implements Lease {
   }
 
   async #release(): Promise<'released' | 'lost'> {
-    const wasLost = this.signal.aborted;
+    const wasLost = this.#aborted;
     this.#stopTimers();
     let held = false;
     let failed: unknown;
@@ -156,7 +193,9 @@ export class ActiveLease implements Lease {
       // An extension in flight when release began may have re-armed the deadline or the watchdog meanwhile.
       this.#stopTimers();
       this.#abort('released');
-      this.#init.events.emit('released', { name: this.name, fence: this.fence, wasHeld: held && !wasLost });
+      if (this.#init.events.listens('released')) {
+        this.#init.events.emit('released', { name: this.name, fence: this.fence, wasHeld: held && !wasLost });
+      }
     }
     if (failed !== undefined && !wasLost) {
       // Not thrown (the work under the lock is done), but not silent either: watchers of 'lost' see it.
@@ -181,19 +220,19 @@ export class ActiveLease implements Lease {
     const stopAt =
       this.#init.maxHoldMs === undefined ? Number.POSITIVE_INFINITY : performance.now() + this.#init.maxHoldMs;
     const tick = async () => {
-      if (this.signal.aborted || performance.now() >= stopAt) return;
+      if (this.#aborted || performance.now() >= stopAt) return;
       try {
         await this.extend();
       } catch {
         return; // extend() has aborted the signal; never re-acquire.
       }
-      if (!this.signal.aborted) this.#watchdog = setTimeout(tick, every).unref();
+      if (!this.#aborted) this.#watchdog = setTimeout(tick, every).unref();
     };
     this.#watchdog = setTimeout(tick, every).unref();
   }
 
   #lose(reason: string, code: LostReason): void {
-    if (this.signal.aborted) return;
+    if (this.#aborted) return;
     recordLost(this.#init.backend.kind, this.name, this.fence, code);
     this.#stopTimers();
     this.#abort(reason);
@@ -201,19 +240,27 @@ export class ActiveLease implements Lease {
   }
 
   #abort(reason: string): void {
-    if (this.signal.aborted) return;
-    // Every release aborts the signal: there, skip the stack trace. Captured under the deep async
-    // stack of a Redis reply it cost ~30 µs of client CPU per release, a fifth of a whole
-    // acquire+release cycle (bench/sections/lock-round-trips.ts), and it would only point into this class.
+    if (this.#aborted) return;
+    this.#aborted = true;
+    this.#reason = reason;
+    // A loss keeps the stack of where it was found; a release builds its error only if someone looks.
+    if (reason !== 'released') this.#lostError();
+    this.#controller?.abort(this.#lostError());
+  }
+
+  #lostError(): LeaseLostError {
+    if (this.#error) return this.#error;
+    // A release's error skips the stack trace: captured under the deep async stack of a Redis reply
+    // it cost ~30 µs of client CPU per release (measured by bench/sections/lock-round-trips.ts), and it would only point here.
+    const reason = this.#reason ?? 'released';
     const limit = Error.stackTraceLimit;
     if (reason === 'released') Error.stackTraceLimit = 0;
-    let error: LeaseLostError;
     try {
-      error = new LeaseLostError(this.name, this.fence, reason);
+      this.#error = new LeaseLostError(this.name, this.fence, reason);
     } finally {
       Error.stackTraceLimit = limit;
     }
-    this.#controller.abort(error);
+    return this.#error;
   }
 
   #stopTimers(): void {

@@ -1,11 +1,12 @@
-import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
-import { InvalidArgumentError, LockServiceError, LockUnavailableError, PalisadeError } from '../errors.js';
+import { InvalidArgumentError, LockUnavailableError } from '../errors.js';
 import { observeAcquire } from '../telemetry/locks.js';
-import type { LockBackend, LockInfo } from './backend.js';
+import { AttemptCutShort, bounded, isUnreachable, serviceError } from './attempt.js';
+import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
 import { ActiveLease, type Lease } from './lease.js';
 import { type AcquireOptions, type CheckedOptions, checkLockName, checkOptions } from './options.js';
+import { newToken } from './token.js';
 
 const DEFAULT_WAIT_MS = 10_000;
 const BACKOFF_BASE_MS = 5;
@@ -90,6 +91,13 @@ export interface LockManagerHooks {
    * server refused on time is a timeout, not "no answer". Default 0.
    */
   readonly waitGraceMs?: number;
+  /**
+   * For a backend with a fair queue that hands the lock over (Redis): after
+   * its first attempt a waiting acquire retries every `min`–`max` ms (jitter)
+   * instead of backing off from 5 ms — its turn comes by a handoff, a retry
+   * only keeps its place. `max` must stay below the backend's staleness bound.
+   */
+  readonly queuedRetryMs?: { readonly min: number; readonly max: number };
 }
 
 /**
@@ -126,10 +134,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       name,
       token,
       fence: grant.fence,
-      lock:
-        grant.source === undefined || backend.namespace === undefined
-          ? undefined
-          : Object.freeze({ kind: backend.kind, source: grant.source, namespace: backend.namespace, name }),
+      lock: lockOf(grant, name),
       holder: opts.holder,
       ttlMs: opts.ttlMs,
       sentAt,
@@ -137,7 +142,61 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       autoExtend: opts.autoExtend,
       maxHoldMs: opts.maxHoldMs,
     });
-    events.emit('acquired', { name, fence: grant.fence, holder: opts.holder, waitedMs: performance.now() - startedAt });
+    if (events.listens('acquired')) {
+      events.emit('acquired', {
+        name,
+        fence: grant.fence,
+        holder: opts.holder,
+        waitedMs: performance.now() - startedAt,
+      });
+    }
+    return lease;
+  }
+
+  // The lease's lock identity for lock-scoped writes: only where the backend names its source.
+  const lockOf = (grant: Grant, name: string) =>
+    grant.source === undefined || backend.namespace === undefined
+      ? undefined
+      : Object.freeze({ kind: backend.kind, source: grant.source, namespace: backend.namespace, name });
+
+  // A grant a release handed over: the lease starts now, held until the end of the confirmation
+  // window counted from our last send; the confirmation (sent at once, ahead of anything the caller
+  // sends on this lease) gives it the full TTL.
+  function handedOver(
+    name: string,
+    opts: CheckedOptions,
+    startedAt: number,
+    token: string,
+    grant: Grant,
+    lastSentAt: number,
+  ): Lease {
+    const confirm = backend.confirm as NonNullable<LockBackend['confirm']>;
+    const lease = new ActiveLease({
+      backend,
+      events,
+      name,
+      token,
+      fence: grant.fence,
+      lock: lockOf(grant, name),
+      holder: opts.holder,
+      ttlMs: opts.ttlMs,
+      sentAt: lastSentAt,
+      backendLost: grant.lost,
+      autoExtend: opts.autoExtend,
+      maxHoldMs: opts.maxHoldMs,
+      confirm: {
+        withinMs: grant.confirmWithinMs ?? 0,
+        run: () => confirm(name, token, opts.ttlMs, opts.holder, grant.fence),
+      },
+    });
+    if (events.listens('acquired')) {
+      events.emit('acquired', {
+        name,
+        fence: grant.fence,
+        holder: opts.holder,
+        waitedMs: performance.now() - startedAt,
+      });
+    }
     return lease;
   }
 
@@ -146,10 +205,11 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
   // same token returns the same fence, so reuse is safe).
   async function acquireUntil(name: string, opts: CheckedOptions, deadline: number): Promise<Lease> {
     const startedAt = performance.now();
-    const token = randomBytes(16).toString('hex');
+    const token = newToken();
     let queued = false;
     let unreachable: unknown;
     let answered = false;
+    let lastSentAt = startedAt;
     try {
       for (let tries = 0; ; tries++) {
         if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
@@ -162,6 +222,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
             opts.waitMs > 0
               ? Math.max(deadline + (hooks.waitGraceMs ?? 0), performance.now() + MIN_ATTEMPT_MS)
               : Infinity;
+          lastSentAt = performance.now();
           lease = await attempt(name, opts, startedAt, token, true, deadline, cutAt);
           unreachable = undefined;
           answered = true;
@@ -183,8 +244,21 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         }
         // Full jitter spreads retries (and, in a queue, refreshes our place);
         // a release notification cuts the wait short.
-        const backoff = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
-        await backend.waitForRelease(name, Math.min(left, backoff), opts.signal, token);
+        const queuedRetry = hooks.queuedRetryMs;
+        const backoff = queuedRetry
+          ? queuedRetry.min + Math.random() * (queuedRetry.max - queuedRetry.min)
+          : Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
+        if (backend.waitForTurn && backend.confirm) {
+          const handed = await backend.waitForTurn(name, Math.min(left, backoff), opts.signal, token);
+          // The lock was handed over to us: our wake-up is our grant, unless its confirmation window
+          // (counted from our last grant call, sent before the release) is as good as over.
+          if (handed && performance.now() < lastSentAt + (handed.confirmWithinMs ?? 0) / 2) {
+            queued = false;
+            return handedOver(name, opts, startedAt, token, handed, lastSentAt);
+          }
+        } else {
+          await backend.waitForRelease(name, Math.min(left, backoff), opts.signal, token);
+        }
       }
     } finally {
       // Gave up (timeout, abort, error): leave the queue, best effort, without delaying the throw.
@@ -207,7 +281,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       const checked = checkLockName(name);
       const opts = checkOptions(options, 0);
       const now = performance.now();
-      const token = randomBytes(16).toString('hex');
+      const token = newToken();
       return observeAcquire(backend.kind, checked, async () => {
         try {
           return await attempt(checked, opts, now, token, false, now);
@@ -263,103 +337,4 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
 // UTF-16 code-unit order: the same in every process and locale (unlike localeCompare).
 function compareCodePoints(a: string, b: string): number {
   return a < b ? -1 : a > b ? 1 : 0;
-}
-
-const SENTINEL_TIMEOUT = Symbol('deadline');
-
-/**
- * `work`, or a timeout error at `deadline` (a monotonic time). If the work
- * settles after the deadline, `onLate(value)` gets its value (undefined if it
- * failed) so a grant nobody waits for can be given back.
- */
-async function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T | undefined) => void): Promise<T> {
-  const left = deadline - performance.now();
-  if (!Number.isFinite(left)) return work;
-  let timer: NodeJS.Timeout | undefined;
-  const timeout = new Promise<typeof SENTINEL_TIMEOUT>((resolve) => {
-    timer = setTimeout(() => resolve(SENTINEL_TIMEOUT), Math.max(0, left));
-  });
-  try {
-    const first = await Promise.race([work, timeout]);
-    if (first !== SENTINEL_TIMEOUT) return first;
-  } finally {
-    clearTimeout(timer);
-  }
-  work.then(onLate, () => onLate(undefined));
-  throw new AttemptCutShort();
-}
-
-/** An attempt abandoned at the wait's deadline (it may still land: then it is given back). */
-class AttemptCutShort extends Error {
-  constructor() {
-    super('no answer before the wait ended');
-  }
-}
-
-// Errors that say "the service did not answer", not "the service said no": worth another attempt.
-const NETWORK_CODES = new Set([
-  'ECONNREFUSED',
-  'ECONNRESET',
-  'EPIPE',
-  'ETIMEDOUT',
-  'EHOSTUNREACH',
-  'ENETUNREACH',
-  'ENOTFOUND',
-  'EAI_AGAIN',
-  'CONNECTION_CLOSED',
-  'CONNECTION_ENDED',
-  'CONNECTION_DESTROYED',
-  'CONNECT_TIMEOUT',
-]);
-const UNREACHABLE_MESSAGE =
-  /Stream isn't writeable|Connection is closed|connect ECONNREFUSED|ECONNRESET|Reached the max retries per request|UNAVAILABLE|DEADLINE_EXCEEDED|No connection established|Connection terminated/i;
-
-function isUnreachable(err: unknown, hooks: LockManagerHooks): boolean {
-  if (err instanceof AttemptCutShort) return true;
-  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
-    const code = (e as { code?: unknown }).code;
-    if (code === 'lock_service') return true;
-    // A timeout on a connected client is the service's answer (it may still apply): not retried here.
-    if (code === 'command_timeout') return hooks.lastConnectionError?.() !== undefined;
-    if (typeof code === 'string' && (NETWORK_CODES.has(code) || /^(08|57P0)/.test(code))) return true;
-    if (e instanceof Error && UNREACHABLE_MESSAGE.test(e.message)) return true;
-  }
-  return false;
-}
-
-/**
- * palisade's own errors pass through (an unreachable service excepted when
- * a wait ended); anything else a backend's client threw (ioredis, etcd3,
- * a socket) becomes a {@link LockServiceError} that keeps it as its cause.
- */
-function serviceError(hooks: LockManagerHooks, kind: string, err: unknown, waitedMs?: number): Error {
-  const connection = hooks.lastConnectionError?.();
-  if (err instanceof PalisadeError) {
-    // At the end of a wait `err` is one isUnreachable accepted (a database connection error, a
-    // command timeout while disconnected); elsewhere only a timeout while disconnected is
-    // rephrased. Every other error of ours passes through as it is.
-    const rephrase =
-      (waitedMs !== undefined && err.code !== 'lock_service') ||
-      (err.code === 'command_timeout' && connection !== undefined);
-    if (!rephrase) return err;
-  }
-  const why = describeFailure(connection ?? err);
-  const waited = waitedMs === undefined ? '' : ` (retried for waitMs = ${waitedMs} ms)`;
-  return new LockServiceError(kind, `the ${kind} lock service is unreachable${waited}: ${why}`, err);
-}
-
-function describeFailure(err: unknown): string {
-  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
-    const code = (e as { code?: unknown }).code;
-    const message = e instanceof Error ? e.message : String(e);
-    if (code === 'ECONNREFUSED' || /ECONNREFUSED/.test(message)) {
-      const address = /ECONNREFUSED ([^\s]+)/.exec(message)?.[1];
-      return `connection refused${address ? ` at ${address}` : ''} — is the server running, and does the URL point at it?`;
-    }
-    if (/Stream isn't writeable/.test(message)) {
-      return 'the client is not connected (ioredis with enableOfflineQueue: false sends nothing until the connection is ready)';
-    }
-  }
-  if (err instanceof AttemptCutShort) return 'no answer before the wait ended';
-  return err instanceof Error ? err.message : String(err);
 }

@@ -21,6 +21,7 @@ export const MIN_GRANT_LOCK_WAIT_MS = 50;
 /** Default bound (`lockTimeoutMs`) of a database lock wait inside extend, release and inspect on the Postgres backends. */
 export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
+const PLAIN_ASCII = /^[\x20-\x7e]+$/;
 const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
 
 /**
@@ -71,6 +72,8 @@ export interface CheckedOptions {
  * @throws {InvalidArgumentError} empty, NUL, lone surrogates, or over 1,024 UTF-8 bytes.
  */
 export function checkLockName(name: unknown): string {
+  // Printable ASCII is well-formed, NFC already and one byte per character: the common case, checked once.
+  if (typeof name === 'string' && name.length <= MAX_NAME_BYTES && PLAIN_ASCII.test(name)) return name;
   if (typeof name !== 'string' || name.length === 0)
     throw new InvalidArgumentError('lock name must be a non-empty string');
   if (!name.isWellFormed())

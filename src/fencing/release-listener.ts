@@ -20,7 +20,7 @@ export function releasePayload(namespace: string, name: string): string {
  * `closing` aborts before it is open, it gives up (rejects) instead of waiting.
  */
 type Subscribe = (
-  onPayload: (payload: string, prefix?: string) => void,
+  onPayload: (payload: string, prefix?: string, value?: unknown) => void,
   closing: AbortSignal,
 ) => Promise<() => Promise<void>>;
 
@@ -35,7 +35,7 @@ export class ReleaseListener {
   readonly #subscribe: Subscribe | undefined;
   // Aborted by close(): a subscription still being opened (a server away, an offline queue) gives up.
   readonly #closing = new AbortController();
-  readonly #waiters = new Map<string, Set<() => void>>();
+  readonly #waiters = new Map<string, Set<(value?: unknown) => void>>();
   #opening: Promise<void> | undefined;
   #unlisten: (() => Promise<void>) | undefined;
   #closed = false;
@@ -44,29 +44,39 @@ export class ReleaseListener {
     this.#subscribe = subscribe;
   }
 
-  /** Resolves on a release notification for `payload`, after `ms`, or when `signal` aborts. Never rejects. */
-  wait(payload: string, ms: number, signal: AbortSignal | undefined): Promise<void> {
-    if (signal?.aborted || !(ms > 0)) return Promise.resolve();
+  /**
+   * Resolves on a release notification for `payload` (with the value it
+   * carried for exactly this payload, if any), after `ms`, or when `signal`
+   * aborts (undefined). Never rejects.
+   */
+  waitForValue(payload: string, ms: number, signal: AbortSignal | undefined): Promise<unknown> {
+    if (signal?.aborted || !(ms > 0)) return Promise.resolve(undefined);
     // Once closed, waits are plain timeouts: a caller still acquiring must not spin.
     if (!this.#closed) this.#open();
-    return new Promise<void>((resolve) => {
+    return new Promise<unknown>((resolve) => {
       let set = this.#waiters.get(payload);
       if (!set) {
         set = new Set();
         this.#waiters.set(payload, set);
       }
       const waiters = set;
-      const done = () => {
+      const done = (value?: unknown) => {
         clearTimeout(timer);
-        signal?.removeEventListener('abort', done);
+        signal?.removeEventListener('abort', abort);
         waiters.delete(done);
         if (waiters.size === 0 && this.#waiters.get(payload) === waiters) this.#waiters.delete(payload);
-        resolve();
+        resolve(value);
       };
-      const timer = setTimeout(done, ms);
-      signal?.addEventListener('abort', done, { once: true });
+      const abort = () => done();
+      const timer = setTimeout(abort, ms);
+      signal?.addEventListener('abort', abort, { once: true });
       waiters.add(done);
     });
+  }
+
+  /** {@link waitForValue} for callers that need no value (no payload of theirs carries one). */
+  wait(payload: string, ms: number, signal: AbortSignal | undefined): Promise<void> {
+    return this.waitForValue(payload, ms, signal) as Promise<void>;
   }
 
   /** Wakes every current waiter and stops listening; later waits only time out. Safe to call more than once. */
@@ -82,7 +92,10 @@ export class ReleaseListener {
 
   #open(): void {
     if (this.#opening || !this.#subscribe) return;
-    this.#opening = this.#subscribe((payload, prefix) => this.#wake(payload, prefix), this.#closing.signal).then(
+    this.#opening = this.#subscribe(
+      (payload, prefix, value) => this.#wake(payload, prefix, value),
+      this.#closing.signal,
+    ).then(
       async (unlisten) => {
         if (this.#closed) await unlisten().catch(() => {});
         else this.#unlisten = unlisten;
@@ -93,10 +106,16 @@ export class ReleaseListener {
     );
   }
 
-  /** Wakes the waiters of `payload`, and with `prefix` also those of every payload that starts with it. */
-  #wake(payload: string, prefix?: string): void {
+  /**
+   * Wakes the waiters of `payload` (with `value`: one waiter only, the first
+   * in), and with `prefix` also those of every payload that starts with it.
+   */
+  #wake(payload: string, prefix?: string, value?: unknown): void {
     const set = this.#waiters.get(payload);
-    if (set) for (const done of [...set]) done();
+    if (set) {
+      if (value === undefined) for (const done of [...set]) done();
+      else set.values().next().value?.(value);
+    }
     if (prefix === undefined) return;
     for (const [key, waiters] of [...this.#waiters]) {
       if (key.startsWith(prefix)) for (const done of [...waiters]) done();

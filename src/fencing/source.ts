@@ -55,6 +55,16 @@ export function withFenceSource(backend: LockBackend, namespace: string, source:
       return grant === null ? null : { ...grant, source: id };
     },
     ...(backend.leave ? { leave: backend.leave.bind(backend) } : {}),
+    ...(backend.confirm ? { confirm: backend.confirm.bind(backend) } : {}),
+    ...(backend.waitForTurn
+      ? {
+          async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
+            const id = await sourceId();
+            const grant = await (backend.waitForTurn as NonNullable<LockBackend['waitForTurn']>)(...args);
+            return grant === undefined ? undefined : { ...grant, source: id };
+          },
+        }
+      : {}),
     extend: backend.extend.bind(backend),
     release: backend.release.bind(backend),
     inspect: backend.inspect.bind(backend),

@@ -5,18 +5,19 @@
  * keys are listed in ./keys.ts; the README (Lock managers → Redis, and what
  * each guarantees) is the manual.
  */
+import { createHash } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { FenceSourceError } from '../../../errors.js';
 import type { Grant, LockBackend } from '../../backend.js';
 import { commandDeadline } from './command-deadline.js';
 import { epochRecovery } from './epochs.js';
-import { redisKeyNames } from './keys.js';
+import { fenceOf, redisKeyNames } from './keys.js';
 import { checkRedisOptions, type RedisLockManagerOptions } from './options.js';
-import { releaseSubscriber } from './release-subscriber.js';
+import { type HandedOver, releaseSubscriber } from './release-subscriber.js';
 import { ACTIVATE_EPOCH_SCRIPT, BUMP_EPOCH_SCRIPT, INSTALL_EPOCH_SCRIPT } from './scripts/epoch.js';
 import { GRANT_SCRIPT, runGrant } from './scripts/grant.js';
-import { EXTEND_SCRIPT, INSPECT_SCRIPT, runExtend, runInspect } from './scripts/lease.js';
-import { LEAVE_SCRIPT, RELEASE_SCRIPT, runLeave, runRelease } from './scripts/release.js';
+import { CONFIRM_SCRIPT, EXTEND_SCRIPT, INSPECT_SCRIPT, runConfirm, runExtend, runInspect } from './scripts/lease.js';
+import { LEAVE_SCRIPT, REDIS_HANDOFF_CONFIRM_MS, RELEASE_SCRIPT, runLeave, runRelease } from './scripts/release.js';
 import { scriptRunner } from './scripts/script.js';
 
 // Existing import paths (tests, tools) keep working.
@@ -30,6 +31,7 @@ export {
 } from './keys.js';
 export type { RedisClient, RedisLockManagerOptions } from './options.js';
 export { REDIS_QUEUE_STALE_MS } from './scripts/grant.js';
+export { REDIS_HANDOFF_CONFIRM_MS, REDIS_HANDOFF_RECENT_MS } from './scripts/release.js';
 
 const MAX_GRANT_ROUNDS = 200;
 
@@ -37,6 +39,7 @@ const SCRIPTS = [
   GRANT_SCRIPT,
   LEAVE_SCRIPT,
   EXTEND_SCRIPT,
+  CONFIRM_SCRIPT,
   RELEASE_SCRIPT,
   INSPECT_SCRIPT,
   INSTALL_EPOCH_SCRIPT,
@@ -101,10 +104,30 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
 
     leave: (name, token) => runLeave(run, keys, name, token),
 
-    // A waiter with a token sleeps until a release names it as the head of the queue (or names nobody).
+    // A waiter with a token sleeps until a release names it (by the token's hash) as the head of the
+    // queue, or names nobody.
     waitForRelease: (name, ms, signal, token) =>
-      notifier.wait(token === undefined ? name : `${name}\0${token}`, ms, signal),
+      notifier.wait(token === undefined ? name : `${name}\0${tokenHash(token)}`, ms, signal),
+
+    async waitForTurn(name, ms, signal, token) {
+      const handed = (await notifier.waitForValue(`${name}\0${tokenHash(token)}`, ms, signal)) as
+        | HandedOver
+        | undefined;
+      if (!handed) return undefined;
+      try {
+        return { fence: fenceOf(handed.epoch, handed.counter), confirmWithinMs: REDIS_HANDOFF_CONFIRM_MS };
+      } catch {
+        return undefined; // a malformed message: the next grant call finds out what it holds
+      }
+    },
+
+    confirm: (name, token, ttlMs, holder, fence) => runConfirm(run, keys, name, token, ttlMs, holder, fence),
 
     close: () => notifier.close(),
   };
+}
+
+/** What the release script publishes instead of a token (`redis.sha1hex`): a subscriber learns nothing it could use. */
+function tokenHash(token: string): string {
+  return createHash('sha1').update(token).digest('hex');
 }

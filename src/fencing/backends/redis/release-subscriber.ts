@@ -8,10 +8,17 @@ import type { Cluster, Redis } from 'ioredis';
 import { ReleaseListener } from '../../release-listener.js';
 import type { RedisClient } from './options.js';
 
+/** @internal What a handoff message carries for the waiter it names: its fence, as the script replied it. */
+export interface HandedOver {
+  readonly epoch: string;
+  readonly counter: string;
+}
+
 /**
  * @internal The listener of `channel`: a message `name` wakes every waiter of
- * the name; `name\0token` wakes that waiter (the head of the line) and
- * waiters that gave no token.
+ * the name; `name\0sha1(token)` wakes that waiter (the head of the line,
+ * listening as `name\0sha1(token)`) and waiters that gave no token;
+ * `name\0sha1(token)\0epoch\0counter` also hands that waiter its grant.
  */
 export function releaseSubscriber(redis: RedisClient, channel: string): ReleaseListener {
   return new ReleaseListener(async (onReleased, closing) => {
@@ -36,15 +43,36 @@ export function releaseSubscriber(redis: RedisClient, channel: string): ReleaseL
       const cut = message.indexOf('\0');
       if (cut < 0) {
         onReleased(message, `${message}\0`); // no live waiter in line: wake every waiter of the name
-      } else {
-        onReleased(message); // the head of the line (name\0token) …
-        onReleased(message.slice(0, cut)); // … and waiters that gave no token
+        return;
       }
+      const name = message.slice(0, cut);
+      const parts = message.slice(cut + 1).split('\0');
+      const head = `${name}\0${parts[0]}`;
+      if (parts.length === 3) {
+        const handed: HandedOver = { epoch: parts[1] as string, counter: parts[2] as string };
+        onReleased(head, undefined, handed); // the head of the line, with its grant …
+      } else {
+        onReleased(head); // … or only woken
+      }
+      onReleased(name); // and waiters that gave no token
     });
-    // Closed while Redis is away: disconnect() rejects the queued SUBSCRIBE instead of leaving it pending.
-    closing.addEventListener('abort', () => subscriber.disconnect(), { once: true });
+    // Closed while Redis is away: give up on the queued SUBSCRIBE. disconnect() does not always
+    // settle it: during ioredis's wait before a reconnect no 'close' follows, and the offline
+    // queue is never flushed, so the abort itself ends the wait.
+    const aborted = new Promise<never>((_, reject) => {
+      closing.addEventListener(
+        'abort',
+        () => {
+          subscriber.disconnect();
+          reject(closing.reason);
+        },
+        { once: true },
+      );
+    });
+    const subscribed = subscriber.subscribe(channel);
+    subscribed.catch(() => {}); // after an abort nobody awaits it
     try {
-      await subscriber.subscribe(channel);
+      await Promise.race([subscribed, aborted]);
     } catch (err) {
       subscriber.disconnect();
       throw err;

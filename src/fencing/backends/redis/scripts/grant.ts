@@ -7,11 +7,15 @@
  * script puts the token at the end of the lock's queue (or, if it is
  * already there, only notes that it is still alive) and answers BUSY. A
  * release wakes only the head of the line (the other waiters retry at their
- * backoff, at most every 250 ms, which keeps their places). A free
+ * retry interval, every 100–200 ms with redisLockManager, which keeps their places). A free
  * lock goes only to the head of the queue; `tryAcquire` gets it only when
  * nobody waits. So among the waiters of one lock name, grants follow the
  * order in which they first found the lock taken, and a releaser that
  * acquires again goes to the back instead of barging in.
+ *
+ * A release that finds a live waiter at the head of the line hands the
+ * lock over to it (./release.ts); the waiter's next grant call — or its
+ * confirmation — makes the grant its own, with its TTL and holder label.
  *
  * A waiter that stops retrying (killed, paused, cut off) for longer than
  * {@link REDIS_QUEUE_STALE_MS} loses its place: the next grant drops it, so
@@ -33,7 +37,7 @@ import type { LuaScript, RunScript } from './script.js';
 /**
  * A queued waiter that has not retried for this long (by the Redis server's
  * clock) loses its place in the lock's queue. Waiting acquires retry at
- * least every 250 ms (the lock manager's backoff cap) and at every release.
+ * least every 250 ms (redisLockManager: every 100–200 ms) and at every release.
  */
 export const REDIS_QUEUE_STALE_MS = 1_000;
 /** The queue keys expire this long after their last write. */
@@ -65,8 +69,17 @@ local function wait_in_line(ms)
 end
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
-  local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
-  if g[1] == ARGV[1] then return {'OK', g[2], g[3]} end
+  local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter', 'handoff')
+  if g[1] == ARGV[1] then
+    if g[4] then
+      -- Handed over by a release (only for its confirmation window): this grant confirms it.
+      redis.call('PEXPIRE', KEYS[1], ARGV[2])
+      redis.call('PEXPIRE', KEYS[2], ARGV[2])
+      redis.call('HDEL', KEYS[2], 'handoff')
+      if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+    end
+    return {'OK', g[2], g[3]}
+  end
 elseif current then
   if waiting then return wait_in_line(now()) end
   return {'BUSY'}
@@ -119,7 +132,7 @@ return {'OK', st[2], counter}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV3', lua: GRANT_LUA, numberOfKeys: 5 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV4', lua: GRANT_LUA, numberOfKeys: 5 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or

@@ -1,6 +1,7 @@
-/** The scripts that read or renew a held lock without changing its owner: extend and inspect. */
+/** The scripts that read or renew a held lock without changing its owner: confirm, extend and inspect. */
 import { FenceSourceError } from '../../../../errors.js';
 import type { LockInfo } from '../../../backend.js';
+import type { Fence } from '../../../fence.js';
 import { fenceOf, type RedisKeyNames } from '../keys.js';
 import type { LuaScript, RunScript } from './script.js';
 
@@ -24,6 +25,21 @@ local pttl = redis.call('PTTL', KEYS[1])
 return {'HELD', g[2], g[3], g[4] or '', g[4] and '1' or '0', g[5], tostring(pttl)}
 `;
 
+// A lock handed over by a release becomes the waiter's own: its TTL and holder label.
+// KEYS: lock, grant record. ARGV: token, ttl ms, holder, has holder ('1'/'0'). Replies: {'OK', epoch, counter} | {'LOST'}.
+const CONFIRM_LUA = `
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'LOST'} end
+local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
+if g[1] ~= ARGV[1] then return {'LOST'} end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('HDEL', KEYS[2], 'handoff')
+if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+return {'OK', g[2], g[3]}
+`;
+
+/** @internal */
+export const CONFIRM_SCRIPT: LuaScript = { name: 'palisadeConfirmV1', lua: CONFIRM_LUA, numberOfKeys: 2 };
 /** @internal */
 export const EXTEND_SCRIPT: LuaScript = { name: 'palisadeExtendV1', lua: EXTEND_LUA, numberOfKeys: 2 };
 /** @internal */
@@ -43,6 +59,30 @@ export async function runExtend(
   ttlMs: number,
 ): Promise<boolean> {
   return (await run(EXTEND_SCRIPT, [keys.lock(name), keys.grant(name), token, ttlMs])) === 'HELD';
+}
+
+/**
+ * @internal Makes a lock handed over to `token` its own (TTL, holder); true
+ * if `token` still held it with `fence`.
+ */
+export async function runConfirm(
+  run: RunScript,
+  keys: RedisKeyNames,
+  name: string,
+  token: string,
+  ttlMs: number,
+  holder: string | null,
+  fence: Fence,
+): Promise<boolean> {
+  const reply = (await run(CONFIRM_SCRIPT, [
+    keys.lock(name),
+    keys.grant(name),
+    token,
+    ttlMs,
+    holder ?? '',
+    holder === null ? '0' : '1',
+  ])) as string[];
+  return reply[0] === 'OK' && fenceOf(reply[1], reply[2]) === fence;
 }
 
 /**

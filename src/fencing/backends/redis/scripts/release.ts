@@ -1,48 +1,104 @@
 /**
  * The scripts that free a place — the lock (release) or a waiter's place in
- * line (leave) — and wake whoever's turn it is.
+ * line (leave) — and hand it over to, or wake, whoever's turn it is.
+ *
+ * Direct handoff: a release that finds a live waiter at the head of the
+ * line grants the lock to it in the same script (its fence issued under the
+ * grant script's checks) and publishes that, so the waiter's wake-up is its
+ * grant — no retry round trip, no window for a barger. The waiter then
+ * confirms (`palisadeConfirm`, ./lease.ts) while it already works under the
+ * lock; until then the lock lives only {@link REDIS_HANDOFF_CONFIRM_MS}.
  */
-import type { RedisKeyNames } from '../keys.js';
+import { REDIS_MAX_COUNTER_ARG, type RedisKeyNames } from '../keys.js';
 import { REDIS_QUEUE_STALE_MS } from './grant.js';
+import { IDENTITY_LUA } from './identity.js';
 import type { LuaScript, RunScript } from './script.js';
 
-// KEYS: lock, grant record, queue, seen. ARGV: token, channel, lock name, stale ms.
-// Publishes "<name>\0<token>" when a live waiter heads the queue (only it needs to wake), else "<name>" (wake all).
-const RELEASE_LUA = `
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1], KEYS[2])
-  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
-  local seen = head and redis.call('ZSCORE', KEYS[4], head)
-  if seen then
-    local t = redis.call('TIME')
-    if tonumber(seen) >= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[4]) then
-      redis.call('PUBLISH', ARGV[2], ARGV[3] .. string.char(0) .. head)
-      return 'RELEASED'
-    end
-  end
+// KEYS: lock, grant record, queue, seen, fence state.
+// ARGV: token, channel, lock name, stale ms, handoff recent ms, handoff confirm ms, max counter.
+// A live waiter seen within the handoff window at the head of the line gets the lock here, with its
+// fence, under the grant script's checks (current data history, active state, counter not used up),
+// for the confirmation window only; published as "<name>\0<sha1(token)>\0<epoch>\0<counter>".
+// Otherwise "<name>\0<sha1(token)>" wakes a live head (only it needs to wake), "<name>" wakes all.
+// The token itself is never published: a subscriber could release or extend with it.
+const RELEASE_LUA = `${IDENTITY_LUA}
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'LOST' end
+redis.call('DEL', KEYS[1], KEYS[2])
+local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+local seen = head and redis.call('ZSCORE', KEYS[4], head)
+if not seen then
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 'RELEASED'
 end
-return 'LOST'
+seen = tonumber(seen)
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local nul = string.char(0)
+if seen >= ms - tonumber(ARGV[5]) then
+  local id = identity()
+  local st = id and redis.call('HMGET', KEYS[5], 'state', 'epoch', 'counter', 'id')
+  if st and st[1] == 'active' and st[4] == id and tonumber(st[3]) < tonumber(ARGV[7]) then
+    redis.call('SET', KEYS[1], head, 'PX', ARGV[6])
+    redis.call('HINCRBY', KEYS[5], 'counter', 1)
+    local counter = redis.call('HGET', KEYS[5], 'counter')
+    local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+    redis.call('HSET', KEYS[2], 'token', head, 'epoch', st[2], 'counter', counter, 'at', at, 'handoff', '1')
+    redis.call('PEXPIRE', KEYS[2], ARGV[6])
+    redis.call('ZREM', KEYS[3], head)
+    redis.call('ZREM', KEYS[4], head)
+    redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. redis.sha1hex(head) .. nul .. st[2] .. nul .. counter)
+    return 'RELEASED'
+  end
+end
+if seen >= ms - tonumber(ARGV[4]) then
+  redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. redis.sha1hex(head))
+else
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+end
+return 'RELEASED'
 `;
 
-// A waiter gave up. KEYS: lock, queue, seen. ARGV: token, channel, lock name.
-// If it was the head and the lock is free, the next waiter is woken. Replies: LEFT | ABSENT.
+// A waiter gave up. KEYS: lock, queue, seen, grant record. ARGV: token, channel, lock name.
+// A lock handed over to it and not yet confirmed is given back. If it was the head (or gave a lock
+// back) and the lock is free, the next waiter is woken. Replies: LEFT | ABSENT.
 const LEAVE_LUA = `
 local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
 redis.call('ZREM', KEYS[3], ARGV[1])
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 'ABSENT' end
-if head == ARGV[1] and redis.call('EXISTS', KEYS[1]) == 0 then
+local queued = redis.call('ZREM', KEYS[2], ARGV[1]) == 1
+local freed = false
+if redis.call('GET', KEYS[1]) == ARGV[1] and redis.call('HGET', KEYS[4], 'handoff') then
+  redis.call('DEL', KEYS[1], KEYS[4])
+  freed = true
+end
+if not queued and not freed then return 'ABSENT' end
+if (head == ARGV[1] or freed) and redis.call('EXISTS', KEYS[1]) == 0 then
   local next = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
-  if next then redis.call('PUBLISH', ARGV[2], ARGV[3] .. string.char(0) .. next) end
+  if next then
+    redis.call('PUBLISH', ARGV[2], ARGV[3] .. string.char(0) .. redis.sha1hex(next))
+  elseif freed then
+    redis.call('PUBLISH', ARGV[2], ARGV[3])
+  end
 end
 return 'LEFT'
 `;
 
+/**
+ * A release hands the lock over only to a head of the line that retried
+ * within this long (by the Redis server's clock): one likely to be alive
+ * and listening.
+ */
+export const REDIS_HANDOFF_RECENT_MS = 500;
+/**
+ * A lock handed over by a release is held this long unless the waiter
+ * confirms it (its grant or confirmation call sets its own TTL); a waiter
+ * that died meanwhile delays the lock by at most this much.
+ */
+export const REDIS_HANDOFF_CONFIRM_MS = 2_000;
+
 /** @internal */
-export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV2', lua: RELEASE_LUA, numberOfKeys: 4 };
+export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV3', lua: RELEASE_LUA, numberOfKeys: 5 };
 /** @internal */
-export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV1', lua: LEAVE_LUA, numberOfKeys: 3 };
+export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV2', lua: LEAVE_LUA, numberOfKeys: 4 };
 
 /** @internal Frees the lock if `token` holds it; true if it did. */
 export async function runRelease(run: RunScript, keys: RedisKeyNames, name: string, token: string): Promise<boolean> {
@@ -51,15 +107,27 @@ export async function runRelease(run: RunScript, keys: RedisKeyNames, name: stri
     keys.grant(name),
     keys.queue(name),
     keys.seen(name),
+    keys.fence,
     token,
     keys.channel,
     name,
     REDIS_QUEUE_STALE_MS,
+    REDIS_HANDOFF_RECENT_MS,
+    REDIS_HANDOFF_CONFIRM_MS,
+    REDIS_MAX_COUNTER_ARG,
   ]);
   return reply === 'RELEASED';
 }
 
 /** @internal Drops `token` from the lock's queue. */
 export async function runLeave(run: RunScript, keys: RedisKeyNames, name: string, token: string): Promise<void> {
-  await run(LEAVE_SCRIPT, [keys.lock(name), keys.queue(name), keys.seen(name), token, keys.channel, name]);
+  await run(LEAVE_SCRIPT, [
+    keys.lock(name),
+    keys.queue(name),
+    keys.seen(name),
+    keys.grant(name),
+    token,
+    keys.channel,
+    name,
+  ]);
 }

@@ -1,0 +1,162 @@
+/**
+ * Direct handoff on Redis: a release that finds a live waiter at the head of
+ * the line grants it the lock in the same script and publishes that, by a
+ * hash of the waiter's token. Against the real Redis and Postgres.
+ */
+import { createHash, randomBytes } from 'node:crypto';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import {
+  REDIS_HANDOFF_CONFIRM_MS,
+  redisLockBackend,
+  splitRedisFence,
+} from '../../src/fencing/backends/redis/backend.js';
+import type { Fence } from '../../src/fencing/fence.js';
+import type { Lease } from '../../src/fencing/lease.js';
+import { connect, redisScenario } from '../support/redis.js';
+import { needs } from '../support/services.js';
+
+const REDIS_URL = process.env.REDIS_URL ?? '';
+const HOUR = 3_600_000; // only a notification (or close) ends these waits in time
+
+const sha1 = (token: string) => createHash('sha1').update(token).digest('hex');
+
+async function until(what: string, check: () => Promise<boolean>): Promise<void> {
+  for (let i = 0; i < 500; i++) {
+    if (await check()) return;
+    await new Promise((r) => setTimeout(r, 10));
+  }
+  throw new Error(`never: ${what}`);
+}
+
+describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handoff', () => {
+  it('the head of the line is woken with its grant: the lock is its token, its fence is the next, a confirmation makes it its own', async () => {
+    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
+    const client = connect(REDIS_URL);
+    const backend = redisLockBackend({ client, namespace, epochs: test.db });
+    onTestFinished(async () => {
+      await backend.close();
+      client.disconnect();
+    });
+    const lease = await manager.acquire('baton', { ttlMs: 30_000 });
+    const waiter = randomBytes(16).toString('hex');
+    expect(await backend.grant('baton', waiter, 30_000, 'W', { waiting: true })).toBeNull();
+    const turn = backend.waitForTurn?.('baton', HOUR, undefined, waiter);
+    await until('the subscriber listens', async () => Number((await redis.pubsub('NUMSUB', keys.channel))[1]) > 0);
+
+    expect(await lease.release()).toBe('released');
+    const grant = await turn;
+    expect(grant?.fence).toBeGreaterThan(lease.fence);
+    expect(grant?.confirmWithinMs).toBe(REDIS_HANDOFF_CONFIRM_MS);
+    expect(await redis.get(keys.lock('baton'))).toBe(waiter);
+    const before = await redis.pttl(keys.lock('baton'));
+    expect(before).toBeGreaterThan(0);
+    expect(before).toBeLessThanOrEqual(REDIS_HANDOFF_CONFIRM_MS); // only the confirmation window
+    expect(await redis.zcard(keys.queue('baton'))).toBe(0); // out of the line
+
+    // The confirmation gives it the waiter's TTL and holder label, with the same fence.
+    expect(await backend.confirm?.('baton', waiter, 30_000, 'W', grant?.fence as Fence)).toBe(true);
+    expect(await redis.pttl(keys.lock('baton'))).toBeGreaterThan(REDIS_HANDOFF_CONFIRM_MS);
+    const info = await manager.inspect('baton');
+    expect(info?.holder).toBe('W');
+    expect(info?.fence).toBe(grant?.fence);
+    // A confirmation for another token, or after the release, confirms nothing.
+    expect(await backend.confirm?.('baton', randomBytes(16).toString('hex'), 30_000, null, info?.fence as Fence)).toBe(
+      false,
+    );
+    expect(await backend.release('baton', waiter)).toBe(true);
+    expect(await backend.confirm?.('baton', waiter, 30_000, null, info?.fence as Fence)).toBe(false);
+  });
+
+  it('waiting acquires get the lock handed over in line order with increasing fences, and their leases are confirmed', async () => {
+    const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
+    const holder = await manager.acquire('relay', { ttlMs: 30_000 });
+    const others = [open(), open(), open()];
+    const leases: Promise<Lease>[] = [];
+    for (const [i, m] of others.entries()) {
+      leases.push(m.acquire('relay', { ttlMs: 30_000, waitMs: 20_000, holder: `W${i}` }));
+      await until(`${i + 1} waiters in line`, async () => (await redis.zcard(keys.queue('relay'))) === i + 1);
+    }
+    expect(await holder.release()).toBe('released');
+    const fences: bigint[] = [holder.fence];
+    for (const [i, pending] of leases.entries()) {
+      const lease = await pending;
+      fences.push(lease.fence);
+      // Its manager's client sent the confirmation before this inspect: the label is there.
+      expect((await others[i]?.inspect('relay'))?.holder).toBe(`W${i}`);
+      expect(await redis.pttl(keys.lock('relay'))).toBeGreaterThan(REDIS_HANDOFF_CONFIRM_MS);
+      expect(lease.signal.aborted).toBe(false);
+      expect(await lease.release()).toBe('released');
+    }
+    for (let k = 1; k < fences.length; k++) expect(fences[k] as bigint).toBeGreaterThan(fences[k - 1] as bigint);
+    expect(splitRedisFence(fences[3] as Fence).epoch).toBe(splitRedisFence(fences[0] as Fence).epoch);
+  });
+
+  it('a handed-over waiter that stopped holds the lock no longer than the confirmation window; one that gives up hands it back', async () => {
+    const { manager, namespace, test, redis, keys, open } = await redisScenario(REDIS_URL);
+    const client = connect(REDIS_URL);
+    const backend = redisLockBackend({ client, namespace, epochs: test.db });
+    onTestFinished(async () => {
+      await backend.close();
+      client.disconnect();
+    });
+    // A waiter that queued and then stopped (killed, paused): it never confirms.
+    const lease = await manager.acquire('dead', { ttlMs: 60_000 });
+    const ghost = randomBytes(16).toString('hex');
+    expect(await backend.grant('dead', ghost, 60_000, null, { waiting: true })).toBeNull();
+    expect(await lease.release()).toBe('released');
+    expect(await redis.get(keys.lock('dead'))).toBe(ghost);
+    const left = await redis.pttl(keys.lock('dead'));
+    expect(left).toBeGreaterThan(0);
+    expect(left).toBeLessThanOrEqual(REDIS_HANDOFF_CONFIRM_MS); // not the ghost's 60 s TTL
+    // A live waiter gets it once the window is over (its wait is bounded; the window is what it waits for).
+    const next = await open().acquire('dead', { ttlMs: 60_000, waitMs: 10_000 });
+    expect(next.fence).toBeGreaterThan(lease.fence);
+    expect(await next.release()).toBe('released');
+
+    // A waiter that gives up (leave) after the handover frees the lock at once.
+    const again = await manager.acquire('dead', { ttlMs: 60_000 });
+    const quitter = randomBytes(16).toString('hex');
+    expect(await backend.grant('dead', quitter, 60_000, null, { waiting: true })).toBeNull();
+    expect(await again.release()).toBe('released');
+    expect(await redis.get(keys.lock('dead'))).toBe(quitter);
+    await backend.leave?.('dead', quitter);
+    expect(await redis.exists(keys.lock('dead'), keys.grant('dead'))).toBe(0);
+    expect(await manager.tryAcquire('dead', { ttlMs: 1_000 })).not.toBeNull();
+  });
+
+  it('no published message carries a token: waiters are named by the SHA-1 of theirs', async () => {
+    const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
+    const listener = connect(REDIS_URL);
+    onTestFinished(() => listener.disconnect());
+    const messages: string[] = [];
+    listener.on('message', (_channel: string, message: string) => messages.push(message));
+    await listener.subscribe(keys.channel);
+
+    const tokens: string[] = [];
+    const first = await manager.acquire('quiet', { ttlMs: 30_000 });
+    tokens.push(first.token);
+    // A waiter that gives up (leave), then two that get the lock handed over.
+    const quitter = open().acquire('quiet', { ttlMs: 30_000, waitMs: 300 });
+    await until('one waiter in line', async () => (await redis.zcard(keys.queue('quiet'))) === 1);
+    const pending = [open().acquire('quiet', { ttlMs: 30_000, waitMs: 20_000 })];
+    await until('two waiters in line', async () => (await redis.zcard(keys.queue('quiet'))) === 2);
+    pending.push(open().acquire('quiet', { ttlMs: 30_000, waitMs: 20_000 }));
+    await until('three waiters in line', async () => (await redis.zcard(keys.queue('quiet'))) === 3);
+    tokens.push(...(await redis.zrange(keys.queue('quiet'), '0', '-1')));
+    await expect(quitter).rejects.toThrow();
+    expect(await first.release()).toBe('released');
+    for (const p of pending) {
+      const lease = await p;
+      tokens.push(lease.token);
+      expect(await lease.release()).toBe('released');
+    }
+    await until('the messages arrived', async () => messages.length >= 3);
+
+    expect(messages.some((m) => m.split('\0').length === 4)).toBe(true); // a handoff was published
+    for (const message of messages) {
+      for (const token of tokens) expect(message).not.toContain(token);
+      const [, hash] = message.split('\0');
+      if (hash !== undefined) expect(tokens.map(sha1)).toContain(hash);
+    }
+  });
+});
