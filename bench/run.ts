@@ -31,6 +31,7 @@ import { fenceIssuance } from './sections/fence-issuance.js';
 import { growth, tombstonePurge } from './sections/growth.js';
 import { handoff } from './sections/handoff.js';
 import { lockRoundTrips } from './sections/lock-round-trips.js';
+import { lockScope } from './sections/lock-scope.js';
 import { memory } from './sections/memory.js';
 import { telemetry } from './sections/telemetry.js';
 import { writePath } from './sections/write-path.js';
@@ -46,6 +47,7 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
   { id: '7', title: 'Growth', run: growth },
   { id: '7d', title: 'Growth: tombstone purge', run: tombstonePurge, part: true },
   { id: '8', title: 'Telemetry overhead', run: telemetry },
+  { id: '9', title: 'Lock scope', run: lockScope },
 ];
 
 /** `--render`: rewrites latest.md from latest.json (e.g. after editing the findings), measuring nothing. */

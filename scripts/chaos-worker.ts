@@ -30,10 +30,11 @@ import { bigint, bigserial, integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
-import { type Database, transaction } from '../src/driver.js';
+import type { Database } from '../src/driver.js';
 import { redisLockManager } from '../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../src/fencing/lease.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
+import { fencedTransaction } from '../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../src/repo/repository.js';
 import { fenceColumns } from '../src/schema/fence-columns.js';
 import { historyRecorder } from '../src/testing/history.js';
@@ -99,14 +100,19 @@ export const chaosAudit = pgTable('chaos_audit', {
   fence: bigint('fence', { mode: 'bigint' }).notNull(),
   process: text('process').notNull(),
   value: integer('value').notNull(),
+  /** The lock (`namespace/name`) whose lease wrote: the checker's lock-scoped invariant is per lock. */
+  lock: text('lock').notNull(),
 });
+
+/** The two rows one lock guards: every critical section writes both, alternating which goes first. */
+export const chaosKeys = (key: string): [string, string] => [key, `${key}:b`];
 
 /** The DDL the runner applies to each run's fresh database. */
 export const CHAOS_DDL = [
   `create table chaos_counter (id text primary key, n integer not null default 0,
      last_fence bigint not null default 0, deleted_at timestamptz)`,
   `create table chaos_audit (id bigserial primary key, key text not null, fence bigint not null,
-     process text not null, value integer not null)`,
+     process text not null, value integer not null, lock text not null)`,
 ];
 
 /** Lock managers for each slot: on the one Redis (or Postgres) of the run, or on whichever server is the primary. */
@@ -183,6 +189,8 @@ async function main(): Promise<void> {
     const { lock, key } = slot;
     const label = labelOf(i);
     const record = historyRecorder(args.history, label);
+    let round = 0;
+    const unaborted = new AbortController().signal;
     while (!stopping && Date.now() < stopAt) {
       record({ type: 'invoke', op: 'acquire', lock });
       const { manager, server } = managers.current(slot);
@@ -206,27 +214,56 @@ async function main(): Promise<void> {
       if (args.checkSignal && lease.signal.aborted) {
         say('skipped', { fence });
       } else {
-        record({ type: 'invoke', op: 'increment', key, fence });
+        // Lock scope: both rows in one fenced transaction, each write claiming the lock's register, so a
+        // stale holder is refused on the row the newer holder has not written yet, too.
+        const keys = chaosKeys(key);
+        if (round++ % 2 === 1) keys.reverse();
+        for (const k of keys) record({ type: 'invoke', op: 'increment', key: k, fence });
+        const written: { key: string; n: number }[] = [];
         try {
-          const result = await transaction(db, async (tx) => {
-            const r = await fencedRepository(tx, chaosCounter).modify({ id: key }, lease.fence, (row) => ({
-              n: row.n + 1,
-            }));
-            if (r.status === 'applied') {
-              await tx.insert(chaosAudit).values({ key, fence: lease.fence, process: label, value: r.row.n });
-            }
-            return r;
-          });
-          if (result.status === 'applied') {
-            record({ type: 'ok', op: 'increment', key, fence, value: result.row.n });
-          } else {
-            record({ type: 'fail', op: 'increment', key, fence, reason: result.status });
+          // The holder goes on as if it still held the lock (its signal is not consulted): the database
+          // alone must refuse it. The idle timeout stays at one TTL, so a paused holder cannot wedge the lock.
+          const holder = { fence: lease.fence, lock: lease.lock, signal: unaborted };
+          const result = await fencedTransaction(
+            db,
+            holder,
+            async (tx) => {
+              for (const k of keys) {
+                const r = await fencedRepository(db, chaosCounter)
+                  .with(holder)
+                  .modify({ id: k }, (row) => ({ n: row.n + 1 }));
+                if (r.status !== 'applied') return r.status;
+                const lockLabel = `${slot.namespace}/${lock}`;
+                await tx
+                  .insert(chaosAudit)
+                  .values({ key: k, fence: lease.fence, process: label, value: r.row.n, lock: lockLabel });
+                written.push({ key: k, n: r.row.n });
+              }
+              return 'applied';
+            },
+            { idleTimeoutMs: args.ttlMs },
+          );
+          const status = result.status === 'applied' ? result.value : result.status;
+          for (const k of keys) {
+            if (status === 'applied') {
+              const value = written.find((w) => w.key === k)?.n;
+              record({ type: 'ok', op: 'increment', key: k, fence, ...(value === undefined ? {} : { value }) });
+            } else
+              record({
+                type: 'fail',
+                op: 'increment',
+                key: k,
+                fence,
+                reason: status === 'duplicate' ? 'duplicate' : 'stale',
+              });
           }
-          say('wrote', { fence, status: result.status });
+          say('wrote', { fence, status });
         } catch (err) {
           const code = codeOf(err);
           // `retryable` (40001/40P01) rolled back: certainly not applied. Anything else: the commit may have landed.
-          record({ type: code === 'retryable' ? 'fail' : 'unknown', op: 'increment', key, fence, reason: code });
+          for (const k of keys) {
+            record({ type: code === 'retryable' ? 'fail' : 'unknown', op: 'increment', key: k, fence, reason: code });
+          }
           say('wrote', { fence, status: code });
         }
       }

@@ -63,7 +63,7 @@ import { type PrivateRedis, startPrivateRedis } from '../test/support/redis-serv
 import { createScratchDatabase } from '../test/support/scratch-database.js';
 import { sleep } from '../test/support/sleep.js';
 import { renderChaosReport, type SavedReport } from './chaos-report/render.js';
-import { CHAOS_DDL, type ChaosSlot, type ChaosWorkerArgs, chaosSlots } from './chaos-worker.js';
+import { CHAOS_DDL, type ChaosSlot, type ChaosWorkerArgs, chaosKeys, chaosSlots } from './chaos-worker.js';
 
 /** Backends the chaos run knows how to fault. */
 export type ChaosBackend = 'redis' | 'postgres' | 'advisory';
@@ -198,7 +198,9 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
   try {
     await migrate(db);
     for (const ddl of CHAOS_DDL) await client.unsafe(ddl);
-    for (const slot of slots) await client`insert into chaos_counter (id, n) values (${slot.key}, 0)`;
+    for (const slot of slots) {
+      for (const key of chaosKeys(slot.key)) await client`insert into chaos_counter (id, n) values (${key}, 0)`;
+    }
     if (o.nemesis === 'replication') {
       // Each its own --dir (startPrivateRedis); a full resync starts at once instead of after 5 s.
       const pair = [await startPrivateRedis(PROMPT_SYNC), await startPrivateRedis(PROMPT_SYNC)] as const;
@@ -515,7 +517,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     }
 
     log('probe done; checking');
-    const audit = (await client`select id, key, fence, process from chaos_audit order by id`) as unknown as AuditRow[];
+    const audit =
+      (await client`select id, key, fence, process, lock from chaos_audit order by id`) as unknown as AuditRow[];
     const counters: Record<string, number> = {};
     for (const row of await client<{ id: string; n: number }[]>`select id, n from chaos_counter`) {
       counters[row.id] = Number(row.n);

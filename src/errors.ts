@@ -30,6 +30,10 @@ export const ERROR_CODES = {
   closed: 'the lock manager was closed',
   missing_dependency: 'an optional peer dependency is not installed; the message names the package',
   migrations_folder: 'a migrations folder is missing or is not a drizzle-kit folder; the message names the path',
+  lock_scope:
+    "a write bypassed the lock scope: a bare-fence write on a repository created with scope: 'lock', or a holder without a lock identity there",
+  fence_not_issued:
+    'a lock-scoped write carried a fence that this database never granted for its lock (forged or miscomputed); nothing was written',
   cli: 'the `palisade` command failed or was used wrongly; the message says why (exit code 1 or 2)',
 } as const;
 
@@ -211,6 +215,37 @@ export class MigrationsFolderError extends PalisadeError {
 }
 
 /**
+ * A write that would bypass the lock scope: a bare-fence write (row scope)
+ * on a repository created with `scope: 'lock'`, or `with(holder)` there for
+ * a holder that has no `lock`. Thrown before any query.
+ */
+export class LockScopeError extends PalisadeError {
+  constructor(message: string) {
+    super('lock_scope', message);
+  }
+}
+
+/**
+ * A lock-scoped write carried a fence that is not the latest grant of its
+ * lock, though the lock's grants claim its register on this very database
+ * (Postgres leases and advisory locks on the fenced tables' database): a
+ * forged or miscomputed fence above every grant. Nothing was written and
+ * nothing was claimed. A fence *below* the latest grant is `stale` instead.
+ */
+export class FenceNotIssuedError extends PalisadeError {
+  constructor(
+    /** The register's fence: the lock's latest grant (0 when this database never granted the lock). */
+    readonly registeredFence: bigint,
+    readonly attemptedFence: bigint,
+  ) {
+    super(
+      'fence_not_issued',
+      `fence ${attemptedFence} was never granted for this lock here: its latest grant is ${registeredFence}`,
+    );
+  }
+}
+
+/**
  * The database refused a statement for a reason palisade does not interpret.
  *
  * What the message says, and what it never says: it keeps the SQLSTATE, its
@@ -313,4 +348,6 @@ export const ERROR_CLASSES = {
   missing_dependency: MissingDependencyError,
   migrations_folder: MigrationsFolderError,
   cli: CliError,
+  lock_scope: LockScopeError,
+  fence_not_issued: FenceNotIssuedError,
 } as const satisfies Record<PalisadeErrorCode, abstract new (...args: never[]) => PalisadeError>;

@@ -14,11 +14,13 @@ export {
   DriverError,
   ERROR_CLASSES,
   ERROR_CODES,
+  FenceNotIssuedError,
   FenceSourceError,
   ForeignLockError,
   InvalidArgumentError,
   LeaseLostError,
   LockManagerClosedError,
+  LockScopeError,
   LockServiceError,
   LockTimeoutError,
   LockUnavailableError,
@@ -40,6 +42,7 @@ export type { RedisClient, RedisLockManagerOptions } from './fencing/backends/re
 export type { LockEvents } from './fencing/events.js';
 export { assertFence, type Fence, isFence, MAX_FENCE, toFence } from './fencing/fence.js';
 export type { Lease } from './fencing/lease.js';
+export { checkLockIdentity, type LockIdentity } from './fencing/lock-identity.js';
 export type { LockManager } from './fencing/lock-manager.js';
 export type { AcquireOptions } from './fencing/options.js';
 export {
@@ -52,13 +55,22 @@ export {
   migrate,
 } from './migrate.js';
 export {
-  type FencedRepository,
-  type FenceHolder,
-  fencedRepository,
-  type LeasedRepository,
-  type RepositoryOptions,
-  type StaleWriteEvent,
-} from './repo/repository.js';
+  type FencedTransactionOptions,
+  type FencedTransactionResult,
+  fencedTransaction,
+  fencedTransactionOrThrow,
+  type TransactionLease,
+} from './repo/fenced-transaction.js';
+export type { Refusal } from './repo/joined.js';
+export { claimLockRegister } from './repo/lock-scope.js';
+export { fencedRepository } from './repo/repository.js';
+export type {
+  FencedRepository,
+  FenceHolder,
+  LeasedRepository,
+  RepositoryOptions,
+  StaleWriteEvent,
+} from './repo/repository-api.js';
 export { type BatchResult, mustApply, type WriteResult } from './repo/result.js';
 export type { SameFence } from './repo/statements.js';
 export type { FencedTable, KeyOf, PatchOf, RowOf, ValuesOf } from './repo/table.js';

@@ -13,11 +13,13 @@ import {
   DriverError,
   ERROR_CLASSES,
   ERROR_CODES,
+  FenceNotIssuedError,
   FenceSourceError,
   ForeignLockError,
   InvalidArgumentError,
   LeaseLostError,
   LockManagerClosedError,
+  LockScopeError,
   LockServiceError,
   LockTimeoutError,
   LockUnavailableError,
@@ -51,6 +53,8 @@ const samples: { readonly [K in PalisadeErrorCode]: PalisadeError } = {
   missing_dependency: new MissingDependencyError('ioredis', 'redisLockManager'),
   migrations_folder: new MigrationsFolderError('./drizzle', 'missing'),
   cli: new CliError('usage', 2),
+  lock_scope: new LockScopeError('bare fence'),
+  fence_not_issued: new FenceNotIssuedError(3n, 1000n),
 };
 
 describe('errors', () => {

@@ -13,8 +13,11 @@ import {
   table,
   toJson,
 } from './common.js';
+import { registersCommand, resetRegisterCommand } from './registers.js';
 
 const help = `Usage: palisade locks [--namespace NS] [--expired] [--limit N] [--json]
+       palisade locks registers [--namespace NS] [--json]
+       palisade locks reset-register --kind K --source S --namespace NS --name N (--fence F | --delete)
 
 Lists the leases of palisade's Postgres lock manager (table palisade.leases):
 lock name, holder, fence, age and remaining TTL, by the database's clock.
@@ -51,6 +54,8 @@ export const locksCommand: Command = {
   summary: 'list who holds which lock (Postgres lease table), with fence, age and TTL left',
   help,
   async run(argv, io) {
+    if (argv[0] === 'registers') return registersCommand.run(argv.slice(1), io);
+    if (argv[0] === 'reset-register') return resetRegisterCommand.run(argv.slice(1), io);
     const { values } = parse('locks', argv, {
       namespace: { type: 'string' },
       expired: { type: 'boolean' },

@@ -17,6 +17,14 @@ export interface Grant {
   readonly fence: Fence;
   readonly lost?: AbortSignal;
   /**
+   * Which fence counter issued `fence` (see `LockIdentity.source`): the same
+   * string for every grant whose fences are comparable. With
+   * {@link LockBackend.namespace} it gives the lease its `lock`, which
+   * lock-scoped writes need; a backend that leaves it out gives leases
+   * without one (row scope only).
+   */
+  readonly source?: string;
+  /**
    * Only on a grant a release handed over (`waitForRelease`): the lock is
    * held for at most this long from the waiter's last grant call unless
    * {@link LockBackend.confirm} makes it the waiter's own.
@@ -54,6 +62,8 @@ export interface GrantOptions {
 export interface LockBackend {
   /** Short name for messages and events: `redis`, `postgres`, `advisory`. */
   readonly kind: string;
+  /** The namespace the backend's locks live in; with {@link Grant.source}, part of each lease's `lock`. */
+  readonly namespace?: string;
   /**
    * Grants the lock to `token` if it is free or expired, issuing a fence
    * above every fence this namespace issued before, atomically with the

@@ -5,6 +5,7 @@ import { observeExtend, observeRelease, recordLost } from '../telemetry/locks.js
 import type { LockBackend } from './backend.js';
 import type { Emitter, LockEvents } from './events.js';
 import type { Fence } from './fence.js';
+import type { LockIdentity } from './lock-identity.js';
 import { checkTtl } from './options.js';
 
 /**
@@ -17,6 +18,14 @@ export interface Lease {
   /** Random, 128 bits, unique to this grant: release and extend are checked against it. */
   readonly token: string;
   readonly fence: Fence;
+  /**
+   * The lock this lease was granted for, as its fence register is keyed
+   * (backend kind, fence source, namespace, name): what makes
+   * `repo.with(lease)` lock-scoped (README, "Two scopes of fencing"). Every
+   * built-in backend sets it; `undefined` only for a user backend whose
+   * grants carry no `source`.
+   */
+  readonly lock: LockIdentity | undefined;
   readonly holder: string | null;
   /**
    * Aborted (with a `LeaseLostError`) when the lease is known or presumed
@@ -51,6 +60,7 @@ export interface LeaseInit {
   readonly name: string;
   readonly token: string;
   readonly fence: Fence;
+  readonly lock: LockIdentity | undefined;
   readonly holder: string | null;
   readonly ttlMs: number;
   /** `performance.now()` just before the grant was sent: the TTL counts from no later than this. */
@@ -70,6 +80,7 @@ export class ActiveLease implements Lease {
   readonly name: string;
   readonly token: string;
   readonly fence: Fence;
+  readonly lock: LockIdentity | undefined;
   readonly holder: string | null;
   readonly #init: LeaseInit;
   // Created when someone reads `signal` (most leases are released without anyone looking).
@@ -88,6 +99,7 @@ export class ActiveLease implements Lease {
     this.name = init.name;
     this.token = init.token;
     this.fence = init.fence;
+    this.lock = init.lock;
     this.holder = init.holder;
     this.#expiresAt = init.sentAt + (init.confirm ? Math.min(init.confirm.withinMs, init.ttlMs) : init.ttlMs);
     this.#armDeadline();

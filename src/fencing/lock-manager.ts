@@ -134,6 +134,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       name,
       token,
       fence: grant.fence,
+      lock: lockOf(grant, name),
       holder: opts.holder,
       ttlMs: opts.ttlMs,
       sentAt,
@@ -151,6 +152,12 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     }
     return lease;
   }
+
+  // The lease's lock identity for lock-scoped writes: only where the backend names its source.
+  const lockOf = (grant: Grant, name: string) =>
+    grant.source === undefined || backend.namespace === undefined
+      ? undefined
+      : Object.freeze({ kind: backend.kind, source: grant.source, namespace: backend.namespace, name });
 
   // A grant a release handed over: the lease starts now, held until the end of the confirmation
   // window counted from our last send; the confirmation (sent at once, ahead of anything the caller
@@ -170,6 +177,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       name,
       token,
       fence: grant.fence,
+      lock: lockOf(grant, name),
       holder: opts.holder,
       ttlMs: opts.ttlMs,
       sentAt: lastSentAt,

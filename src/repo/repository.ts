@@ -1,5 +1,8 @@
-import { AsyncLocalStorage } from 'node:async_hooks';
-import { and, eq, is, isNull, lt, SQL, sql } from 'drizzle-orm';
+/**
+ * The write path of one fenced table: README, "The write path" and "Two
+ * scopes of fencing". The API and its guarantees are in `repository-api.ts`.
+ */
+import { and, eq, isNull, lt, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import {
   assertSupportedDriver,
@@ -12,10 +15,24 @@ import {
   transaction,
   translateError,
 } from '../driver.js';
-import { InvalidArgumentError, LeaseLostError, PalisadeError, RetryableWriteError } from '../errors.js';
+import { InvalidArgumentError, LockScopeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
+import type { LockIdentity } from '../fencing/lock-identity.js';
 import { observeBatch, observeWrite } from '../telemetry/writes.js';
-import { type BatchResult, rememberContext, type WriteResult } from './result.js';
+import { checkCondition } from './conditions.js';
+import { joining, on, recordRefusal } from './joined.js';
+import { inClaim, leasedRepository, returningOf, type WriteCore } from './lock-scope.js';
+import type { FencedRepository, RepositoryOptions } from './repository-api.js';
+
+export type {
+  FencedRepository,
+  FenceHolder,
+  LeasedRepository,
+  RepositoryOptions,
+  StaleWriteEvent,
+} from './repository-api.js';
+
+import { rememberContext, type WriteResult } from './result.js';
 import {
   APPLIED,
   deleteStatements,
@@ -42,161 +59,6 @@ import {
   type ValuesOf,
 } from './table.js';
 
-// While a `modify` callback runs: the transaction that stands in for the database it was opened
-// on, so that reads and writes of repositories on that database inside the callback join it.
-const joined = new AsyncLocalStorage<ReadonlyMap<Database, Database>>();
-
-function withJoined(db: Database, tx: Database): ReadonlyMap<Database, Database> {
-  const map = new Map(joined.getStore() ?? []);
-  map.set(db, tx);
-  return map;
-}
-
-/** `db`, or the transaction of the `modify` callback that is running on it. */
-function on(db: Database): Database {
-  return joined.getStore()?.get(db) ?? db;
-}
-
-/** Options of {@link fencedRepository}. */
-export interface RepositoryOptions {
-  /**
-   * `'reject'` (default): the comparison is `last_fence < $fence`, so a fence
-   * writes a row at most once and a retry reports `duplicate`. `'allow'`:
-   * `<=`, for holders that write the same row several times per grant. Both
-   * refuse every fence below the highest accepted.
-   */
-  readonly sameFence?: SameFence;
-  /** Called (synchronously, errors ignored) for every write refused as stale or duplicate. */
-  readonly onStale?: (event: StaleWriteEvent) => void;
-}
-
-/** A write the database refused because its fence was not above the row's. */
-export interface StaleWriteEvent {
-  readonly table: string;
-  readonly key: Readonly<Record<string, unknown>>;
-  readonly attemptedFence: Fence;
-  /** The row's fence, equal to `attemptedFence` for a duplicate. */
-  readonly currentFence: Fence;
-}
-
-/** Anything that carries a fence and tells when it should no longer be used: a lock manager's lease. */
-export interface FenceHolder {
-  readonly fence: Fence;
-  readonly signal: AbortSignal;
-}
-
-/** The write path of one fenced table. Reads take no fence; every write does. */
-export interface FencedRepository<T extends FencedTable> {
-  readonly table: T;
-  /** The live row with this primary key, or `undefined` (tombstones are invisible). */
-  get(key: KeyOf<T>): Promise<RowOf<T> | undefined>;
-  /** Live rows matching `where` (all live rows without it). */
-  find(where?: SQL): Promise<RowOf<T>[]>;
-  /**
-   * `UPDATE … SET patch, last_fence = fence WHERE key AND live AND last_fence < fence`:
-   * one statement and one round trip on the success path; a write that did
-   * not apply costs a second statement, which tries the write again and
-   * says why not (README, "The write path"). Patch values may be SQL
-   * expressions. Guarantees: applied only if no fence ≥ `fence` wrote the
-   * row before. A deleted (or absent) row is `missing` and nothing is
-   * written, its fence included. Does not: create the row (see `upsert`) or
-   * retry.
-   *
-   * With `{ returning: 'status' }` the row is not sent back (`row` is
-   * `undefined` when applied): less to transfer and decode, for callers
-   * that only need the outcome.
-   */
-  update(
-    key: KeyOf<T>,
-    fence: Fence,
-    patch: PatchOf<T>,
-    options?: { returning?: 'row' },
-  ): Promise<WriteResult<RowOf<T>>>;
-  update(
-    key: KeyOf<T>,
-    fence: Fence,
-    patch: PatchOf<T>,
-    options: { returning: 'status' },
-  ): Promise<WriteResult<undefined>>;
-  /**
-   * Fenced insert-or-update in one statement. A row deleted with a fence ≥
-   * `fence` stays deleted (`stale`; `duplicate` when this fence deleted it).
-   * A row that does not exist (never written, or its tombstone purged) is
-   * created only by a fence above the table's tombstone floor, else `stale`
-   * naming the floor. Columns not in `values` keep their current values on
-   * update; a resurrected row takes their defaults. Needs palisade's
-   * migrations (`migrate()`): it reads `palisade.tombstone_floors`.
-   *
-   * @throws {RetryableWriteError} (SQLSTATE 40001) when a purge that
-   * committed while the statement ran raised the floor to `fence` or above
-   * just as the upsert created the row: nothing is written, and a retry
-   * reports `stale`.
-   */
-  upsert(values: ValuesOf<T>, fence: Fence): Promise<WriteResult<RowOf<T>>>;
-  /**
-   * Fenced delete of a live row that leaves a tombstone carrying the fence;
-   * `row` is the row as it was deleted. One round trip on the success path,
-   * two when it did not apply (as for `update`). A tombstone or an absent row is
-   * `missing` and nothing is written (a retried delete reports `missing`).
-   */
-  delete(key: KeyOf<T>, fence: Fence): Promise<WriteResult<RowOf<T>>>;
-  /**
-   * Safe read-modify-write: locks the row (`FOR UPDATE`) in a transaction,
-   * calls `fn(row, tx)` with it, and writes the patch fenced. `fn` is called
-   * only when the locked row is live and its fence below `fence`, so the
-   * write applies. Use this (or SQL expressions in an `update`) whenever the
-   * new value depends on the old one: fencing only the write loses updates
-   * read before a stale holder's write landed.
-   *
-   * `tx` is the transaction: read through it inside `fn`. While `fn` runs,
-   * every repository on the same `db` (this one included) joins it too. The
-   * outer `db` used directly would wait behind the transaction — forever on
-   * PGlite or a pool of one connection. An error thrown by `fn` rolls back
-   * and comes out as thrown.
-   */
-  modify(
-    key: KeyOf<T>,
-    fence: Fence,
-    fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
-  ): Promise<WriteResult<RowOf<T>>>;
-  /**
-   * Fenced update of every live row matching `where`. Returns how many rows
-   * applied and how many were at or above the fence. With `allOrNothing`,
-   * the rows are locked first and none is written if any is stale.
-   */
-  updateWhere(where: SQL, fence: Fence, patch: PatchOf<T>, options?: { allOrNothing?: boolean }): Promise<BatchResult>;
-  /**
-   * Removes up to `batchSize` tombstones deleted before `olderThan` and
-   * returns how many it removed; call until 0. In the same statement it
-   * raises the table's tombstone floor (`palisade.tombstone_floors`) to the
-   * highest fence it removed, and an upsert creates a row that does not exist
-   * only with a fence above the floor: purging never lowers what a stale
-   * fence must beat, whatever `olderThan` is. The price: after a purge, a
-   * brand-new key also needs a fence above the floor. Needs `migrate()`.
-   */
-  purgeTombstones(olderThan: Date, options?: { batchSize?: number }): Promise<number>;
-  /**
-   * A view whose writes use `holder.fence` and refuse locally, before any
-   * query, once `holder.signal` is aborted. The database check remains the
-   * guarantee; the local check only saves a round trip.
-   */
-  with(holder: FenceHolder): LeasedRepository<T>;
-}
-
-/** {@link FencedRepository} bound to one lease: the fence argument is implied. */
-export interface LeasedRepository<T extends FencedTable> {
-  readonly fence: Fence;
-  update(key: KeyOf<T>, patch: PatchOf<T>, options?: { returning?: 'row' }): Promise<WriteResult<RowOf<T>>>;
-  update(key: KeyOf<T>, patch: PatchOf<T>, options: { returning: 'status' }): Promise<WriteResult<undefined>>;
-  upsert(values: ValuesOf<T>): Promise<WriteResult<RowOf<T>>>;
-  delete(key: KeyOf<T>): Promise<WriteResult<RowOf<T>>>;
-  modify(
-    key: KeyOf<T>,
-    fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
-  ): Promise<WriteResult<RowOf<T>>>;
-  updateWhere(where: SQL, patch: PatchOf<T>, options?: { allOrNothing?: boolean }): Promise<BatchResult>;
-}
-
 /**
  * Creates the write path for `table` on `db` — a drizzle postgres-js,
  * node-postgres or PGlite database, or a transaction of one (then every
@@ -215,6 +77,8 @@ export function fencedRepository<T extends FencedTable>(
   const info = describeTable(table);
   const same: SameFence = options.sameFence ?? 'reject';
   if (same !== 'reject' && same !== 'allow') throw new InvalidArgumentError("sameFence must be 'reject' or 'allow'");
+  const scope = options.scope ?? 'row';
+  if (scope !== 'row' && scope !== 'lock') throw new InvalidArgumentError("scope must be 'row' or 'lock'");
   const t = table as FencedTable;
 
   const keyWhere = (key: [string, unknown][]) =>
@@ -233,15 +97,25 @@ export function fencedRepository<T extends FencedTable>(
     fence: Fence,
     statements: FencedWrite,
     returning: Returning,
+    lock: LockIdentity | undefined,
   ): Promise<WriteResult<RowOf<T>>> {
     return observeWrite(info.label, method, 'UPDATE', fence, async () => {
       const [written] = await run(on, statements.write);
       if (written !== undefined) return applied(written, returning);
-      const raw = (await run(on, statements.refusal))[0] ?? {};
-      if (raw[APPLIED] === true) return applied(raw, returning);
-      return explain(on, method, raw, key, fence);
+      const refuse = async (tx: Database) => {
+        const raw = (await run(tx, statements.refusal))[0] ?? {};
+        if (raw[APPLIED] === true) return applied(raw, returning);
+        return explain(tx, method, raw, key, fence);
+      };
+      // Lock scope: the refusal statement runs only under a claim of the register, which then
+      // stays locked until it is done (or names the higher fence that claimed the lock).
+      if (lock === undefined) return refuse(on);
+      return inClaim(on, lock, fence, refuse, (registered) => lockRefusal(key, fence, registered));
     });
   }
+
+  const lockRefusal = (key: [string, unknown][], fence: Fence, currentFence: Fence) =>
+    report({ status: 'stale', currentFence }, key, fence);
 
   async function writeUpsert(on: Database, key: [string, unknown][], fence: Fence, statement: Statement) {
     return observeWrite(info.label, 'upsert', 'INSERT', fence, async () => {
@@ -324,6 +198,10 @@ export function fencedRepository<T extends FencedTable>(
   function report(result: WriteResult<RowOf<T>>, key: [string, unknown][], fence: Fence) {
     const keyObject = Object.fromEntries(key);
     rememberContext(result, { table: info.label, key: keyObject, fence });
+    if (result.status === 'stale' || result.status === 'duplicate') {
+      const currentFence = result.status === 'stale' ? result.currentFence : fence;
+      recordRefusal({ status: result.status, table: info.label, key: keyObject, attemptedFence: fence, currentFence });
+    }
     if (options.onStale && (result.status === 'stale' || result.status === 'duplicate')) {
       const currentFence = result.status === 'stale' ? result.currentFence : fence;
       try {
@@ -335,18 +213,114 @@ export function fencedRepository<T extends FencedTable>(
     return result;
   }
 
-  function update(on: Database, keyIn: KeyOf<T>, fenceIn: Fence, patchIn: PatchOf<T>, returning: Returning) {
+  function update(
+    on: Database,
+    keyIn: KeyOf<T>,
+    fenceIn: Fence,
+    patchIn: PatchOf<T>,
+    returning: Returning,
+    lock?: LockIdentity,
+  ) {
     const fence = assertFence(fenceIn);
     const key = keyEntries(info, keyIn);
     const patch = patchEntries(info, patchIn, false);
-    return write(on, 'update', key, fence, updateStatements(info, key, patch, fence, same, returning), returning);
+    const statements = updateStatements(info, key, patch, fence, same, returning, lock);
+    return write(on, 'update', key, fence, statements, returning, lock);
   }
 
-  function returningOf(options: unknown): Returning {
-    if (options === undefined) return 'row';
-    const returning = (options as { returning?: unknown } | null)?.returning;
-    if (returning === undefined || returning === 'row' || returning === 'status') return returning ?? 'row';
-    throw new InvalidArgumentError("update's returning must be 'row' or 'status'");
+  // Row scope is closed on a `scope: 'lock'` repository: a bare fence would bypass the register.
+  const rowScoped = (): WriteCore<T> => {
+    if (scope !== 'lock') return core;
+    throw new LockScopeError("this repository is lock-scoped (scope: 'lock'): write through with(lease)");
+  };
+
+  const core: WriteCore<T> = {
+    update: (key, fence, patch, returning, lock) => update(on(db), key, fence, patch, returning, lock),
+
+    async upsert(valuesIn, fenceIn, lock) {
+      const fence = assertFence(fenceIn);
+      const row = patchEntries(info, valuesIn as ValuesOf<T>, true);
+      const key = keyEntries(info, Object.fromEntries(row.filter(([name]) => info.keyNames.includes(name))));
+      const upsert = (tx: Database) => writeUpsert(tx, key, fence, upsertStatement(info, key, row, fence, same));
+      if (lock === undefined) return upsert(on(db));
+      return inClaim(on(db), lock, fence, upsert, (registered) => lockRefusal(key, fence, registered));
+    },
+
+    async delete(keyIn, fenceIn, lock) {
+      const fence = assertFence(fenceIn);
+      const key = keyEntries(info, keyIn);
+      return write(on(db), 'delete', key, fence, deleteStatements(info, key, fence, same, lock), 'row', lock);
+    },
+
+    async modify(keyIn, fenceIn, fn, lock) {
+      const fence = assertFence(fenceIn);
+      const key = keyEntries(info, keyIn);
+      if (typeof fn !== 'function') throw new InvalidArgumentError('modify needs a function that returns the patch');
+      if (lock === undefined) return modify(on(db), key, keyIn, fence, fn);
+      return inClaim(
+        on(db),
+        lock,
+        fence,
+        (tx) => modify(tx, key, keyIn, fence, fn),
+        (registered) => lockRefusal(key, fence, registered),
+      );
+    },
+
+    async updateWhere(where, fenceIn, patchIn, opts = {}, lock = undefined) {
+      const fence = assertFence(fenceIn);
+      checkCondition(where, 'updateWhere');
+      const patch = patchEntries(info, patchIn, false);
+      const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
+      return observeBatch(info.label, fence, async () => {
+        const batch = async (tx: Database) => {
+          const [row] = await run(tx, statement);
+          return { applied: count(row?.applied), stale: count(row?.stale) };
+        };
+        if (lock === undefined) return batch(on(db));
+        // Refused by the register: every live row the condition matches counts as stale.
+        return inClaim(on(db), lock, fence, batch, async () => {
+          const [row] = await execute(
+            on(db),
+            sql`select count(*) as n from ${t} where (${where}) and ${isNull(t.deletedAt)}`,
+          );
+          return { applied: 0, stale: count(row?.n) };
+        });
+      });
+    },
+  };
+
+  async function modify(
+    on: Database,
+    key: [string, unknown][],
+    keyIn: KeyOf<T>,
+    fence: Fence,
+    fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
+  ): Promise<WriteResult<RowOf<T>>> {
+    // The caller's own error (say, "insufficient funds") rolls back and comes out as it was thrown,
+    // not dressed as a DatabaseError by the transaction's error translation.
+    let thrown: { error: unknown } | undefined;
+    const call = async (row: RowOf<T>, tx: Database) => {
+      try {
+        return await fn(row, tx);
+      } catch (error) {
+        thrown = { error };
+        throw error;
+      }
+    };
+    return transaction(on, async (tx) => {
+      const [row] = await tx.select().from(t).where(keyWhere(key)).for('update');
+      const locked = row as (RowOf<T> & { lastFence: bigint; deletedAt: Date | null }) | undefined;
+      // The locked row decides (one row version): absent or deleted is `missing`, nothing written.
+      if (!locked || locked.deletedAt !== null) return report({ status: 'missing' }, key, fence);
+      const refused = refusal(locked.lastFence, fence);
+      if (refused) return report(refused, key, fence);
+      // Inside fn, this repository (and any other on the same db) reads and writes through the
+      // transaction: on PGlite, or a pool of one, the outer db would wait behind it forever.
+      const patch = await joining(db, tx, undefined, () => call(locked, tx));
+      return update(tx, keyIn, fence, patch, 'row');
+    }).catch((err: unknown) => {
+      throw thrown ? thrown.error : err;
+    });
   }
 
   const repo: FencedRepository<T> = {
@@ -382,62 +356,11 @@ export function fencedRepository<T extends FencedTable>(
 
     // async: bad input rejects the promise, like every other method, rather than throwing.
     update: (async (key: KeyOf<T>, fence: Fence, patch: PatchOf<T>, opts?: unknown) =>
-      update(on(db), key, fence, patch, returningOf(opts))) as FencedRepository<T>['update'],
-
-    async upsert(valuesIn, fenceIn) {
-      const fence = assertFence(fenceIn);
-      const row = patchEntries(info, valuesIn, true);
-      const key = keyEntries(info, Object.fromEntries(row.filter(([name]) => info.keyNames.includes(name))));
-      return writeUpsert(on(db), key, fence, upsertStatement(info, key, row, fence, same));
-    },
-
-    async delete(keyIn, fenceIn) {
-      const fence = assertFence(fenceIn);
-      const key = keyEntries(info, keyIn);
-      return write(on(db), 'delete', key, fence, deleteStatements(info, key, fence, same), 'row');
-    },
-
-    async modify(keyIn, fenceIn, fn) {
-      const fence = assertFence(fenceIn);
-      const key = keyEntries(info, keyIn);
-      if (typeof fn !== 'function') throw new InvalidArgumentError('modify needs a function that returns the patch');
-      // The caller's own error (say, "insufficient funds") rolls back and comes out as it was thrown,
-      // not dressed as a DatabaseError by the transaction's error translation.
-      let thrown: { error: unknown } | undefined;
-      const call = async (row: RowOf<T>, tx: Database) => {
-        try {
-          return await fn(row, tx);
-        } catch (error) {
-          thrown = { error };
-          throw error;
-        }
-      };
-      return transaction(on(db), async (tx) => {
-        const [row] = await tx.select().from(t).where(keyWhere(key)).for('update');
-        const locked = row as (RowOf<T> & { lastFence: bigint; deletedAt: Date | null }) | undefined;
-        // The locked row decides (one row version): absent or deleted is `missing`, nothing written.
-        if (!locked || locked.deletedAt !== null) return report({ status: 'missing' }, key, fence);
-        const refused = refusal(locked.lastFence, fence);
-        if (refused) return report(refused, key, fence);
-        // Inside fn, this repository (and any other on the same db) reads and writes through the
-        // transaction: on PGlite, or a pool of one, the outer db would wait behind it forever.
-        const patch = await joined.run(withJoined(db, tx), () => call(locked, tx));
-        return update(tx, keyIn, fence, patch, 'row');
-      }).catch((err: unknown) => {
-        throw thrown ? thrown.error : err;
-      });
-    },
-
-    async updateWhere(where, fenceIn, patchIn, opts = {}) {
-      const fence = assertFence(fenceIn);
-      checkCondition(where, 'updateWhere');
-      const patch = patchEntries(info, patchIn, false);
-      const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
-      return observeBatch(info.label, fence, async () => {
-        const [row] = await run(on(db), statement);
-        return { applied: count(row?.applied), stale: count(row?.stale) };
-      });
-    },
+      rowScoped().update(key, fence, patch, returningOf(opts), undefined)) as FencedRepository<T>['update'],
+    upsert: async (values, fence) => rowScoped().upsert(values, fence, undefined),
+    delete: async (key, fence) => rowScoped().delete(key, fence, undefined),
+    modify: async (key, fence, fn) => rowScoped().modify(key, fence, fn, undefined),
+    updateWhere: async (where, fence, patch, opts) => rowScoped().updateWhere(where, fence, patch, opts, undefined),
 
     async purgeTombstones(olderThan, opts = {}) {
       const batchSize = opts.batchSize ?? 1000;
@@ -464,50 +387,8 @@ export function fencedRepository<T extends FencedTable>(
     },
 
     with(holder) {
-      const fence = assertFence(holder?.fence, 'lease fence');
-      if (!(holder.signal instanceof AbortSignal))
-        throw new InvalidArgumentError('lease signal must be an AbortSignal');
-      // The fence, unless the lease is already known lost: then refuse before any query.
-      const live = (): Fence => {
-        if (holder.signal.aborted) {
-          const reason: unknown = holder.signal.reason;
-          throw reason instanceof PalisadeError
-            ? reason
-            : new LeaseLostError('(lease)', fence, 'its signal was aborted');
-        }
-        return fence;
-      };
-      return {
-        fence,
-        update: (async (key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning: 'status' }) =>
-          repo.update(key, live(), patch, opts as { returning: 'status' })) as LeasedRepository<T>['update'],
-        upsert: async (values) => repo.upsert(values, live()),
-        delete: async (key) => repo.delete(key, live()),
-        modify: async (key, fn) => repo.modify(key, live(), fn),
-        updateWhere: async (where, patch, opts) => repo.updateWhere(where, live(), patch, opts),
-      };
+      return leasedRepository(core, holder, scope);
     },
   };
   return repo;
-}
-
-/**
- * A `where` must be drizzle SQL (`sql\`…\``, `eq(…)`, `and(…)`). Anything
- * else would be bound as a *parameter*: the string `'true'` becomes `where
- * $1` with `$1 = 'true'`, which Postgres casts to boolean — every row.
- */
-function checkCondition(where: unknown, method: string): asserts where is SQL {
-  let ok = false;
-  if (where !== null && typeof where === 'object' && Object.getPrototypeOf(where) !== null) {
-    try {
-      ok = is(where, SQL);
-    } catch {
-      ok = false;
-    }
-  }
-  if (!ok) {
-    throw new InvalidArgumentError(
-      `${method} needs its condition as drizzle SQL (sql\`…\`, eq(…), and(…)), not a string or other value; pass sql\`true\` for every row`,
-    );
-  }
 }

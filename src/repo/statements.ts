@@ -26,6 +26,7 @@
  */
 import { type DriverValueEncoder, Param, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
+import type { LockIdentity } from '../fencing/lock-identity.js';
 import { type ExpressionTemplate, templateOf } from './expressions.js';
 import { isSql, type TableInfo } from './table.js';
 
@@ -48,8 +49,9 @@ export interface Statement {
  * `write` is the plain conditional write: one result row when it applied,
  * none when it did not. `refusal` runs only then: it attempts the very same
  * write again (it applies if the row became writable since) and reports the
- * row as it was before it, in exactly one result row. A guard that must
- * hold for the write to land belongs in both, through `condition`.
+ * row as it was before it, in exactly one result row. A lock-scoped `write`
+ * also claims the lock's register; its `refusal` does not: it runs only in a
+ * transaction that claimed the register first.
  */
 export interface FencedWrite {
   readonly write: Statement;
@@ -182,23 +184,30 @@ function fencedWrite(
   values: Record<string, unknown>,
   same: SameFence,
   returning: Returning,
+  lock: LockIdentity | undefined,
 ): FencedWrite {
   const t = info.table;
-  const update = (tail: SQL) => {
+  const update = (tail: SQL, claim = false) => {
     const where = keyCondition(info, key, values);
     const assignments = [...set(info), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
+    // Lock scope: the register is claimed by the row that is about to be written, as the last
+    // condition (the function's COST puts it after the key and fence checks), so a write that
+    // lands has claimed its lock in the same statement.
+    const guard = claim ? sql` and ${claimCall(info)} = ${fenceParam(info)}` : sql``;
     return {
       where,
       sql: sql`update ${t} set ${sql.join(assignments, sql`, `)}
-  where ${liveAndBelow(info, where, same)} ${tail}`,
+  where ${liveAndBelow(info, where, same)}${guard} ${tail}`,
     };
   };
   const base = shapeKey === undefined ? undefined : `${tableShape(info)}|${method}|${same}|${shapeKey}`;
+  const claim = lock !== undefined;
+  if (lock) claimValues(values, lock);
   fillKey(values, key);
   return {
     write: {
-      key: base === undefined ? undefined : `${base}|${returning}`,
-      build: () => update(returning === 'row' ? returningRow : returningStatus).sql,
+      key: base === undefined ? undefined : `${base}|${returning}${claim ? '|lock' : ''}`,
+      build: () => update(returning === 'row' ? returningRow : returningStatus, claim).sql,
       values,
     },
     refusal: {
@@ -224,17 +233,37 @@ export function updateStatements(
   fence: bigint,
   same: SameFence,
   returning: Returning = 'row',
+  lock?: LockIdentity,
 ): FencedWrite {
   const values: Record<string, unknown> = { fence };
   const plan = patchPlan(info, patch, values);
-  return fencedWrite(info, 'update', key, plan.assignments, plan.key, values, same, returning);
+  return fencedWrite(info, 'update', key, plan.assignments, plan.key, values, same, returning, lock);
 }
 
 /** Marks a live row deleted: a tombstone that keeps the fence. A tombstone is not live: nothing is written. */
-export function deleteStatements(info: TableInfo, key: Entries, fence: bigint, same: SameFence): FencedWrite {
+export function deleteStatements(
+  info: TableInfo,
+  key: Entries,
+  fence: bigint,
+  same: SameFence,
+  lock?: LockIdentity,
+): FencedWrite {
   const values: Record<string, unknown> = { fence };
   const set = (i: TableInfo) => [sql`${bare(i.table.deletedAt)} = now()`];
-  return fencedWrite(info, 'delete', key, set, '', values, same, 'row');
+  return fencedWrite(info, 'delete', key, set, '', values, same, 'row', lock);
+}
+
+/** `palisade.claim_lock(…)` of the lock in `lk`…`lname` for the statement's fence (migration 0005). */
+function claimCall(info: TableInfo): SQL {
+  const text = (name: string) => sql`${sql.placeholder(name)}::text`;
+  return sql`palisade.claim_lock(${text('lk')}, ${text('ls')}, ${text('ln')}, ${text('lname')}, ${fenceParam(info)})`;
+}
+
+function claimValues(values: Record<string, unknown>, lock: LockIdentity): void {
+  values.lk = lock.kind;
+  values.ls = lock.source;
+  values.ln = lock.namespace;
+  values.lname = lock.name;
 }
 
 /**

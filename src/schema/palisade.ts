@@ -1,4 +1,4 @@
-import { bigint, pgSchema, primaryKey, text, timestamp } from 'drizzle-orm/pg-core';
+import { bigint, boolean, pgSchema, primaryKey, text, timestamp } from 'drizzle-orm/pg-core';
 
 /**
  * palisade's own objects live in their own Postgres schema so they never
@@ -71,3 +71,33 @@ export const tombstoneFloors = palisadeSchema.table('tombstone_floors', {
   tableName: text('table_name').primaryKey(),
   floor: bigint('floor', { mode: 'bigint' }).notNull(),
 });
+
+/**
+ * One id of this database as a fence source, generated once by the
+ * migration; `palisade.fence_source_id()` returns it. Lock registers keep
+ * fences of different sources apart by it (README, "Two scopes of fencing").
+ */
+export const fenceSources = palisadeSchema.table('fence_sources', {
+  singleton: boolean('singleton').primaryKey().default(true),
+  sourceId: text('source_id').notNull(),
+});
+
+/**
+ * The fence register of each lock that was ever claimed: the highest fence
+ * that claimed it (by a lock-scoped write, a fenced transaction or a grant).
+ * A lock-scoped write of a lower fence of the same lock is refused on every
+ * row. Rows are never deleted by palisade; see `palisade locks
+ * reset-register`. The migration also creates `palisade.claim_lock(…)`,
+ * `palisade.claim_locks(jsonb)` and `palisade.register_grant(…)`.
+ */
+export const lockRegisters = palisadeSchema.table(
+  'lock_registers',
+  {
+    kind: text('kind').notNull(),
+    source: text('source').notNull(),
+    namespace: text('namespace').notNull(),
+    name: text('name').notNull(),
+    fence: bigint('fence', { mode: 'bigint' }).notNull(),
+  },
+  (t) => [primaryKey({ name: 'lock_registers_pkey', columns: [t.kind, t.source, t.namespace, t.name] })],
+);

@@ -11,6 +11,11 @@ export interface AuditRow {
   readonly key: string;
   readonly fence: bigint | number | string;
   readonly process: string;
+  /**
+   * The lock whose lease wrote, for writes made lock-scoped (`with(lease)`,
+   * a fenced transaction). Rows that carry it are checked per lock too.
+   */
+  readonly lock?: string | null;
 }
 
 /** What the checker is given besides the history. */
@@ -36,6 +41,9 @@ export interface Report {
  *
  * - per key, accepted fences strictly increase in commit order, so no write
  *   was accepted after a higher fence had been;
+ * - per lock (audit rows with `lock`: lock-scoped writes), accepted fences
+ *   never go down in commit order across all the lock's rows: no lock-scoped
+ *   write was accepted after a higher fence of the same lock had claimed it;
  * - every accepted fence was issued (by an `acquire ok`) to the process that
  *   used it, and no fence was issued twice;
  * - each counter equals its acknowledged increments, within ok … ok + unknown,
@@ -90,6 +98,22 @@ export function checkHistory(input: CheckInput): Report {
       else if (owner !== row.process)
         anomalies.push(`key ${key}: fence ${fence} issued to ${owner} but used by ${row.process}`);
     }
+  }
+
+  // Lock scope: per lock, across its rows. A lock-scoped write holds the lock's register from its claim
+  // to its commit, and the audit row is inserted in between, so audit ids of one lock follow claim order.
+  const highestByLock = new Map<string, bigint>();
+  for (const row of [...input.audit].sort((a, b) => compare(BigInt(a.id), BigInt(b.id)))) {
+    if (row.lock === undefined || row.lock === null) continue;
+    const fence = BigInt(row.fence);
+    const highest = highestByLock.get(row.lock);
+    if (highest !== undefined && fence < highest) {
+      acceptedStale++;
+      anomalies.push(
+        `lock ${row.lock}: fence ${fence} accepted on key ${row.key} after fence ${highest} claimed the lock (audit id ${row.id})`,
+      );
+    }
+    if (highest === undefined || fence > highest) highestByLock.set(row.lock, fence);
   }
 
   // Counters against acknowledged increments.

@@ -54,6 +54,37 @@ describe('checkHistory', () => {
     expect(report.anomalies.join('\n')).toMatch(/fence 1 accepted after fence 2/);
   });
 
+  it('lock scope: reports a lower fence accepted on an untouched row after a higher fence of the same lock', () => {
+    const run = cleanRun();
+    const history = [
+      ...run.history,
+      ev('w1', 'invoke', 'increment', { key: 'd', fence: '1' }),
+      ev('w1', 'ok', 'increment', { key: 'd', fence: '1' }),
+    ];
+    // w2 (fence 2) wrote c under lock L; w1 (fence 1) then wrote d, which w2 never touched.
+    const scoped: AuditRow[] = [
+      { id: 1, key: 'c', fence: '2', process: 'w2', lock: 'ns/L' },
+      { id: 2, key: 'd', fence: '1', process: 'w1', lock: 'ns/L' },
+    ];
+    const report = checkHistory({ history, audit: scoped, counters: { c: 1, d: 1 } });
+    expect(report.anomalies.join('\n')).toMatch(/lock ns\/L: fence 1 accepted on key d after fence 2 claimed the lock/);
+    expect(report.staleWrites.accepted).toBe(1);
+    // Row-scoped rows (no lock) are checked per key only: the same audit is clean there.
+    const rowScoped = scoped.map(({ lock: _lock, ...row }) => row);
+    expect(checkHistory({ history, audit: rowScoped, counters: { c: 1, d: 1 } }).anomalies).toEqual([]);
+    // Two rows of one critical section carry one fence: equal fences are fine.
+    const same: AuditRow[] = [
+      { id: 1, key: 'c', fence: '2', process: 'w2', lock: 'ns/L' },
+      { id: 2, key: 'd', fence: '2', process: 'w2', lock: 'ns/L' },
+    ];
+    const both = [
+      ...run.history,
+      ev('w2', 'invoke', 'increment', { key: 'd', fence: '2' }),
+      ev('w2', 'ok', 'increment', { key: 'd', fence: '2' }),
+    ];
+    expect(checkHistory({ history: both, audit: same, counters: { c: 1, d: 1 } }).anomalies).toEqual([]);
+  });
+
   it('reports a fence issued twice and a fence used by a process it was not issued to', () => {
     const run = cleanRun();
     const history = [...run.history, ev('w3', 'ok', 'acquire', { lock: 'L', fence: '2' })];

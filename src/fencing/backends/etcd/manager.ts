@@ -1,7 +1,10 @@
 /** The etcd lock manager; the README's "etcd" section and "What each guarantees" are its manual. */
 import { createLockManager, type LockManager } from '../../lock-manager.js';
+import { checkNamespace } from '../../options.js';
+import { withFenceSource } from '../../source.js';
 import { etcdLockBackend } from './backend.js';
 import type { EtcdLockManagerOptions } from './options.js';
+import { etcdFenceSource } from './source.js';
 
 /**
  * A lock manager on an etcd v3 cluster: the fence is the revision at which
@@ -11,5 +14,9 @@ import type { EtcdLockManagerOptions } from './options.js';
  * @throws {InvalidArgumentError} for bad options.
  */
 export function etcdLockManager(options: EtcdLockManagerOptions): LockManager {
-  return createLockManager(etcdLockBackend(options));
+  const backend = etcdLockBackend(options);
+  // Leases carry their lock (kind, the cluster's id, namespace, name) for lock-scoped writes.
+  return createLockManager(
+    withFenceSource(backend, checkNamespace(options.namespace), etcdFenceSource(options.client)),
+  );
 }

@@ -105,6 +105,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     }
   };
 
+  let source = '';
   const ensureReady = (): Promise<void> => {
     ready ??= (async () => {
       // postgres.js is an optional peer: loaded when the first lease needs a session of its own.
@@ -118,6 +119,8 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       const query = new PgDialect().sqlToQuery(fenceSequenceQuery());
       const [row] = await run(sql, query.sql, query.params);
       judgeFenceSequence(row);
+      const [id] = await run(sql, 'select palisade.fence_source_id() as id', []);
+      source = String(id?.id);
     })().catch((err: unknown) => {
       ready = undefined;
       throw err;
@@ -174,6 +177,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
 
   return {
     kind: 'advisory',
+    namespace: ns,
 
     async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const mine = held.get(token);
@@ -182,7 +186,15 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       await ensureReady();
       const key = advisoryKey(ns, name);
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
-      const params = [key.toString(), String(ttlMs), holderLabel(holder), String(wait), String(lockTimeoutMs)];
+      const params = [
+        key.toString(),
+        String(ttlMs),
+        holderLabel(holder),
+        String(wait),
+        String(lockTimeoutMs),
+        ns,
+        name,
+      ];
       let reused = idle.length > 0;
       let session = idle.pop() ?? openSession();
       let row: RawRow | undefined;
@@ -209,7 +221,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       }
       const lost = new AbortController();
       session.lost = lost;
-      const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal };
+      const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal, source };
       held.set(token, { name, key, session, grant });
       return grant;
     },

@@ -20,16 +20,24 @@ export const IDLE_APP_NAME = 'palisade';
 // a lock on the sequence (an ALTER SEQUENCE not yet committed): `w` sets this
 // attempt's lock_timeout first ($4: what is left of the acquire's wait; the
 // sequence is locked when nextval runs, after it), and the last column puts
-// the session's own bound back ($5). A statement that fails after the
+// the session's own bound back ($5). The grant claims its lock's register in
+// the same statement (palisade.register_grant, migration 0005; $6 namespace,
+// $7 name), waiting at most the same lock_timeout for a fenced transaction
+// that holds it: a timeout there is "not granted", as for the sequence. A statement that fails after the
 // try-lock leaves the advisory lock held (advisory locks ignore rollback):
 // the session is then ended, which frees it.
 export const GRANT = `
   with w as materialized (select set_config('lock_timeout', $4::text, false) as lt),
   t as materialized (select pg_try_advisory_lock($1::int8) as got from w),
-  f as materialized (
+  f0 as materialized (
     select got, case when got then nextval('palisade.fence_seq') end as fence,
            floor(extract(epoch from clock_timestamp()) * 1000)::int8 as at
     from t
+  ),
+  f as materialized (
+    select got, fence, at,
+           case when got then palisade.register_grant('advisory', $6::text, $7::text, fence) end as registered
+    from f0
   )
   select got, fence::text as fence,
          case when got then set_config('application_name',

@@ -50,6 +50,7 @@ import {
 } from '../../options.js';
 import { RELEASE_CHANNEL, ReleaseListener, releasePayload } from '../../release-listener.js';
 import { checkFenceSequence } from '../../sequence.js';
+import { databaseSourceId } from '../../source.js';
 
 /** Options of {@link postgresLockManager}. */
 export interface PostgresLockManagerOptions {
@@ -157,13 +158,16 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
   }
   const client = options.listen === false ? undefined : (options.listen ?? listenClientOf(db));
   const listener = new ReleaseListener(client ? (onPayload) => listen(client, RELEASE_CHANNEL, onPayload) : undefined);
-  let ready: Promise<void> | undefined;
+  let ready: Promise<string> | undefined;
 
-  const ensureSafeSequence = (): Promise<void> => {
-    ready ??= checkFenceSequence(db).catch((err: unknown) => {
-      ready = undefined; // re-check next time: the failure may be transient
-      throw err;
-    });
+  // The sequence's safety and this database's fence source id, learnt once before the first grant.
+  const ensureSafeSequence = (): Promise<string> => {
+    ready ??= checkFenceSequence(db)
+      .then(() => databaseSourceId(db))
+      .catch((err: unknown) => {
+        ready = undefined; // re-check next time: the failure may be transient
+        throw err;
+      });
     return ready;
   };
 
@@ -183,9 +187,10 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
 
   return {
     kind: 'postgres',
+    namespace: ns,
 
     async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
-      await ensureSafeSequence();
+      const source = await ensureSafeSequence();
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
       let rows: RawRow[];
       try {
@@ -196,7 +201,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
         throw err;
       }
       const fence = int8(rows[0]?.fence);
-      return fence === null ? null : { fence: toFence(fence) };
+      return fence === null ? null : { fence: toFence(fence), source };
     },
 
     async extend(name, token, ttlMs) {

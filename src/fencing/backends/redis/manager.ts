@@ -6,7 +6,10 @@
  * the cause; its `error` events do ("connect ECONNREFUSED 127.0.0.1:6379").
  */
 import { createLockManager, type LockManager } from '../../lock-manager.js';
+import { checkNamespace } from '../../options.js';
+import { withFenceSource } from '../../source.js';
 import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from './backend.js';
+import { redisFenceSource } from './source.js';
 
 /** How often a queued waiter retries: well inside REDIS_HANDOFF_RECENT_MS (500) and REDIS_QUEUE_STALE_MS (1,000). */
 const QUEUED_RETRY_MS = { min: 100, max: 200 } as const;
@@ -83,7 +86,9 @@ const QUEUED_RETRY_MS = { min: 100, max: 200 } as const;
  * @throws {InvalidArgumentError} for bad options.
  */
 export function redisLockManager(options: RedisLockManagerOptions): LockManager {
-  const backend = redisLockBackend(options);
+  const inner = redisLockBackend(options);
+  const namespace = checkNamespace(options.namespace);
+  const backend = withFenceSource(inner, namespace, redisFenceSource(options, namespace));
   const watch = watchConnection(options.client);
   return createLockManager(
     {

@@ -1,0 +1,54 @@
+/**
+ * What names a lock for its fence register: see README, "Two scopes of
+ * fencing". The repository knows a lease only through this and its fence.
+ */
+import { InvalidArgumentError } from '../errors.js';
+
+/**
+ * The lock a lease was granted for, as its fence register is keyed. Two
+ * leases are of the same lock only when all four parts are equal; fences of
+ * different `kind` or `source` are never compared.
+ */
+export interface LockIdentity {
+  /** The backend that granted it: `postgres` (leases), `advisory`, `redis`, `etcd`, or a user backend's kind. */
+  readonly kind: string;
+  /**
+   * Which fence counter issued the fence: one Postgres database's sequence
+   * (`palisade.fence_source_id()` of that database), one Redis deployment,
+   * one etcd cluster.
+   */
+  readonly source: string;
+  /** The lock manager's namespace. */
+  readonly namespace: string;
+  /** The lock's name. */
+  readonly name: string;
+}
+
+const PART_BYTES = 1024;
+
+/**
+ * Checks a {@link LockIdentity} given by a caller (four non-empty strings of
+ * at most 1,024 UTF-8 bytes, no NUL) and returns a frozen copy.
+ * @throws {InvalidArgumentError} otherwise, before any query.
+ */
+export function checkLockIdentity(value: unknown): LockIdentity {
+  if (value === null || typeof value !== 'object') {
+    throw new InvalidArgumentError('lock must be { kind, source, namespace, name }');
+  }
+  const v = value as Record<string, unknown>;
+  for (const part of ['kind', 'source', 'namespace', 'name'] as const) {
+    const s = v[part];
+    if (typeof s !== 'string' || (part !== 'namespace' && s.length === 0) || s.includes('\u0000')) {
+      throw new InvalidArgumentError(`lock.${part} must be a non-empty string without NUL`);
+    }
+    if (Buffer.byteLength(s, 'utf8') > PART_BYTES) {
+      throw new InvalidArgumentError(`lock.${part} must be at most ${PART_BYTES} UTF-8 bytes`);
+    }
+  }
+  return Object.freeze({
+    kind: v.kind as string,
+    source: v.source as string,
+    namespace: v.namespace as string,
+    name: v.name as string,
+  });
+}

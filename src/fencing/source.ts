@@ -1,0 +1,74 @@
+/**
+ * Fence sources: which counter issued a fence, so that lock registers never
+ * compare fences of two counters (README, "Two scopes of fencing").
+ */
+import { sql } from 'drizzle-orm';
+import { type Database, execute } from '../driver.js';
+import { FenceSourceError } from '../errors.js';
+import type { Grant, LockBackend } from './backend.js';
+
+/**
+ * This database's id as a fence source (`palisade.fence_source_id()`,
+ * generated once by palisade's migration 0005): the source of every fence
+ * from its `palisade.fence_seq`.
+ * @throws {FenceSourceError} when the migration has not run.
+ */
+export async function databaseSourceId(db: Database): Promise<string> {
+  let rows: Awaited<ReturnType<typeof execute>>;
+  try {
+    rows = await execute(db, sql`select palisade.fence_source_id() as id`);
+  } catch (err) {
+    if (err instanceof Error && /fence_source_id/.test(err.message)) {
+      throw new FenceSourceError("the database has no palisade.fence_source_id(): run palisade's migrations (0005)");
+    }
+    throw err;
+  }
+  const id = rows[0]?.id;
+  if (typeof id !== 'string' || id.length === 0) {
+    throw new FenceSourceError('palisade.fence_sources holds no id: run palisade migration 0005_lock_registers again');
+  }
+  return id;
+}
+
+/**
+ * `backend` with `namespace` and every grant's `source` set from `source()`
+ * (asked once, and again only after it failed): for backends whose source
+ * id takes a round trip of its own to learn (a Redis deployment, an etcd
+ * cluster). A grant whose source cannot be learnt is given back and the
+ * error thrown, so no lease exists without its lock identity.
+ */
+export function withFenceSource(backend: LockBackend, namespace: string, source: () => Promise<string>): LockBackend {
+  let known: Promise<string> | undefined;
+  const sourceId = (): Promise<string> => {
+    known ??= source().catch((err: unknown) => {
+      known = undefined;
+      throw err;
+    });
+    return known;
+  };
+  return {
+    kind: backend.kind,
+    namespace,
+    async grant(...args: Parameters<LockBackend['grant']>): Promise<Grant | null> {
+      const id = await sourceId();
+      const grant = await backend.grant(...args);
+      return grant === null ? null : { ...grant, source: id };
+    },
+    ...(backend.leave ? { leave: backend.leave.bind(backend) } : {}),
+    ...(backend.confirm ? { confirm: backend.confirm.bind(backend) } : {}),
+    ...(backend.waitForTurn
+      ? {
+          async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
+            const id = await sourceId();
+            const grant = await (backend.waitForTurn as NonNullable<LockBackend['waitForTurn']>)(...args);
+            return grant === undefined ? undefined : { ...grant, source: id };
+          },
+        }
+      : {}),
+    extend: backend.extend.bind(backend),
+    release: backend.release.bind(backend),
+    inspect: backend.inspect.bind(backend),
+    waitForRelease: backend.waitForRelease.bind(backend),
+    close: backend.close.bind(backend),
+  };
+}

@@ -1,0 +1,185 @@
+/**
+ * Fenced transactions: several writes to any fenced tables under one or
+ * more leases, all or nothing (README, "Fenced transactions").
+ */
+import { performance } from 'node:perf_hooks';
+import { sql } from 'drizzle-orm';
+import { assertSupportedDriver, type Database, execute, int8, transaction } from '../driver.js';
+import {
+  FenceNotIssuedError,
+  InvalidArgumentError,
+  LeaseLostError,
+  LockScopeError,
+  PalisadeError,
+  StaleFenceError,
+} from '../errors.js';
+import { assertFence, type Fence } from '../fencing/fence.js';
+import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
+import { joining, on, type Refusal } from './joined.js';
+import type { FenceHolder } from './repository-api.js';
+
+/** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
+export interface TransactionLease extends FenceHolder {
+  readonly lock?: LockIdentity | undefined;
+  /** The lease's expiry estimate on `performance.now()`'s clock (every built-in lease has it). */
+  readonly expiresAt?: number;
+}
+
+/** Options of {@link fencedTransaction}. */
+export interface FencedTransactionOptions {
+  /**
+   * The most the transaction may sit idle (SQLSTATE 25P03 ends the session
+   * after it), in ms. Default and upper bound: the least remaining TTL of the
+   * leases (60,000 for holders without `expiresAt`).
+   */
+  readonly idleTimeoutMs?: number;
+}
+
+/**
+ * What a fenced transaction did: `applied` with what the function returned,
+ * or refused — a lock's register was claimed by a higher fence (then
+ * `refusal.table` is `null`), or a write inside was `stale` or `duplicate` —
+ * and then nothing it wrote is visible.
+ */
+export type FencedTransactionResult<R> =
+  | { readonly status: 'applied'; readonly value: R }
+  | { readonly status: 'stale' | 'duplicate'; readonly refusal: Refusal };
+
+const DEFAULT_IDLE_MS = 60_000;
+
+/**
+ * Runs `fn(tx)` in one transaction bound to `leases`: first, in one
+ * statement and sorted order, it claims every lease's lock register (so two
+ * transactions over overlapping locks never deadlock on them) and sets
+ * `idle_in_transaction_session_timeout` locally to at most the leases'
+ * remaining TTL; then `fn` writes through repositories (on `db` they join
+ * `tx`; `with(lease)` or bare fences, each write still fenced per row). If
+ * any write inside is refused (`stale` or `duplicate`) the whole
+ * transaction rolls back and the result says so; `missing` is left to `fn`.
+ *
+ * Guarantees: nothing is committed once a higher fence of any of the locks
+ * claimed its register before this transaction's claim; a holder paused
+ * inside the transaction cannot hold the register past the idle timeout
+ * (its session is ended and its commit fails). Does not: retry — a deadlock
+ * between tables (40P01) or a serialization failure rejects with
+ * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
+ *
+ * @throws {LockScopeError} for a lease without `lock`; {@link FenceNotIssuedError}
+ * for a fence its lock's grants never issued; `LeaseLostError` when a lease's
+ * signal is already aborted (before any query) or aborts while `fn` runs.
+ */
+export async function fencedTransaction<R>(
+  db: Database,
+  leases: TransactionLease | readonly TransactionLease[],
+  fn: (tx: Database) => Promise<R>,
+  options: FencedTransactionOptions = {},
+): Promise<FencedTransactionResult<R>> {
+  assertSupportedDriver(db, 'fencedTransaction');
+  const list = checkLeases(leases);
+  if (typeof fn !== 'function') throw new InvalidArgumentError('fencedTransaction needs a function');
+  const idleMs = idleTimeout(list, options);
+  const claims = JSON.stringify(list.map(({ lock, fence }) => ({ ...lock, fence: fence.toString() })));
+  let refusal: Refusal | undefined;
+  const refuse = (r: Refusal): never => {
+    refusal = r;
+    // Thrown to roll back; the call returns the refusal instead of this error.
+    throw new StaleFenceError(r.table ?? '(lock register)', r.key ?? {}, r.attemptedFence, r.currentFence);
+  };
+  try {
+    return await transaction(on(db), async (tx) => {
+      const rows = await execute(
+        tx,
+        sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered
+          from (select set_config('idle_in_transaction_session_timeout', ${String(idleMs)}, true)) s,
+          lateral palisade.claim_locks(${claims}::jsonb) c`,
+      );
+      for (const row of rows) {
+        const fence = int8(row.fence) ?? 0n;
+        const registered = int8(row.registered) ?? 0n;
+        if (registered < fence) throw new FenceNotIssuedError(registered, fence);
+        if (registered > fence) {
+          refuse({
+            status: 'stale',
+            table: null,
+            key: null,
+            attemptedFence: fence,
+            currentFence: registered,
+          });
+        }
+      }
+      const refusals: Refusal[] = [];
+      const value = await joining(db, tx, refusals, () => fn(tx));
+      const [refused] = refusals;
+      if (refused) refuse(refused);
+      for (const lease of list) if (lease.holder.signal.aborted) throw lostError(lease.holder, lease.fence);
+      return { status: 'applied' as const, value };
+    });
+  } catch (err) {
+    if (refusal !== undefined) return { status: refusal.status, refusal };
+    throw err;
+  }
+}
+
+/**
+ * {@link fencedTransaction} that returns `fn`'s value, and throws
+ * `StaleFenceError` (table `(lock register)` when the claim was refused)
+ * instead of returning a refusal.
+ */
+export async function fencedTransactionOrThrow<R>(
+  db: Database,
+  leases: TransactionLease | readonly TransactionLease[],
+  fn: (tx: Database) => Promise<R>,
+  options?: FencedTransactionOptions,
+): Promise<R> {
+  const result = await fencedTransaction(db, leases, fn, options);
+  if (result.status === 'applied') return result.value;
+  const { table, key, attemptedFence, currentFence } = result.refusal;
+  throw new StaleFenceError(table ?? '(lock register)', key ?? {}, attemptedFence, currentFence);
+}
+
+interface Checked {
+  readonly holder: TransactionLease;
+  readonly fence: Fence;
+  readonly lock: LockIdentity;
+}
+
+function checkLeases(leases: TransactionLease | readonly TransactionLease[]): Checked[] {
+  const list = Array.isArray(leases) ? leases : [leases as TransactionLease];
+  if (list.length === 0) throw new InvalidArgumentError('fencedTransaction needs at least one lease');
+  return list.map((holder: TransactionLease) => {
+    const fence = assertFence(holder?.fence, 'lease fence');
+    if (!(holder.signal instanceof AbortSignal)) throw new InvalidArgumentError('lease signal must be an AbortSignal');
+    if (holder.lock === undefined || holder.lock === null) {
+      throw new LockScopeError('fencedTransaction needs leases with a lock (every built-in lease has one)');
+    }
+    const lock = checkLockIdentity(holder.lock);
+    if (holder.signal.aborted) throw lostError(holder, fence);
+    return { holder, fence, lock };
+  });
+}
+
+function idleTimeout(list: Checked[], options: FencedTransactionOptions): number {
+  let ms = DEFAULT_IDLE_MS;
+  for (const { holder, fence } of list) {
+    if (holder.expiresAt === undefined) continue;
+    if (typeof holder.expiresAt !== 'number' || Number.isNaN(holder.expiresAt)) {
+      throw new InvalidArgumentError('lease expiresAt must be a number');
+    }
+    const left = Math.floor(holder.expiresAt - performance.now());
+    if (left < 1)
+      throw new LeaseLostError(holder.lock?.name ?? '(lease)', fence, 'its TTL ran out before the transaction');
+    ms = Math.min(ms, left);
+  }
+  const asked = options.idleTimeoutMs;
+  if (asked !== undefined) {
+    if (!Number.isSafeInteger(asked) || asked < 1)
+      throw new InvalidArgumentError('idleTimeoutMs must be a positive integer');
+    ms = Math.min(ms, asked);
+  }
+  return ms;
+}
+
+function lostError(holder: FenceHolder, fence: Fence): Error {
+  const reason: unknown = holder.signal.reason;
+  return reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
+}

@@ -1,0 +1,43 @@
+/**
+ * Which transaction a repository's call joins: while a `modify` callback or
+ * a fenced transaction runs, repositories on the database it was opened on
+ * read and write through that transaction (README, "Fenced transactions").
+ */
+import { AsyncLocalStorage } from 'node:async_hooks';
+import type { Database } from '../driver.js';
+
+/** A write the database refused inside a fenced transaction, as the transaction reports it. */
+export interface Refusal {
+  readonly status: 'stale' | 'duplicate';
+  /** The table, or `null` when the lock's register refused the claim at the start. */
+  readonly table: string | null;
+  readonly key: Readonly<Record<string, unknown>> | null;
+  readonly attemptedFence: bigint;
+  readonly currentFence: bigint;
+}
+
+interface Scope {
+  readonly transactions: ReadonlyMap<Database, Database>;
+  /** Set inside a fenced transaction: every refused write is recorded here. */
+  readonly refusals: Refusal[] | undefined;
+}
+
+const scope = new AsyncLocalStorage<Scope>();
+
+/** Runs `fn` with repositories on `db` joining `tx`; `refusals` collects the refused writes of a fenced transaction. */
+export function joining<R>(db: Database, tx: Database, refusals: Refusal[] | undefined, fn: () => R): R {
+  const outer = scope.getStore();
+  const transactions = new Map(outer?.transactions ?? []);
+  transactions.set(db, tx);
+  return scope.run({ transactions, refusals: refusals ?? outer?.refusals }, fn);
+}
+
+/** `db`, or the transaction of the `modify` callback or fenced transaction that is running on it. */
+export function on(db: Database): Database {
+  return scope.getStore()?.transactions.get(db) ?? db;
+}
+
+/** Records a refused write when a fenced transaction runs (its whole transaction will roll back). */
+export function recordRefusal(refusal: Refusal): void {
+  scope.getStore()?.refusals?.push(refusal);
+}

@@ -1,0 +1,144 @@
+/**
+ * Lock scope: writes that claim their lock's fence register (README, "Two
+ * scopes of fencing"). The SQL of the register is in migration 0005.
+ */
+import { sql } from 'drizzle-orm';
+import { assertSupportedDriver, type Database, int8, prepared, transaction } from '../driver.js';
+import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
+import { assertFence, type Fence } from '../fencing/fence.js';
+import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
+import type { FenceHolder, LeasedRepository } from './repository-api.js';
+import type { BatchResult, WriteResult } from './result.js';
+import type { Returning } from './statements.js';
+import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
+
+const p = (name: string) => sql.placeholder(name);
+const claimSql = () =>
+  sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered`;
+
+/**
+ * Claims `lock`'s register for `fence` on `on` and returns the register's
+ * fence: `fence` when the claim holds (the register row stays locked until
+ * `on`'s transaction ends), higher when a higher fence claimed it first.
+ * @throws {FenceNotIssuedError} when the lock's grants claim the register on
+ * this database and `fence` is above its latest grant.
+ */
+export async function claimLock(on: Database, lock: LockIdentity, fence: Fence): Promise<Fence> {
+  const [row] = await prepared(on, 'palisade.claim_lock', claimSql)({ ...lock, fence: fence.toString() });
+  const registered = int8(row?.registered) ?? 0n;
+  if (registered < fence) throw new FenceNotIssuedError(registered, fence);
+  return registered as Fence;
+}
+
+/**
+ * Runs `run` in a transaction (a savepoint inside one) that first claims
+ * `lock` for `fence`; when a higher fence claimed it, `refused(register)`
+ * instead, and nothing is written.
+ */
+export function inClaim<R>(
+  on: Database,
+  lock: LockIdentity,
+  fence: Fence,
+  run: (tx: Database) => Promise<R>,
+  refused: (registered: Fence) => R | Promise<R>,
+): Promise<R> {
+  return transaction(on, async (tx) => {
+    const registered = await claimLock(tx, lock, fence);
+    return registered === fence ? run(tx) : refused(registered);
+  });
+}
+
+/** @internal What a lock-scoped view needs of its repository: each write, optionally claiming `lock`. */
+export interface WriteCore<T extends FencedTable> {
+  update(
+    key: KeyOf<T>,
+    fence: Fence,
+    patch: PatchOf<T>,
+    returning: Returning,
+    lock: LockIdentity | undefined,
+  ): Promise<WriteResult<RowOf<T>>>;
+  upsert(values: unknown, fence: Fence, lock: LockIdentity | undefined): Promise<WriteResult<RowOf<T>>>;
+  delete(key: KeyOf<T>, fence: Fence, lock: LockIdentity | undefined): Promise<WriteResult<RowOf<T>>>;
+  modify(
+    key: KeyOf<T>,
+    fence: Fence,
+    fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
+    lock: LockIdentity | undefined,
+  ): Promise<WriteResult<RowOf<T>>>;
+  updateWhere(
+    where: unknown,
+    fence: Fence,
+    patch: PatchOf<T>,
+    options: { allOrNothing?: boolean } | undefined,
+    lock: LockIdentity | undefined,
+  ): Promise<BatchResult>;
+}
+
+/**
+ * The view `repo.with(holder)` returns: lock-scoped when `holder.lock` is
+ * set, row-scoped otherwise (refused with {@link LockScopeError} on a
+ * `scope: 'lock'` repository).
+ */
+export function leasedRepository<T extends FencedTable>(
+  core: WriteCore<T>,
+  holder: FenceHolder,
+  scope: 'row' | 'lock',
+): LeasedRepository<T> {
+  const fence = assertFence(holder?.fence, 'lease fence');
+  if (!(holder.signal instanceof AbortSignal)) throw new InvalidArgumentError('lease signal must be an AbortSignal');
+  const lock = holder.lock === undefined ? undefined : checkLockIdentity(holder.lock);
+  if (lock === undefined && scope === 'lock') {
+    throw new LockScopeError("this repository is lock-scoped (scope: 'lock'): with() needs a holder with a lock");
+  }
+  // The fence, unless the lease is already known lost: then refuse before any query.
+  const live = (): Fence => {
+    if (holder.signal.aborted) {
+      const reason: unknown = holder.signal.reason;
+      throw reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
+    }
+    return fence;
+  };
+  return {
+    fence,
+    lock,
+    update: (async (key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning?: unknown }) =>
+      core.update(key, live(), patch, returningOf(opts), lock)) as LeasedRepository<T>['update'],
+    upsert: async (values) => core.upsert(values, live(), lock),
+    delete: async (key) => core.delete(key, live(), lock),
+    modify: async (key, fn) => core.modify(key, live(), fn, lock),
+    updateWhere: async (where, patch, opts) => core.updateWhere(where, live(), patch, opts, lock),
+  };
+}
+
+/** `update`'s `returning` option, checked. */
+export function returningOf(options: unknown): Returning {
+  if (options === undefined) return 'row';
+  const returning = (options as { returning?: unknown } | null)?.returning;
+  if (returning === undefined || returning === 'row' || returning === 'status') return returning ?? 'row';
+  throw new InvalidArgumentError("update's returning must be 'row' or 'status'");
+}
+
+/**
+ * The eager claim: claims `holder.lock`'s register on `db` for
+ * `holder.fence` now, in one statement, rather than at the first
+ * lock-scoped write. Call it right after `acquire` where the backend does
+ * not claim at grant (Redis, etcd, a Postgres manager on another database):
+ * from then on every lock-scoped write of a lower fence of the lock is
+ * refused, even on rows this holder never writes. Returns `claimed`, or
+ * `stale` with the register's fence when a higher fence claimed it first.
+ * Takes no lock beyond its own statement.
+ * @throws {LockScopeError} for a holder without `lock`; {@link FenceNotIssuedError}
+ * for a fence above the latest grant of a lock whose grants claim on `db`.
+ */
+export async function claimLockRegister(
+  db: Database,
+  holder: FenceHolder,
+): Promise<{ readonly status: 'claimed' } | { readonly status: 'stale'; readonly currentFence: Fence }> {
+  assertSupportedDriver(db, 'claimLockRegister');
+  const fence = assertFence(holder?.fence, 'lease fence');
+  if (holder.lock === undefined || holder.lock === null) {
+    throw new LockScopeError('claimLockRegister needs a holder with a lock (every built-in lease has one)');
+  }
+  const registered = await claimLock(db, checkLockIdentity(holder.lock), fence);
+  return registered === fence ? { status: 'claimed' } : { status: 'stale', currentFence: registered };
+}

@@ -1,0 +1,322 @@
+/**
+ * Lock-scoped fencing (issue 11; README, "Two scopes of fencing"): the
+ * per-row scenario on every backend with the newer holder in another OS
+ * process, a holder SIGSTOPped inside a fenced transaction, concurrency
+ * without self-blocking or hangs, forged fences and the register reset.
+ */
+import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { afterEach, describe, expect, it } from 'vitest';
+import { FenceNotIssuedError, LockScopeError } from '../../src/errors.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import type { Lease } from '../../src/fencing/lease.js';
+import { migrate } from '../../src/migrate.js';
+import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { killAllCli, runCli } from '../support/cli.js';
+import { pgliteDatabase } from '../support/databases.js';
+import { type EtcdCluster, startEtcdCluster } from '../support/etcd-cluster.js';
+import { type BackendKind, type ManagerConfig, openManager } from '../support/managers.js';
+import { killAllWorkers, startWorker } from '../support/processes.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs, services } from '../support/services.js';
+
+const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+const WORKER = 'test/workers/lock-scope-worker.ts';
+
+afterEach(async () => {
+  await killAllWorkers();
+  await killAllCli();
+});
+
+// A holder that has not noticed it lost the lease (paused): its signal never fired.
+const unaware = (lease: Lease) => ({ fence: lease.fence, lock: lease.lock, signal: new AbortController().signal });
+
+async function withScenario(
+  rows: number,
+  fn: (url: string, db: Awaited<ReturnType<typeof scenarioDatabase>>) => Promise<void>,
+) {
+  const scenario = await scenarioDatabase();
+  try {
+    await scenario.db.execute(
+      sql`insert into resource (id, value) select g, 'initial' from generate_series(2, ${rows}) g`,
+    );
+    await fn(scenario.url as string, scenario);
+  } finally {
+    await scenario.close();
+  }
+}
+
+const backends: { kind: BackendKind; enabled: boolean }[] = [
+  { kind: 'postgres', enabled: needs('DATABASE_URL') },
+  { kind: 'advisory', enabled: needs('DATABASE_URL') },
+  { kind: 'redis', enabled: needs('DATABASE_URL') && needs('REDIS_URL') },
+  { kind: 'etcd', enabled: needs('DATABASE_URL') && needs('ETCD') },
+];
+
+describe('the per-row scenario: a newer holder in another process writes X only; the old holder writes Y', () => {
+  for (const { kind, enabled } of backends) {
+    it.runIf(enabled)(
+      `${kind}: through with(lease) Y is stale; through the bare fence it still applies`,
+      { timeout: 120_000 },
+      async () => {
+        let cluster: EtcdCluster | undefined;
+        if (kind === 'etcd') cluster = await startEtcdCluster(1);
+        try {
+          await withScenario(2, async (url) => {
+            const config: ManagerConfig = {
+              kind,
+              namespace: uniqueNamespace('scope'),
+              databaseUrl: url,
+              redisUrl: services.redis.url,
+              etcdEndpoints: cluster?.endpoints,
+            };
+            const a = await openManager(config);
+            const b = startWorker(WORKER, { ...config, ttlMs: 60_000 });
+            try {
+              const repo = fencedRepository(a.db, resource);
+              // A holds fence 41 (say) and pauses: its TTL runs out, the lock is free again.
+              const leaseA = await a.manager.acquire('L', { ttlMs: 1_500, autoExtend: false });
+              expect(leaseA.lock).toMatchObject({ kind, namespace: config.namespace, name: 'L' });
+              await b.next((m) => m.event === 'ready');
+              b.send({ cmd: 'acquire', lock: 'L' });
+              const granted = await b.next((m) => m.event === 'acquired' || m.event === 'error', 60_000);
+              expect(granted.event).toBe('acquired');
+              const fenceB = BigInt(String(granted.fence));
+              expect(fenceB).toBeGreaterThan(leaseA.fence);
+              b.send({ cmd: 'write', lock: 'L', id: 1, value: 'B' });
+              expect((await b.next((m) => m.event === 'write')).status).toBe('applied');
+              // A wakes up and writes the row B never touched.
+              const scoped = await repo.with(unaware(leaseA)).update({ id: 2 }, { value: 'A late' });
+              expect(scoped).toEqual({ status: 'stale', currentFence: fenceB });
+              expect((await repo.get({ id: 2 }))?.value).toBe('initial');
+              // Row scope (the design card's shape) refuses only rows a higher fence wrote.
+              expect((await repo.update({ id: 1 }, leaseA.fence, { value: 'A' })).status).toBe('stale');
+              expect((await repo.update({ id: 2 }, leaseA.fence, { value: 'A bare' })).status).toBe('applied');
+            } finally {
+              b.kill();
+              await a.close();
+            }
+          });
+        } finally {
+          await cluster?.stop();
+        }
+      },
+    );
+  }
+});
+
+describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend', { timeout: 120_000 }, () => {
+  it('a holder SIGSTOPped inside a fenced transaction: the next acquire succeeds, its commit fails, nothing it wrote is visible', async () => {
+    await withScenario(2, async (url) => {
+      const config: ManagerConfig = { kind: 'postgres', namespace: uniqueNamespace('stop'), databaseUrl: url };
+      const holder = startWorker(WORKER, { ...config, ttlMs: 1_500 });
+      const next = await openManager(config);
+      try {
+        await holder.next((m) => m.event === 'ready');
+        holder.send({ cmd: 'acquire', lock: 'L' });
+        await holder.next((m) => m.event === 'acquired');
+        holder.send({ cmd: 'pausedTransaction', lock: 'L', id: 1, value: 'paused', idleMs: 60_000 });
+        expect((await holder.next((m) => m.event === 'inside')).status).toBe('applied');
+        holder.pause();
+        // TTL 1.5 s + idle timeout ≤ TTL: bounded by waitMs, never asserted on time.
+        const lease = await next.manager.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
+        const repo = fencedRepository(next.db, resource);
+        expect((await repo.with(lease).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
+        holder.resume();
+        const ended = await holder.next((m) => m.event === 'transaction', 60_000);
+        expect(ended.status).not.toBe('applied');
+        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+      } finally {
+        holder.kill();
+        await next.close();
+      }
+    });
+  });
+
+  it('Promise.all of 16 lock-scoped writes under one lease all apply', async () => {
+    await withScenario(16, async (url) => {
+      const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('p16'), databaseUrl: url });
+      try {
+        const lease = await m.manager.acquire('L', { ttlMs: 60_000 });
+        const leased = fencedRepository(m.db, resource).with(lease);
+        const results = await Promise.all(
+          Array.from({ length: 16 }, (_, i) =>
+            leased.update({ id: i + 1 }, { value: `v${i}` }, { returning: 'status' }),
+          ),
+        );
+        expect(results.map((r) => r.status)).toEqual(Array(16).fill('applied'));
+        await lease.release();
+      } finally {
+        await m.close();
+      }
+    });
+  });
+
+  it('two processes running fenced transactions over two leases in opposite orders end without a hang', async () => {
+    await withScenario(2, async (url) => {
+      const config: ManagerConfig = { kind: 'postgres', namespace: uniqueNamespace('cross'), databaseUrl: url };
+      const old = startWorker(WORKER, { ...config, ttlMs: 1_500 });
+      const current = startWorker(WORKER, { ...config, ttlMs: 60_000 });
+      try {
+        await Promise.all([old, current].map((w) => w.next((m) => m.event === 'ready')));
+        for (const lock of ['a', 'b']) {
+          old.send({ cmd: 'acquire', lock });
+          await old.next((m) => m.event === 'acquired' && m.lock === lock);
+        }
+        for (const lock of ['b', 'a']) {
+          current.send({ cmd: 'acquire', lock });
+          await current.next((m) => m.event === 'acquired' && m.lock === lock, 60_000);
+        }
+        old.send({ cmd: 'crossTransactions', locks: ['b', 'a'], ids: [2, 1], rounds: 20 });
+        current.send({ cmd: 'crossTransactions', locks: ['a', 'b'], ids: [1, 2], rounds: 20 });
+        const [o, c] = await Promise.all([old, current].map((w) => w.next((m) => m.event === 'crossed', 90_000)));
+        const oldCounts = o?.counts as Record<string, number>;
+        const currentCounts = c?.counts as Record<string, number>;
+        expect(oldCounts.applied ?? 0, JSON.stringify(oldCounts)).toBe(0);
+        expect(Object.keys(oldCounts).every((s) => s === 'stale' || s === 'retryable')).toBe(true);
+        expect(
+          Object.keys(currentCounts).every((s) => s === 'applied' || s === 'retryable'),
+          JSON.stringify(currentCounts),
+        ).toBe(true);
+        expect(currentCounts.applied ?? 0).toBeGreaterThan(0);
+      } finally {
+        old.kill();
+        current.kill();
+      }
+    });
+  });
+
+  it('a forged fence through with({ fence, signal, lock }) is refused; a bare-fence write on scope: lock is a typed error', async () => {
+    await withScenario(2, async (url) => {
+      const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('forge'), databaseUrl: url });
+      try {
+        const lease = await m.manager.acquire('L', { ttlMs: 60_000 });
+        const repo = fencedRepository(m.db, resource, { scope: 'lock' });
+        const forged = { fence: (lease.fence + 1_000n) as typeof lease.fence, signal: lease.signal, lock: lease.lock };
+        await expect(repo.with(forged).update({ id: 1 }, { value: 'forged' })).rejects.toBeInstanceOf(
+          FenceNotIssuedError,
+        );
+        await expect(repo.with(forged).upsert({ id: 3, value: 'forged' })).rejects.toBeInstanceOf(FenceNotIssuedError);
+        await expect(fencedTransaction(m.db, forged, async () => 'never')).rejects.toMatchObject({
+          code: 'fence_not_issued',
+        });
+        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+        expect(await repo.get({ id: 3 })).toBeUndefined();
+        // The real grant still writes, and bare fences are refused before any query.
+        expect((await repo.with(lease).update({ id: 1 }, { value: 'real' })).status).toBe('applied');
+        await expect(repo.update({ id: 2 }, lease.fence, { value: 'x' })).rejects.toBeInstanceOf(LockScopeError);
+        expect(() => repo.with({ fence: lease.fence, signal: lease.signal })).toThrow(LockScopeError);
+        await lease.release();
+      } finally {
+        await m.close();
+      }
+    });
+  });
+});
+
+describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
+  'the register reset (Redis: claimed lazily)',
+  { timeout: 120_000 },
+  () => {
+    it('a forged huge fence wedges the lock until an operator resets the register with the CLI', async () => {
+      await withScenario(2, async (url) => {
+        const namespace = uniqueNamespace('reset');
+        const m = await openManager({ kind: 'redis', namespace, databaseUrl: url, redisUrl: services.redis.url });
+        try {
+          const lease = await m.manager.acquire('L', { ttlMs: 60_000 });
+          const lock = lease.lock;
+          if (!lock) throw new Error('a Redis lease has a lock');
+          const repo = fencedRepository(m.db, resource);
+          const huge = (2n ** 62n) as typeof lease.fence;
+          // Nothing can tell a Redis fence that was never issued: the forged claim lands and wedges the lock.
+          expect(
+            (await repo.with({ ...unaware(lease), fence: huge }).update({ id: 1 }, { value: 'forged' })).status,
+          ).toBe('applied');
+          expect(await repo.with(lease).update({ id: 2 }, { value: 'real' })).toEqual({
+            status: 'stale',
+            currentFence: huge,
+          });
+          const env = { DATABASE_URL: url };
+          const listed = await runCli(['locks', 'registers', '--namespace', namespace, '--json'], env);
+          expect(listed.code).toBe(0);
+          expect(JSON.parse(listed.stdout)).toEqual([{ ...lock, fence: huge.toString() }]);
+          const reset = await runCli(
+            [
+              'locks',
+              'reset-register',
+              '--kind',
+              lock.kind,
+              '--source',
+              lock.source,
+              '--namespace',
+              namespace,
+              '--name',
+              'L',
+              '--fence',
+              lease.fence.toString(),
+              '--json',
+            ],
+            env,
+          );
+          expect(reset.code).toBe(0);
+          expect(JSON.parse(reset.stdout)).toMatchObject({ before: huge.toString(), after: lease.fence.toString() });
+          expect((await repo.with(lease).update({ id: 2 }, { value: 'real' })).status).toBe('applied');
+          const bad = await runCli(['locks', 'reset-register', '--kind', 'redis'], env);
+          expect(bad.code).toBe(2);
+          // The eager claim: a newer Redis lease claims at once, and an older holder is refused everywhere.
+          const newer = await m.manager.acquire('L2', { ttlMs: 60_000 });
+          const older = { ...unaware(newer), fence: (newer.fence - 1n) as typeof newer.fence };
+          expect(await claimLockRegister(m.db, newer)).toEqual({ status: 'claimed' });
+          expect(await claimLockRegister(m.db, older)).toEqual({ status: 'stale', currentFence: newer.fence });
+          expect(await repo.with(older).update({ id: 1 }, { value: 'older' })).toEqual({
+            status: 'stale',
+            currentFence: newer.fence,
+          });
+          await newer.release();
+          await lease.release();
+        } finally {
+          await m.close();
+        }
+      });
+    });
+  },
+);
+
+describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, () => {
+  it('the Postgres lease backend claims at grant: the old holder is refused on a row the new one never wrote', async () => {
+    const test = await pgliteDatabase();
+    const locks = postgresLockManager({ client: test.db, namespace: uniqueNamespace('pglite'), listen: false });
+    try {
+      await migrate(test.db);
+      await test.db.execute(
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await test.db.execute(sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
+      const repo = fencedRepository(test.db, resource, { scope: 'lock' });
+      const old = await locks.acquire('L', { ttlMs: 100, autoExtend: false });
+      expect((await repo.with(unaware(old)).update({ id: 1 }, { value: 'old' })).status).toBe('applied');
+      const current = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
+      // The grant alone refuses the old holder, before the new one writes anything.
+      expect(await repo.with(unaware(old)).update({ id: 2 }, { value: 'late' })).toEqual({
+        status: 'stale',
+        currentFence: current.fence,
+      });
+      const result = await fencedTransaction(test.db, current, async () => {
+        await repo.with(current).update({ id: 1 }, { value: 'new 1' });
+        await repo.with(current).update({ id: 2 }, { value: 'new 2' });
+        return 'done';
+      });
+      expect(result).toEqual({ status: 'applied', value: 'done' });
+      const refused = await fencedTransaction(test.db, unaware(old), async () => 'never');
+      expect(refused.status).toBe('stale');
+      expect((await repo.get({ id: 2 }))?.value).toBe('new 2');
+      await current.release();
+    } finally {
+      await locks.close();
+      await test.close();
+    }
+  });
+});
