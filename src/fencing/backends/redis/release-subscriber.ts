@@ -59,7 +59,13 @@ export function releaseSubscriber(redis: RedisClient, channel: string): ReleaseL
     // Closed while Redis is away: disconnect() rejects the queued SUBSCRIBE instead of leaving it pending.
     closing.addEventListener('abort', () => subscriber.disconnect(), { once: true });
     try {
-      await subscriber.subscribe(channel);
+      // Also given up when closing: a SUBSCRIBE queued offline on a client without a retry limit
+      // (maxRetriesPerRequest: null) was not always rejected by disconnect(), and close() waited on it.
+      await new Promise<void>((resolve, reject) => {
+        if (closing.aborted) reject(new Error('closed'));
+        closing.addEventListener('abort', () => reject(new Error('closed')), { once: true });
+        (subscriber as Redis).subscribe(channel).then(() => resolve(), reject);
+      });
     } catch (err) {
       subscriber.disconnect();
       throw err;

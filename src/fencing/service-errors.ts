@@ -1,0 +1,112 @@
+/**
+ * @internal How the lock manager tells "the lock service did not answer"
+ * (worth another attempt within the wait) from "it said no", cuts an attempt
+ * short at the wait's deadline, and reports an unreachable service.
+ */
+import { performance } from 'node:perf_hooks';
+import { LockServiceError, PalisadeError } from '../errors.js';
+import type { LockManagerHooks } from './lock-manager.js';
+
+const SENTINEL_TIMEOUT = Symbol('deadline');
+
+/**
+ * @internal `work`, or a timeout error at `deadline` (a monotonic time). If the work
+ * settles after the deadline, `onLate(value)` gets its value (undefined if it
+ * failed) so a grant nobody waits for can be given back.
+ */
+export async function bounded<T>(
+  work: Promise<T>,
+  deadline: number,
+  onLate: (value: T | undefined) => void,
+): Promise<T> {
+  const left = deadline - performance.now();
+  if (!Number.isFinite(left)) return work;
+  let timer: NodeJS.Timeout | undefined;
+  const timeout = new Promise<typeof SENTINEL_TIMEOUT>((resolve) => {
+    timer = setTimeout(() => resolve(SENTINEL_TIMEOUT), Math.max(0, left));
+  });
+  try {
+    const first = await Promise.race([work, timeout]);
+    if (first !== SENTINEL_TIMEOUT) return first;
+  } finally {
+    clearTimeout(timer);
+  }
+  work.then(onLate, () => onLate(undefined));
+  throw new AttemptCutShort();
+}
+
+/** @internal An attempt abandoned at the wait's deadline (it may still land: then it is given back). */
+export class AttemptCutShort extends Error {
+  constructor() {
+    super('no answer before the wait ended');
+  }
+}
+
+// Errors that say "the service did not answer", not "the service said no": worth another attempt.
+const NETWORK_CODES = new Set([
+  'ECONNREFUSED',
+  'ECONNRESET',
+  'EPIPE',
+  'ETIMEDOUT',
+  'EHOSTUNREACH',
+  'ENETUNREACH',
+  'ENOTFOUND',
+  'EAI_AGAIN',
+  'CONNECTION_CLOSED',
+  'CONNECTION_ENDED',
+  'CONNECTION_DESTROYED',
+  'CONNECT_TIMEOUT',
+]);
+const UNREACHABLE_MESSAGE =
+  /Stream isn't writeable|Connection is closed|connect ECONNREFUSED|ECONNRESET|Reached the max retries per request|UNAVAILABLE|DEADLINE_EXCEEDED|No connection established|Connection terminated/i;
+
+/** @internal Whether `err` means the service did not answer (worth another attempt). */
+export function isUnreachable(err: unknown, hooks: LockManagerHooks): boolean {
+  if (err instanceof AttemptCutShort) return true;
+  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
+    const code = (e as { code?: unknown }).code;
+    if (code === 'lock_service') return true;
+    // A timeout on a connected client is the service's answer (it may still apply): not retried here.
+    if (code === 'command_timeout') return hooks.lastConnectionError?.() !== undefined;
+    if (typeof code === 'string' && (NETWORK_CODES.has(code) || /^(08|57P0)/.test(code))) return true;
+    if (e instanceof Error && UNREACHABLE_MESSAGE.test(e.message)) return true;
+  }
+  return false;
+}
+
+/**
+ * @internal palisade's own errors pass through (an unreachable service excepted when
+ * a wait ended); anything else a backend's client threw (ioredis, etcd3,
+ * a socket) becomes a {@link LockServiceError} that keeps it as its cause.
+ */
+export function serviceError(hooks: LockManagerHooks, kind: string, err: unknown, waitedMs?: number): Error {
+  const connection = hooks.lastConnectionError?.();
+  if (err instanceof PalisadeError) {
+    // At the end of a wait `err` is one isUnreachable accepted (a database connection error, a
+    // command timeout while disconnected); elsewhere only a timeout while disconnected is
+    // rephrased. Every other error of ours passes through as it is.
+    const rephrase =
+      (waitedMs !== undefined && err.code !== 'lock_service') ||
+      (err.code === 'command_timeout' && connection !== undefined);
+    if (!rephrase) return err;
+  }
+  const why = describeFailure(connection ?? err);
+  const waited = waitedMs === undefined ? '' : ` (retried for waitMs = ${waitedMs} ms)`;
+  return new LockServiceError(kind, `the ${kind} lock service is unreachable${waited}: ${why}`, err);
+}
+
+function describeFailure(err: unknown): string {
+  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
+    const code = (e as { code?: unknown }).code;
+    const message = e instanceof Error ? e.message : String(e);
+    if (code === 'ECONNREFUSED' || /ECONNREFUSED/.test(message)) {
+      const address = /ECONNREFUSED ([^\s]+)/.exec(message)?.[1];
+      return `connection refused${address ? ` at ${address}` : ''} — is the server running, and does the URL point at it?`;
+    }
+    if (/Stream isn't writeable/.test(message)) {
+      return 'the client is not connected (ioredis with enableOfflineQueue: false sends nothing until the connection is ready)';
+    }
+  }
+  if (err instanceof AttemptCutShort) return 'no answer before the wait ended';
+  return err instanceof Error ? err.message : String(err);
+}
