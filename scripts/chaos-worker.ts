@@ -38,6 +38,7 @@ import { fencedRepository } from '../src/repo/repository.js';
 import { fenceColumns } from '../src/schema/fence-columns.js';
 import { historyRecorder } from '../src/testing/history.js';
 import { type BackendKind, openManager } from '../test/support/managers.js';
+import { sleep } from '../test/support/sleep.js';
 
 /** What the runner passes to each worker. */
 export interface ChaosWorkerArgs {
@@ -162,7 +163,6 @@ async function main(): Promise<void> {
   const args = JSON.parse(process.argv[2] ?? '{}') as ChaosWorkerArgs;
   const say = (event: string, data: Record<string, unknown> = {}) =>
     process.stdout.write(`${JSON.stringify({ event, ...data })}\n`);
-  const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
   const codeOf = (err: unknown) => String((err as { code?: unknown })?.code ?? (err as Error)?.name ?? 'error');
 
   const slots = chaosSlots(args.namespace, args.lock, args.key, args.namespaces);

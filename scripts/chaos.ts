@@ -60,6 +60,8 @@ import { type AuditRow, checkHistory, formatReport, type Report } from '../src/t
 import { historyRecorder, historyTime, readHistory } from '../src/testing/history.js';
 import { openManager } from '../test/support/managers.js';
 import { type PrivateRedis, startPrivateRedis } from '../test/support/redis-server.js';
+import { createScratchDatabase } from '../test/support/scratch-database.js';
+import { sleep } from '../test/support/sleep.js';
 import { renderChaosReport, type SavedReport } from './chaos-report/render.js';
 import { CHAOS_DDL, type ChaosSlot, type ChaosWorkerArgs, chaosSlots } from './chaos-worker.js';
 
@@ -158,7 +160,6 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
   const nemesisRecord = historyRecorder(join(outDir, 'nemesis.jsonl'), 'nemesis');
   const historyNemesis = historyRecorder(historyPath, 'nemesis');
   const namespace = `chaos-${randomBytes(4).toString('hex')}`;
-  const dbName = `palisade_chaos_${randomBytes(5).toString('hex')}`;
   const faults: Record<string, number> = {};
   const fault = (kind: string, detail: string) => {
     faults[kind] = (faults[kind] ?? 0) + 1;
@@ -167,9 +168,9 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     log(`nemesis: ${kind} ${detail}`);
   };
 
-  const admin = postgres(o.databaseUrl, { max: 1, onnotice: () => {} });
-  await admin.unsafe(`create database ${dbName}`);
-  const runUrl = withDatabase(o.databaseUrl, dbName);
+  const scratch = await createScratchDatabase(o.databaseUrl, 'palisade_chaos');
+  const dbName = scratch.name;
+  const runUrl = scratch.url;
   const client = postgres(runUrl, { max: 2, onnotice: () => {} });
   const db = drizzle(client) as unknown as Database;
   const slots = chaosSlots(namespace, LOCK, KEY, o.namespaces);
@@ -587,8 +588,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     if (topology) await Promise.all([topology.primary.stop(), topology.replica.stop()]);
     else await redis?.stop();
     await client.end({ timeout: 5 });
-    if (!options.keepDatabase) await admin.unsafe(`drop database if exists ${dbName} with (force)`);
-    await admin.end({ timeout: 5 });
+    if (options.keepDatabase) await scratch.keep();
+    else await scratch.drop();
     log('done');
   }
 }
@@ -675,16 +676,6 @@ async function inSync(replica: Redis): Promise<void> {
 
 /** A bad command line or option. */
 export class UsageError extends Error {}
-
-function withDatabase(url: string, name: string): string {
-  const u = new URL(url);
-  u.pathname = `/${name}`;
-  return u.toString();
-}
-
-function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
-}
 
 async function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
   let timer: NodeJS.Timeout | undefined;

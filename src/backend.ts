@@ -7,7 +7,7 @@
  * The README's "Writing a lock backend" section is the manual.
  */
 export type { Grant, GrantOptions, LockBackend, LockInfo } from './fencing/backend.js';
-export { advisoryLockBackend } from './fencing/backends/postgres-advisory/index.js';
-export { postgresLockBackend } from './fencing/backends/postgres-lease/index.js';
-export { redisLockBackend } from './fencing/backends/redis/index.js';
+export { advisoryLockBackend } from './fencing/backends/postgres-advisory/backend.js';
+export { postgresLockBackend } from './fencing/backends/postgres-lease/backend.js';
+export { redisLockBackend } from './fencing/backends/redis/backend.js';
 export { createLockManager, type LockManager, type LockManagerHooks } from './fencing/lock-manager.js';

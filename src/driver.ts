@@ -12,7 +12,8 @@
 import { createHash } from 'node:crypto';
 import { entityKind, type SQL } from 'drizzle-orm';
 import type { PgDatabase, PgDialect, PgPreparedQuery, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
-import { InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
+import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
+import { describeServerError, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
 // biome-ignore lint/suspicious/noExplicitAny: any schema, any driver result — narrowed in this module.
@@ -20,165 +21,6 @@ export type Database = PgDatabase<PgQueryResultHKT, any, any>;
 
 /** A result row keyed by database column name, values as the driver returns them. */
 export type RawRow = Record<string, unknown>;
-
-/**
- * The database refused a statement for a reason palisade does not interpret.
- *
- * What the message says, and what it never says: it keeps the SQLSTATE, its
- * condition name, and the schema, table, column and constraint the server
- * names in its error fields. It never carries a value: the server's own text
- * quotes values for data errors (`invalid input syntax for type integer:
- * "…"`), its DETAIL quotes the failing row, and drizzle's error lists the
- * query's parameters. So the server's text is kept only for the classes
- * whose messages are about the statement, the schema or the server
- * ({@link SERVER_TEXT_CLASSES}), never DETAIL, HINT or WHERE; the driver's
- * error is not kept either: `cause` is a sanitised copy with the same
- * fields and nothing else (`console.log(err)` prints causes).
- */
-export class DatabaseError extends PalisadeError {
-  /** The schema, table, column, data type and constraint named by the server, when it names them. */
-  readonly schema: string | undefined;
-  readonly table: string | undefined;
-  readonly column: string | undefined;
-  readonly dataType: string | undefined;
-  readonly constraint: string | undefined;
-
-  constructor(
-    readonly sqlState: string | undefined,
-    cause: unknown,
-  ) {
-    const safe = sanitize(cause, sqlState);
-    super('database', safe.message, { cause: safe.error });
-    this.schema = safe.fields.schema;
-    this.table = safe.fields.table;
-    this.column = safe.fields.column;
-    this.dataType = safe.fields.dataType;
-    this.constraint = safe.fields.constraint;
-  }
-}
-
-/**
- * SQLSTATE classes whose server messages name objects of the schema or the
- * server (never a value a statement carried): connection (08), feature not
- * supported (0A), transaction state (25, 2D), authorization (28), catalog
- * and schema names (3D, 3F), rollback (40), syntax and access rules (42:
- * identifiers and tokens of the query text — palisade sends every value as a
- * parameter), resources (53), object state and locks (55), operator
- * intervention (57), system errors (58), and palisade's fence trigger (PF:
- * table name and fences). Data exceptions (22), integrity violations (23,
- * whose DETAIL quotes the row), PL/pgSQL RAISE (P0) and internal errors (XX)
- * are described by their fields only.
- */
-const SERVER_TEXT_CLASSES = new Set([
-  '08',
-  '0A',
-  '25',
-  '2D',
-  '28',
-  '3D',
-  '3F',
-  '40',
-  '42',
-  '53',
-  '55',
-  '57',
-  '58',
-  'PF',
-]);
-
-/** Condition names of the SQLSTATEs a palisade user meets most (the rest show the code alone). */
-const CONDITIONS: Record<string, string> = {
-  '22001': 'string_data_right_truncation',
-  '22003': 'numeric_value_out_of_range',
-  '22007': 'invalid_datetime_format',
-  '22008': 'datetime_field_overflow',
-  '22012': 'division_by_zero',
-  '22021': 'character_not_in_repertoire',
-  '22023': 'invalid_parameter_value',
-  '22P02': 'invalid_text_representation',
-  '22P05': 'untranslatable_character',
-  '23502': 'not_null_violation',
-  '23503': 'foreign_key_violation',
-  '23505': 'unique_violation',
-  '23514': 'check_violation',
-  '23P01': 'exclusion_violation',
-  '25P02': 'in_failed_sql_transaction',
-  '40001': 'serialization_failure',
-  '40P01': 'deadlock_detected',
-  '42501': 'insufficient_privilege',
-  '42601': 'syntax_error',
-  '42703': 'undefined_column',
-  '42804': 'datatype_mismatch',
-  '42883': 'undefined_function',
-  '42P01': 'undefined_table',
-  '55P03': 'lock_not_available',
-  '57014': 'query_canceled',
-  '57P01': 'admin_shutdown',
-  P0001: 'raise_exception',
-};
-
-/** Error codes (not SQLSTATEs) of a connection that failed: their messages name the server, not data. */
-const CONNECTION_CODES = /^(E[A-Z]+|CONNECT_TIMEOUT|CONNECTION_[A-Z]+)$/;
-
-interface SafeFields {
-  schema?: string;
-  table?: string;
-  column?: string;
-  dataType?: string;
-  constraint?: string;
-}
-
-/** Reads one of the server's error fields as postgres.js (`table_name`) or pg-protocol (`table`: PGlite, pg) names it. */
-function field(err: object, ...names: string[]): string | undefined {
-  for (const name of names) {
-    const value = (err as Record<string, unknown>)[name];
-    if (typeof value === 'string' && value.length > 0) return value;
-  }
-  return undefined;
-}
-
-function sanitize(cause: unknown, sqlState: string | undefined): { message: string; error: Error; fields: SafeFields } {
-  const original = originalError(cause);
-  const err = original !== null && typeof original === 'object' ? original : {};
-  const fields: SafeFields = {};
-  const schema = field(err, 'schema_name', 'schema');
-  const table = field(err, 'table_name', 'table');
-  const column = field(err, 'column_name', 'column');
-  const dataType = field(err, 'data_type', 'dataType');
-  const constraint = field(err, 'constraint_name', 'constraint');
-  if (schema) fields.schema = schema;
-  if (table) fields.table = table;
-  if (column) fields.column = column;
-  if (dataType) fields.dataType = dataType;
-  if (constraint) fields.constraint = constraint;
-
-  const parts: string[] = [];
-  if (sqlState) {
-    const condition = CONDITIONS[sqlState];
-    parts.push(`SQLSTATE ${sqlState}${condition ? ` ${condition}` : ''}`);
-  }
-  const on = [
-    table ? `table ${schema ? `${schema}.` : ''}${table}` : undefined,
-    column ? `column ${column}` : undefined,
-    dataType ? `type ${dataType}` : undefined,
-    constraint ? `constraint ${constraint}` : undefined,
-  ].filter((x) => x !== undefined);
-  if (on.length > 0) parts.push(on.join(', '));
-  const text = original instanceof Error ? original.message : undefined;
-  const code = (err as { code?: unknown }).code;
-  if (text && sqlState && SERVER_TEXT_CLASSES.has(sqlState.slice(0, 2))) parts.push(text);
-  else if (text && !sqlState && typeof code === 'string' && CONNECTION_CODES.test(code)) parts.push(text);
-  else if (!sqlState) parts.push(`${original instanceof Error ? original.name : typeof original} from the driver`);
-  const message = `database error: ${parts.join('; ')}`;
-
-  // The cause: the same facts, as an error of the driver's class name, without its message, detail or parameters.
-  const error = new Error(message);
-  error.name = original instanceof Error ? original.name : 'Error';
-  Object.assign(error, { ...(sqlState ? { code: sqlState } : typeof code === 'string' ? { code } : {}), ...fields });
-  const severity = field(err, 'severity');
-  if (severity) Object.assign(error, { severity });
-  return { message, error, fields };
-}
 
 interface Internals {
   session: PgSession;
@@ -301,7 +143,7 @@ function rowsOf(result: unknown): RawRow[] {
   if (Array.isArray(result)) return result as RawRow[];
   const rows = (result as { rows?: unknown } | null)?.rows;
   if (Array.isArray(rows)) return rows as RawRow[];
-  throw new PalisadeError('driver', 'unrecognised result shape from the database driver');
+  throw new DriverError('unrecognised result shape from the database driver');
 }
 
 /** Reads an int8 as the drivers return it (string, number or bigint). `null` stays `null`. */
@@ -309,23 +151,12 @@ export function int8(value: unknown): bigint | null {
   if (value === null || value === undefined) return null;
   if (typeof value === 'bigint') return value;
   if (typeof value === 'number' || typeof value === 'string') return BigInt(value);
-  throw new PalisadeError('driver', `expected an int8, got ${typeof value}`);
+  throw new DriverError(`expected an int8, got ${typeof value}`);
 }
 
 /** Reads a Postgres `count(*)` or other int8 that cannot be null. */
 export function count(value: unknown): number {
   return Number(int8(value) ?? 0n);
-}
-
-/** The SQLSTATE of a driver error, whichever driver and however wrapped. */
-export function sqlStateOf(err: unknown): string | undefined {
-  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
-    const known = (e as { sqlState?: unknown }).sqlState;
-    if (typeof known === 'string' && /^[0-9A-Z]{5}$/.test(known)) return known;
-    const code = (e as { code?: unknown }).code;
-    if (typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code)) return code;
-  }
-  return undefined;
 }
 
 /**
@@ -339,13 +170,13 @@ export function sqlStateOf(err: unknown): string | undefined {
 export function translateError(err: unknown): Error {
   if (err instanceof PalisadeError) return err;
   const state = sqlStateOf(err);
-  if (state === '40001' || state === '40P01') return new RetryableWriteError(state, sanitize(err, state).error);
+  if (state === '40001' || state === '40P01') {
+    return new RetryableWriteError(
+      state === '40001' ? 'serialization_failure' : 'deadlock',
+      describeServerError(err, state).error,
+    );
+  }
   return new DatabaseError(state, err);
-}
-
-function originalError(err: unknown): unknown {
-  const cause = (err as { cause?: unknown } | null)?.cause;
-  return (err as { name?: unknown } | null)?.constructor?.name === 'DrizzleQueryError' && cause ? cause : err;
 }
 
 /** A client that can LISTEN: a postgres.js `Sql` or a PGlite instance. */
@@ -446,5 +277,5 @@ export async function listen(
   if (typeof result === 'function') return async () => void (await result());
   const unlisten = (result as { unlisten?: unknown } | null)?.unlisten;
   if (typeof unlisten === 'function') return async () => void (await unlisten.call(result));
-  throw new PalisadeError('driver', 'unrecognised result from the driver’s listen()');
+  throw new DriverError('unrecognised result from the driver’s listen()');
 }

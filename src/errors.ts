@@ -1,13 +1,21 @@
 /**
+ * Every error class palisade throws, and the one list of their codes. The
+ * README's "Errors" section is the manual; `test/readme.test.ts` checks its
+ * table against {@link ERROR_CODES} and {@link ERROR_CLASSES}.
+ */
+import { describeServerError } from './server-error.js';
+
+/**
  * Every `code` a {@link PalisadeError} can carry, with what it means. This is
- * the one list: the README's error table is checked against it
- * (`test/errors.test.ts`), and `PalisadeErrorCode` is its keys.
+ * the one list: `PalisadeErrorCode` is its keys, and every code has its class
+ * in {@link ERROR_CLASSES}.
  */
 export const ERROR_CODES = {
   invalid_argument: 'bad input, caught before any query or command was sent',
   stale_fence: 'a fenced write was refused: a fence at least as high already wrote the row',
   row_missing: 'a fenced write found no live row for its key',
-  retryable: 'serialization failure or deadlock (SQLSTATE 40001 / 40P01): nothing was written, retry',
+  retryable:
+    'serialization failure or deadlock (SQLSTATE 40001 / 40P01), or a write that kept racing its refusal: nothing was written, retry',
   lock_unavailable: 'a bounded wait for a lock ended (timeout or abort) without a grant',
   lock_timeout:
     'a lock-manager call waited for a database lock longer than lockTimeoutMs; the statement was cancelled and changed nothing',
@@ -22,6 +30,7 @@ export const ERROR_CODES = {
   closed: 'the lock manager was closed',
   missing_dependency: 'an optional peer dependency is not installed; the message names the package',
   migrations_folder: 'a migrations folder is missing or is not a drizzle-kit folder; the message names the path',
+  cli: 'the `palisade` command failed or was used wrongly; the message says why (exit code 1 or 2)',
 } as const;
 
 /** A {@link PalisadeError}'s `code`: a key of {@link ERROR_CODES}. */
@@ -81,17 +90,31 @@ export class RowMissingError extends PalisadeError {
 }
 
 /**
- * Postgres refused the statement with a serialization failure (40001) or a
- * deadlock (40P01): nothing was written and the same write may be retried.
- * Under REPEATABLE READ / SERIALIZABLE a concurrent fenced write surfaces
- * this way — it is *not* a verdict that the fence is stale.
+ * Nothing was written and the same write may be retried. Postgres refused
+ * the statement with a serialization failure (40001) or a deadlock (40P01)
+ * — under REPEATABLE READ / SERIALIZABLE a concurrent fenced write surfaces
+ * this way, and it is *not* a verdict that the fence is stale — or
+ * (`reason: 'race'`) the row changed between a refused write and the
+ * statement that explains the refusal, more often than a bounded re-check
+ * could settle.
  */
 export class RetryableWriteError extends PalisadeError {
+  /** The SQLSTATE (`40001`, `40P01`) when the server refused; `undefined` for a race. */
+  readonly sqlState: string | undefined;
+
   constructor(
-    readonly sqlState: string,
-    cause: unknown,
+    readonly reason: 'serialization_failure' | 'deadlock' | 'race',
+    cause?: unknown,
   ) {
-    super('retryable', `write not applied, retry it (SQLSTATE ${sqlState})`, { cause });
+    const sqlState = reason === 'serialization_failure' ? '40001' : reason === 'deadlock' ? '40P01' : undefined;
+    super(
+      'retryable',
+      sqlState
+        ? `write not applied, retry it (SQLSTATE ${sqlState})`
+        : 'write not applied, retry it (the row kept changing while the refusal was explained)',
+      { cause },
+    );
+    this.sqlState = sqlState;
   }
 }
 
@@ -186,3 +209,108 @@ export class MigrationsFolderError extends PalisadeError {
     super('migrations_folder', message, { cause });
   }
 }
+
+/**
+ * The database refused a statement for a reason palisade does not interpret.
+ *
+ * What the message says, and what it never says: it keeps the SQLSTATE, its
+ * condition name, and the schema, table, column and constraint the server
+ * names in its error fields. It never carries a value: the server's own text
+ * quotes values for data errors (`invalid input syntax for type integer:
+ * "…"`), its DETAIL quotes the failing row, and drizzle's error lists the
+ * query's parameters. So the server's text is kept only for the classes
+ * whose messages are about the statement, the schema or the server
+ * (`SERVER_TEXT_CLASSES` in `server-error.ts`), never DETAIL, HINT or WHERE; the driver's
+ * error is not kept either: `cause` is a sanitised copy with the same
+ * fields and nothing else (`console.log(err)` prints causes).
+ */
+export class DatabaseError extends PalisadeError {
+  /** The schema, table, column, data type and constraint named by the server, when it names them. */
+  readonly schema: string | undefined;
+  readonly table: string | undefined;
+  readonly column: string | undefined;
+  readonly dataType: string | undefined;
+  readonly constraint: string | undefined;
+
+  constructor(
+    readonly sqlState: string | undefined,
+    cause: unknown,
+  ) {
+    const safe = describeServerError(cause, sqlState);
+    super('database', safe.message, { cause: safe.error });
+    this.schema = safe.fields.schema;
+    this.table = safe.fields.table;
+    this.column = safe.fields.column;
+    this.dataType = safe.fields.dataType;
+    this.constraint = safe.fields.constraint;
+  }
+}
+
+/** A Redis command or Postgres statement did not answer within `commandTimeoutMs`. */
+export class CommandTimeoutError extends PalisadeError {
+  constructor(what: string, ms: number) {
+    super('command_timeout', `${what} did not answer within ${ms} ms (it may still run)`);
+  }
+}
+
+/** The database driver returned something palisade does not recognise (a result shape, a value type). */
+export class DriverError extends PalisadeError {
+  constructor(message: string) {
+    super('driver', message);
+  }
+}
+
+/** The database cannot do what was asked: advisory locks on PGlite, which grants every one. */
+export class UnsupportedDatabaseError extends PalisadeError {
+  constructor(message: string) {
+    super('unsupported_database', message);
+  }
+}
+
+/** An advisory lock is held by a session that is not a palisade lease (another user of the same 64-bit key). */
+export class ForeignLockError extends PalisadeError {
+  constructor(readonly lockName: string) {
+    // The name is a property, not part of the message (see LockUnavailableError).
+    super('foreign_lock', 'the advisory lock is held by a session that is not a palisade lease (same 64-bit key)');
+  }
+}
+
+/** The lock manager was closed: it grants, extends and inspects nothing any more. */
+export class LockManagerClosedError extends PalisadeError {
+  constructor(what: string) {
+    super('closed', `this ${what} is closed`);
+  }
+}
+
+/** A failure of the `palisade` command, reported as one line on stderr with its exit code (1: failed, 2: bad usage). */
+export class CliError extends PalisadeError {
+  constructor(
+    message: string,
+    readonly exitCode = 1,
+    cause?: unknown,
+  ) {
+    super('cli', message, cause === undefined ? undefined : { cause });
+  }
+}
+
+/** The class of each code: what `err.code === code` lets a caller narrow to. */
+export const ERROR_CLASSES = {
+  invalid_argument: InvalidArgumentError,
+  stale_fence: StaleFenceError,
+  row_missing: RowMissingError,
+  retryable: RetryableWriteError,
+  lock_unavailable: LockUnavailableError,
+  lock_timeout: LockTimeoutError,
+  lease_lost: LeaseLostError,
+  fence_source: FenceSourceError,
+  lock_service: LockServiceError,
+  command_timeout: CommandTimeoutError,
+  database: DatabaseError,
+  driver: DriverError,
+  unsupported_database: UnsupportedDatabaseError,
+  foreign_lock: ForeignLockError,
+  closed: LockManagerClosedError,
+  missing_dependency: MissingDependencyError,
+  migrations_folder: MigrationsFolderError,
+  cli: CliError,
+} as const satisfies Record<PalisadeErrorCode, abstract new (...args: never[]) => PalisadeError>;

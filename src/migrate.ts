@@ -4,8 +4,9 @@ import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
 import { sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
-import { assertSupportedDriver, type Database, execute, sqlStateOf, transaction } from './driver.js';
+import { assertSupportedDriver, type Database, execute, transaction } from './driver.js';
 import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from './errors.js';
+import { sqlStateOf } from './server-error.js';
 import { recordMigrateWait } from './telemetry/otel.js';
 
 /** Where palisade's own drizzle-kit migrations ship: `drizzle/` at the package root. */

@@ -13,8 +13,8 @@ import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { ERROR_CODES } from '../src/errors.js';
-import { withDatabase } from './support/databases.js';
+import { ERROR_CLASSES, ERROR_CODES, type PalisadeErrorCode } from '../src/errors.js';
+import { withDatabase } from './support/scratch-database.js';
 import { needs, services } from './support/services.js';
 
 const run = promisify(execFile);
@@ -110,6 +110,28 @@ const repo = fencedRepository(db, accounts);
     prints: 'refused',
   },
   {
+    name: 'Writing a lock backend',
+    marker: 'function mapLockBackend(): LockBackend {',
+    postlude: `process.exit(0);\n`,
+    prints: '1n released',
+  },
+  {
+    name: 'the lock backend contract suite',
+    marker: "describeLockBackend('my backend'",
+    // Registers the checks with a runner that only counts them: the suite itself runs in test/fencing/.
+    prelude: `import { postgresLockBackend } from 'palisade-db/backend';
+import { PGlite } from '@electric-sql/pglite';
+import { drizzle } from 'drizzle-orm/pglite';
+const checks: string[] = [];
+const describe = (_name: string, body: () => void) => body();
+const it = (name: string, _fn: () => Promise<void>) => void checks.push(name);
+const expect = (_actual: unknown) => ({ toBe: (_e: unknown) => {}, toEqual: (_e: unknown) => {} });
+const myLockBackend = (o: { namespace: string }) => postgresLockBackend({ client: drizzle(new PGlite()), namespace: o.namespace });
+`,
+    postlude: `console.log(\`\${checks.length} checks\`);\nprocess.exit(0);\n`,
+    prints: '8 checks',
+  },
+  {
     name: 'OpenTelemetry',
     marker: 'configureTelemetry({',
     prelude: `import { MeterProvider } from '@opentelemetry/sdk-metrics';
@@ -131,6 +153,7 @@ function source(harness: Harness, block: string): string {
   const code = `${harness.prelude ?? ''}${block}\n${harness.postlude ?? ''}`;
   return code
     .replaceAll("from 'palisade-db/testing'", `from '${resolve('src/testing/index.ts')}'`)
+    .replaceAll("from 'palisade-db/backend'", `from '${resolve('src/backend.ts')}'`)
     .replaceAll("from 'palisade-db'", `from '${resolve('src/index.ts')}'`)
     .replaceAll("namespace: 'orders'", `namespace: 'readme-${randomBytes(4).toString('hex')}'`);
 }
@@ -210,9 +233,11 @@ describe('README', () => {
     });
   }
 
-  it('the error table lists exactly the codes of ERROR_CODES', () => {
+  it('the error table lists exactly the codes of ERROR_CODES, each once, with its class', () => {
     const section = README.slice(README.indexOf('## Errors'), README.indexOf('\n## ', README.indexOf('## Errors') + 5));
-    const codes = [...section.matchAll(/^\| `([a-z_]+)` \|/gm)].map((m) => m[1]);
-    expect(codes.sort()).toEqual(Object.keys(ERROR_CODES).sort());
+    const rows = [...section.matchAll(/^\| `([a-z_]+)` \| `([A-Za-z]+)` \|/gm)].map((m) => [m[1], m[2]]);
+    expect(rows.map(([code]) => code).sort()).toEqual(Object.keys(ERROR_CODES).sort());
+    expect(Object.keys(ERROR_CLASSES).sort()).toEqual(Object.keys(ERROR_CODES).sort());
+    for (const [code, name] of rows) expect(name).toBe(ERROR_CLASSES[code as PalisadeErrorCode].name);
   });
 });

@@ -24,8 +24,8 @@ import { postgresLockManager } from '../src/fencing/backends/postgres-lease/back
 import { toFence } from '../src/fencing/fence.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
 import { migrate } from '../src/migrate.js';
-import { type FencedRepository, fencedRepository } from '../src/repo/index.js';
-import { fenceColumns } from '../src/schema/index.js';
+import { type FencedRepository, fencedRepository } from '../src/repo/repository.js';
+import { fenceColumns } from '../src/schema/fence-columns.js';
 import { drivers, type TestDatabase } from './support/databases.js';
 
 const SECRET = 'SECRET-PIN-4111';

@@ -17,10 +17,11 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import type { Redis } from 'ioredis';
 import { Mutex } from 'redis-semaphore';
 import type { Database } from '../../src/driver.js';
-import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/index.js';
-import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/index.js';
-import { redisLockManager } from '../../src/fencing/backends/redis/index.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { sleep } from '../../test/support/sleep.js';
 import type { BenchContext } from './context.js';
 import { queriesSent } from './services.js';
 
@@ -234,10 +235,6 @@ function newRedis(ctx: BenchContext): Redis {
 
 function sentBy(redis: Redis): number {
   return sentCounts.get(redis)?.n ?? 0;
-}
-
-export function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
 /** All Redis locks of the comparison: palisade first, then the peers that could be loaded. */

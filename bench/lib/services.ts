@@ -8,13 +8,14 @@
  *   ours to use. Without a `redis-server` binary it falls back to
  *   `REDIS_URL` with a key prefix of its own (counts are then noisy).
  */
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { execFileSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { createServer } from 'node:net';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
+import { type PrivateRedis, startPrivateRedis } from '../../test/support/redis-server.js';
+import { createScratchDatabase } from '../../test/support/scratch-database.js';
 
 const DEFAULT_DATABASE_URL = 'postgres://postgres@127.0.0.1:5432/test';
 const DEFAULT_REDIS_URL = 'redis://127.0.0.1:6379';
@@ -36,12 +37,7 @@ export interface BenchDatabase {
 export async function benchDatabase(max = 20): Promise<BenchDatabase> {
   const base = process.env.DATABASE_URL ?? DEFAULT_DATABASE_URL;
   assertLoopback(base, 'DATABASE_URL');
-  const name = `palisade_bench_${randomBytes(5).toString('hex')}`;
-  const admin = postgres(base, { max: 1, onnotice: () => {} });
-  await admin.unsafe(`create database ${name}`);
-  const u = new URL(base);
-  u.pathname = `/${name}`;
-  const url = u.toString();
+  const { name, url, drop } = await createScratchDatabase(base, 'palisade_bench');
   const clients: postgres.Sql[] = [];
   const client = (n: number, connection?: Record<string, string>) => {
     const counter = { n: 0 };
@@ -68,8 +64,7 @@ export async function benchDatabase(max = 20): Promise<BenchDatabase> {
     client,
     async close() {
       await Promise.allSettled(clients.map((c) => c.end({ timeout: 5 })));
-      await admin.unsafe(`drop database if exists ${name} with (force)`);
-      await admin.end({ timeout: 5 });
+      await drop();
     },
   };
 }
@@ -98,19 +93,13 @@ export interface BenchRedis {
 
 /** Starts `redis-server` on a free loopback port (no persistence), or falls back to `REDIS_URL`. */
 export async function benchRedis(): Promise<BenchRedis> {
-  let child: ChildProcess | undefined;
+  let server: PrivateRedis | undefined;
   let url: string;
   let own = false;
   if (hasBinary('redis-server') && process.env.BENCH_SHARED_REDIS !== '1') {
-    const port = await freePort();
-    child = spawn(
-      'redis-server',
-      ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--loglevel', 'warning'],
-      { stdio: 'ignore' },
-    );
-    url = `redis://127.0.0.1:${port}`;
+    server = await startPrivateRedis();
+    url = server.url;
     own = true;
-    await waitForRedis(url);
   } else {
     url = process.env.REDIS_URL ?? DEFAULT_REDIS_URL;
     assertLoopback(url, 'REDIS_URL');
@@ -138,14 +127,7 @@ export async function benchRedis(): Promise<BenchRedis> {
     },
     async close() {
       for (const c of clients) c.disconnect();
-      if (child) {
-        child.kill('SIGTERM');
-        await new Promise((resolve) => {
-          if (child?.exitCode !== null) resolve(undefined);
-          else child.once('exit', resolve);
-          setTimeout(resolve, 2_000).unref();
-        });
-      }
+      await server?.stop();
     },
   };
 }
@@ -156,37 +138,6 @@ function hasBinary(name: string): boolean {
     return true;
   } catch {
     return false;
-  }
-}
-
-async function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer();
-    server.unref();
-    server.on('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const address = server.address();
-      const port = typeof address === 'object' && address ? address.port : 0;
-      server.close(() => resolve(port));
-    });
-  });
-}
-
-async function waitForRedis(url: string): Promise<void> {
-  const deadline = Date.now() + 5_000;
-  for (;;) {
-    const probe = new Redis(url, { lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null });
-    probe.on('error', () => {}); // refused until the server listens: expected while polling
-    try {
-      await probe.connect();
-      await probe.ping();
-      probe.disconnect();
-      return;
-    } catch (err) {
-      probe.disconnect();
-      if (Date.now() > deadline) throw err;
-      await new Promise((r) => setTimeout(r, 50));
-    }
   }
 }
 

@@ -15,13 +15,9 @@ import type { Database } from '../../src/driver.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import {
-  configureTelemetry,
-  observeAcquire,
-  observeRelease,
-  observeWrite,
-  setTelemetryLoaded,
-} from '../../src/telemetry/otel.js';
+import { observeAcquire, observeRelease } from '../../src/telemetry/locks.js';
+import { configureTelemetry, setTelemetryLoaded } from '../../src/telemetry/otel.js';
+import { observeWrite } from '../../src/telemetry/writes.js';
 import { FenceCounter, makeAccounts, randomId } from '../lib/tables.js';
 
 export interface ChildArgs {

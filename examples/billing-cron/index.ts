@@ -1,5 +1,5 @@
 /**
- * billing-cron — the course module's exercise 9, done right.
+ * billing-cron — two crons, one lock, done right.
  *
  * The story. A billing cron runs on two hosts for high availability. Each
  * night it takes a lock, charges every active subscription, releases. Some
@@ -220,7 +220,7 @@ export async function runBillingCron(options: BillingOptions): Promise<BillingRe
     }
     return { status: 'done', charged, replayed };
   } finally {
-    // Token-checked: a run whose lease was taken over deletes nothing (the seed's bug 2).
+    // Token-checked: a run whose lease was taken over deletes nothing.
     await emit({ type: 'released', result: await lease.release() });
   }
 }

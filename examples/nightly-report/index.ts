@@ -1,5 +1,5 @@
 /**
- * nightly-report — the scheduler singleton (the course module's exercise 8).
+ * nightly-report — the scheduler singleton.
  *
  * The story. The scheduler runs on two replicas for high availability, so at
  * 02:00 both fire the nightly report. Exactly one should build it; the other

@@ -1,5 +1,5 @@
 /**
- * search-index-rebuild — the course module's independent challenge.
+ * search-index-rebuild — an efficiency lock for an expensive rebuild.
  *
  * The story. Rebuilding the product-search index is expensive (minutes).
  * It runs on a schedule and an admin can trigger it by hand, on any worker

@@ -4,19 +4,8 @@
  */
 import { parseArgs } from 'node:util';
 import type postgres from 'postgres';
-import { MissingDependencyError } from '../errors.js';
+import { CliError, MissingDependencyError } from '../errors.js';
 import { loadPeer } from '../optional.js';
-
-/** A failure to report as one line on stderr, with an exit code (1: failed, 2: bad usage). */
-export class CliError extends Error {
-  constructor(
-    message: string,
-    readonly exitCode = 1,
-  ) {
-    super(message);
-    this.name = 'CliError';
-  }
-}
 
 /** Where a command writes: data on `out`, progress and diagnostics on `err`. */
 export interface Io {

@@ -2,9 +2,9 @@
  * `palisade fence-trigger`: prints the SQL of the fence trigger for a
  * drizzle-kit custom migration (`drizzle-kit generate --custom`).
  */
-import { InvalidArgumentError } from '../errors.js';
+import { CliError, InvalidArgumentError } from '../errors.js';
 import { fenceTriggerSql } from '../schema/fence-trigger.js';
-import { CliError, type Command, parse } from './common.js';
+import { type Command, parse } from './common.js';
 
 const help = `Usage: palisade fence-trigger TABLE [--schema NAME] [--same-fence reject|allow] [--allow-deletes]
 

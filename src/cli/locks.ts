@@ -2,8 +2,8 @@
  * `palisade locks`: who holds what in the Postgres lease table
  * (`palisade.leases`, the Postgres lock manager's), by the server's clock.
  */
+import { CliError } from '../errors.js';
 import {
-  CliError,
   type Command,
   connect,
   connectionError,

@@ -5,8 +5,8 @@
  * and a non-zero exit code (1: failed, 2: bad usage). Nothing imports it.
  */
 import { readFileSync } from 'node:fs';
-import { PalisadeError } from '../errors.js';
-import { CliError, type Command, type Io } from './common.js';
+import { CliError, PalisadeError } from '../errors.js';
+import type { Command, Io } from './common.js';
 import { demoCommand } from './demo.js';
 import { fenceTriggerCommand } from './fence-trigger.js';
 import { locksCommand } from './locks.js';
@@ -82,7 +82,8 @@ try {
 } catch (err) {
   const message = err instanceof Error ? err.message : String(err);
   const oneLine = message.replace(/\s*\n\s*/g, ' ').trim();
-  const code = err instanceof PalisadeError ? ` [${err.code}]` : '';
+  // A CliError's message is the whole story; other palisade errors name their code.
+  const code = err instanceof PalisadeError && !(err instanceof CliError) ? ` [${err.code}]` : '';
   process.stderr.write(`${prefix}: ${oneLine}${code}\n`);
   if (process.env.PALISADE_DEBUG && err instanceof Error && err.stack) process.stderr.write(`${err.stack}\n`);
   process.exitCode = err instanceof CliError ? err.exitCode : 1;

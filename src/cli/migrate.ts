@@ -6,10 +6,9 @@
 import { existsSync } from 'node:fs';
 import { resolve } from 'node:path';
 import type { Database } from '../driver.js';
-import { LockUnavailableError, PalisadeError } from '../errors.js';
+import { CliError, LockUnavailableError, PalisadeError } from '../errors.js';
 import { type MigrateEvent, migrate } from '../migrate.js';
 import {
-  CliError,
   type Command,
   connect,
   connectionError,

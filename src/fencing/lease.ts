@@ -1,7 +1,7 @@
 import { performance } from 'node:perf_hooks';
 import { LeaseLostError } from '../errors.js';
 import type { LostReason } from '../telemetry/catalog.js';
-import { observeExtend, observeRelease, recordLost } from '../telemetry/otel.js';
+import { observeExtend, observeRelease, recordLost } from '../telemetry/locks.js';
 import type { LockBackend } from './backend.js';
 import type { Emitter, LockEvents } from './events.js';
 import type { Fence } from './fence.js';
@@ -239,7 +239,7 @@ export class ActiveLease implements Lease {
   #lostError(): LeaseLostError {
     if (this.#error) return this.#error;
     // A release's error skips the stack trace: captured under the deep async stack of a Redis reply
-    // it cost ~30 µs of client CPU per release (bench/, section 2), and it would only point here.
+    // it cost ~30 µs of client CPU per release (measured by bench/sections/lock-round-trips.ts), and it would only point here.
     const reason = this.#reason ?? 'released';
     const limit = Error.stackTraceLimit;
     if (reason === 'released') Error.stackTraceLimit = 0;

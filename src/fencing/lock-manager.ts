@@ -1,11 +1,11 @@
 import { performance } from 'node:perf_hooks';
 import { InvalidArgumentError, LockUnavailableError } from '../errors.js';
-import { observeAcquire } from '../telemetry/otel.js';
+import { observeAcquire } from '../telemetry/locks.js';
+import { AttemptCutShort, bounded, isUnreachable, serviceError } from './attempt.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
 import { ActiveLease, type Lease } from './lease.js';
 import { type AcquireOptions, type CheckedOptions, checkLockName, checkOptions } from './options.js';
-import { AttemptCutShort, bounded, isUnreachable, serviceError } from './service-errors.js';
 import { newToken } from './token.js';
 
 const DEFAULT_WAIT_MS = 10_000;

@@ -14,7 +14,7 @@ import {
 } from '../driver.js';
 import { InvalidArgumentError, LeaseLostError, PalisadeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
-import { observeBatch, observeWrite } from '../telemetry/otel.js';
+import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { type BatchResult, rememberContext, type WriteResult } from './result.js';
 import {
   APPLIED,

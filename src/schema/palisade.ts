@@ -49,7 +49,8 @@ export const leases = palisadeSchema.table(
     expiresAt: timestamp('expires_at', { withTimezone: true, mode: 'date' }).notNull(),
   },
   // Only the primary key: with `expires_at` indexed, no grant or release
-  // could be a HOT update, and a small hot table bloats (bench, section 7c).
+  // could be a HOT update, and a small hot table bloats (measured by
+  // bench/sections/growth.ts).
   (t) => [primaryKey({ columns: [t.namespace, t.name] })],
 );
 

@@ -1,6 +1,9 @@
 /**
- * palisade's OpenTelemetry instrumentation: metrics and spans for lock
- * grants, waits, extensions, losses, releases and every repository write.
+ * palisade's OpenTelemetry set-up: the configuration, the optional peer, the
+ * instruments and the tracer, and the two events that are neither a lock
+ * nor a write (fence sources, migration waits). The spans and metrics of
+ * locks are in `locks.ts`, of writes in `writes.ts`; the README's
+ * "Watching it in production" section is the manual.
  *
  * `@opentelemetry/api` is an optional peer dependency, loaded with
  * `require` at the first instrumented call (no top-level await, so the
@@ -12,7 +15,7 @@
 import { createRequire } from 'node:module';
 import { performance } from 'node:perf_hooks';
 import type * as Otel from '@opentelemetry/api';
-import { ATTR, type LostReason, METRICS } from './catalog.js';
+import { ATTR, METRICS } from './catalog.js';
 
 /** The instrumentation scope palisade's meter and tracer use. */
 export const INSTRUMENTATION_SCOPE = 'palisade';
@@ -43,8 +46,10 @@ export interface TelemetryOptions {
   readonly lockLabel?: (name: string) => string | undefined;
 }
 
-type Api = typeof Otel;
-type Attributes = Record<string, string | number | boolean>;
+/** @internal */
+export type Api = typeof Otel;
+/** @internal */
+export type Attributes = Record<string, string | number | boolean>;
 
 let loadedApi: Api | null | undefined;
 let options: TelemetryOptions = {};
@@ -53,6 +58,11 @@ let instruments: Instruments | undefined;
 let tracerSource: unknown;
 let tracer: Otel.Tracer | undefined;
 let version: string | undefined;
+
+/** @internal The current configuration (see {@link configureTelemetry}). */
+export function telemetryOptions(): TelemetryOptions {
+  return options;
+}
 
 /**
  * Sets where palisade's metrics and spans go and how lock names become
@@ -78,7 +88,8 @@ export function setTelemetryLoaded(loaded: boolean): void {
   tracerSource = undefined;
 }
 
-function api(): Api | null {
+/** @internal `@opentelemetry/api`, loaded at the first call; `null` when it is not installed. */
+export function api(): Api | null {
   if (loadedApi === undefined) {
     const require = createRequire(import.meta.url);
     try {
@@ -108,7 +119,8 @@ interface Instruments {
 
 // Instruments are rebuilt when the provider changes: the API hands out a
 // no-op meter until an SDK is registered, and keeps handing out that one.
-function meter(): Instruments | undefined {
+/** @internal palisade's instruments on the configured (or global) meter provider. */
+export function meter(): Instruments | undefined {
   const otel = api();
   if (!otel) return undefined;
   const source = options.meterProvider ?? otel.metrics.getMeterProvider();
@@ -134,7 +146,8 @@ function meter(): Instruments | undefined {
   return instruments;
 }
 
-function getTracer(): Otel.Tracer | undefined {
+/** @internal palisade's tracer on the configured (or global) tracer provider. */
+export function getTracer(): Otel.Tracer | undefined {
   const otel = api();
   if (!otel) return undefined;
   const source = options.tracerProvider ?? otel.trace.getTracerProvider();
@@ -145,26 +158,11 @@ function getTracer(): Otel.Tracer | undefined {
   return tracer;
 }
 
-// Built afresh each time, never by spreading: `{ ...a, [key]: v }` costs ~1.3 µs here (a slow
-// clone path in V8), a quarter of the whole no-SDK budget of a lock cycle.
-function lockAttributes(backend: string, name: string, key?: string, value?: string): Attributes {
-  const attributes: Attributes = { [ATTR.backend]: backend };
-  if (key !== undefined && value !== undefined) attributes[key] = value;
-  if (options.lockLabel) {
-    try {
-      const label = options.lockLabel(name);
-      if (typeof label === 'string') attributes[ATTR.lockLabel] = label;
-    } catch {
-      // A labelling function's failure must not change what happens to the lock.
-    }
-  }
-  return attributes;
-}
-
-const seconds = (since: number) => (performance.now() - since) / 1000;
+/** @internal Seconds since a `performance.now()` reading. */
+export const seconds = (since: number) => (performance.now() - since) / 1000;
 
 /** A span ended with an error: the error's code or class name only — messages may quote what they should not. */
-function failSpan(otel: Api, span: Otel.Span, err: unknown): string {
+export function failSpan(otel: Api, span: Otel.Span, err: unknown): string {
   const type =
     err && typeof err === 'object' && typeof (err as { code?: unknown }).code === 'string'
       ? (err as { code: string }).code
@@ -174,226 +172,6 @@ function failSpan(otel: Api, span: Otel.Span, err: unknown): string {
   span.setAttribute(ATTR.errorType, type);
   span.setStatus({ code: otel.SpanStatusCode.ERROR });
   return type;
-}
-
-function acquireOutcome(err: unknown): string {
-  const reason = (err as { code?: unknown; reason?: unknown } | null)?.reason;
-  if ((err as { code?: unknown } | null)?.code === 'lock_unavailable' && (reason === 'timeout' || reason === 'aborted'))
-    return reason;
-  return 'error';
-}
-
-/**
- * @internal Wraps one acquire (`acquire`, each lock of `acquireAll`, or a
- * `tryAcquire`, where `null` is the outcome `busy`): a span over the whole
- * wait, the wait-time histogram by outcome, and the grant count.
- */
-export async function observeAcquire<L extends { readonly fence: bigint } | null>(
-  backend: string,
-  name: string,
-  run: () => Promise<L>,
-): Promise<L> {
-  const otel = api();
-  const t = getTracer();
-  if (!otel || !t) return run();
-  const startedAt = performance.now();
-  const attributes = lockAttributes(backend, name);
-  return t.startActiveSpan('palisade.lock.acquire', { attributes }, async (span) => {
-    const m = meter();
-    try {
-      const lease = await run();
-      const outcome = lease ? 'acquired' : 'busy';
-      span.setAttribute(ATTR.lockOutcome, outcome);
-      if (lease) span.setAttribute(ATTR.fence, lease.fence.toString());
-      m?.acquire.record(seconds(startedAt), lockAttributes(backend, name, ATTR.lockOutcome, outcome));
-      if (lease) m?.grants.add(1, attributes);
-      return lease;
-    } catch (err) {
-      const outcome = acquireOutcome(err);
-      span.setAttribute(ATTR.lockOutcome, outcome);
-      if (outcome === 'error') failSpan(otel, span, err);
-      m?.acquire.record(seconds(startedAt), lockAttributes(backend, name, ATTR.lockOutcome, outcome));
-      throw err;
-    } finally {
-      span.end();
-    }
-  });
-}
-
-/** @internal Wraps one extension: a span and the extensions count by outcome (`extended` / `failed`). */
-export async function observeExtend(backend: string, name: string, fence: bigint, run: () => Promise<void>) {
-  const otel = api();
-  const t = getTracer();
-  if (!otel || !t) return run();
-  const span = t.startSpan('palisade.lock.extend', {
-    attributes: lockAttributes(backend, name, ATTR.fence, fence.toString()),
-  });
-  let outcome = 'extended';
-  try {
-    await run();
-  } catch (err) {
-    outcome = 'failed';
-    failSpan(otel, span, err);
-    throw err;
-  } finally {
-    span.setAttribute(ATTR.lockOutcome, outcome);
-    meter()?.extensions.add(1, lockAttributes(backend, name, ATTR.lockOutcome, outcome));
-    span.end();
-  }
-}
-
-/**
- * @internal Wraps a lease's release: a span, and the hold time (grant to
- * release) by outcome (`released`, or `lost` when the lock was no longer held).
- */
-export async function observeRelease(
-  backend: string,
-  name: string,
-  fence: bigint,
-  grantedAt: number,
-  run: () => Promise<'released' | 'lost'>,
-): Promise<'released' | 'lost'> {
-  const otel = api();
-  const t = getTracer();
-  if (!otel || !t) return run();
-  const span = t.startSpan('palisade.lock.release', {
-    attributes: lockAttributes(backend, name, ATTR.fence, fence.toString()),
-  });
-  let outcome = 'error';
-  try {
-    outcome = await run();
-    return outcome as 'released' | 'lost';
-  } catch (err) {
-    failSpan(otel, span, err);
-    throw err;
-  } finally {
-    span.setAttribute(ATTR.lockOutcome, outcome);
-    meter()?.hold.record(seconds(grantedAt), lockAttributes(backend, name, ATTR.lockOutcome, outcome));
-    span.end();
-  }
-}
-
-/** @internal A lease was lost before its release: counted by reason, and an event on the active span. */
-export function recordLost(backend: string, name: string, fence: bigint, reason: LostReason): void {
-  const otel = api();
-  if (!otel) return;
-  meter()?.lost.add(1, lockAttributes(backend, name, ATTR.lostReason, reason));
-  otel.trace
-    .getActiveSpan()
-    ?.addEvent('palisade.lock.lost', { [ATTR.lostReason]: reason, [ATTR.fence]: fence.toString() });
-}
-
-/** The outcome of one fenced single-row write, as the repository returns it. */
-interface WriteOutcome {
-  readonly status: 'applied' | 'stale' | 'duplicate' | 'missing';
-  readonly currentFence?: bigint;
-}
-
-let noopTracerProvider: unknown;
-
-/**
- * False while the global tracer provider has no SDK behind it (and none was
- * configured): its spans record nothing, yet starting one costs ~5 µs — a
- * twentieth of a fenced write's client CPU. Checked on every write, so an
- * SDK registered later is used from its first span on.
- */
-function tracingRegistered(otel: Api): boolean {
-  if (options.tracerProvider) return true;
-  const provider = otel.trace.getTracerProvider() as { getDelegate?: () => unknown };
-  if (typeof provider.getDelegate !== 'function') return true;
-  // A fresh proxy's delegate is the API's one no-op provider.
-  noopTracerProvider ??= new otel.ProxyTracerProvider().getDelegate();
-  return provider.getDelegate() !== noopTracerProvider;
-}
-
-/**
- * @internal Wraps one fenced single-row write: a client span named like the
- * database conventions ask (`UPDATE accounts`) with the table, the fence and
- * the outcome; a refused write (`stale`, `duplicate`, `missing`) is counted.
- * Never a row value, a key or a query parameter.
- */
-export async function observeWrite<R extends WriteOutcome>(
-  table: string,
-  method: string,
-  operation: 'UPDATE' | 'INSERT',
-  fence: bigint,
-  run: () => Promise<R>,
-): Promise<R> {
-  const otel = api();
-  const t = getTracer();
-  if (!otel || !t) return run();
-  if (!tracingRegistered(otel)) {
-    // No span would record anything: only the refusal count (a meter may be registered on its own).
-    const result = await run();
-    if (result.status !== 'applied')
-      meter()?.refused.add(1, { [ATTR.dbCollection]: table, [ATTR.writeOutcome]: result.status });
-    return result;
-  }
-  const summary = `${operation} ${table}`;
-  const attributes: Attributes = {
-    [ATTR.dbSystem]: 'postgresql',
-    [ATTR.dbCollection]: table,
-    [ATTR.dbOperation]: operation,
-    [ATTR.dbSummary]: summary,
-    [ATTR.writeMethod]: method,
-    [ATTR.fence]: fence.toString(),
-  };
-  return t.startActiveSpan(summary, { kind: otel.SpanKind.CLIENT, attributes }, async (span) => {
-    try {
-      const result = await run();
-      span.setAttribute(ATTR.writeOutcome, result.status);
-      if (result.status === 'stale' && result.currentFence !== undefined)
-        span.setAttribute(ATTR.currentFence, result.currentFence.toString());
-      if (result.status !== 'applied')
-        meter()?.refused.add(1, { [ATTR.dbCollection]: table, [ATTR.writeOutcome]: result.status });
-      return result;
-    } catch (err) {
-      span.setAttribute(ATTR.writeOutcome, 'error');
-      failSpan(otel, span, err);
-      throw err;
-    } finally {
-      span.end();
-    }
-  });
-}
-
-/** @internal Wraps a fenced multi-row update: a span with the rows applied and refused; refused rows counted as `stale`. */
-export async function observeBatch<R extends { readonly applied: number; readonly stale: number }>(
-  table: string,
-  fence: bigint,
-  run: () => Promise<R>,
-): Promise<R> {
-  const otel = api();
-  const t = getTracer();
-  if (!otel || !t) return run();
-  const summary = `UPDATE ${table}`;
-  const attributes: Attributes = {
-    [ATTR.dbSystem]: 'postgresql',
-    [ATTR.dbCollection]: table,
-    [ATTR.dbOperation]: 'UPDATE',
-    [ATTR.dbSummary]: summary,
-    [ATTR.writeMethod]: 'updateWhere',
-    [ATTR.fence]: fence.toString(),
-  };
-  return t.startActiveSpan(summary, { kind: otel.SpanKind.CLIENT, attributes }, async (span) => {
-    try {
-      const result = await run();
-      span.setAttributes({
-        [ATTR.rowsApplied]: result.applied,
-        [ATTR.rowsStale]: result.stale,
-        [ATTR.writeOutcome]: result.stale === 0 ? 'applied' : result.applied === 0 ? 'stale' : 'partial',
-      });
-      if (result.stale > 0)
-        meter()?.refused.add(result.stale, { [ATTR.dbCollection]: table, [ATTR.writeOutcome]: 'stale' });
-      return result;
-    } catch (err) {
-      span.setAttribute(ATTR.writeOutcome, 'error');
-      failSpan(otel, span, err);
-      throw err;
-    } finally {
-      span.end();
-    }
-  });
 }
 
 /**

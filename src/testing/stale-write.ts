@@ -22,7 +22,7 @@ export interface StaleWriteOutcome {
 }
 
 /**
- * Plays the seed's pause scenario against your own repository, in-process:
+ * Plays the paused-holder scenario (the README's demo) against your own repository, in-process:
  * holder 1 acquires and then "pauses" (does nothing) until its lease is gone;
  * holder 2 acquires a higher fence and writes; holder 1 resumes and writes
  * with its old fence. Throws unless holder 2's write applied and holder 1's

@@ -1,6 +1,5 @@
 /**
- * examples/billing-cron — the seed's exercise 9 done right: two crons, one
- * paused (SIGSTOP) past its lease's TTL in the middle of charging, and no
+ * examples/billing-cron — two crons, one paused (SIGSTOP) past its lease's TTL in the middle of charging, and no
  * customer is charged twice.
  */
 import { asc, sql } from 'drizzle-orm';

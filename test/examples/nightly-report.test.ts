@@ -1,6 +1,6 @@
 /**
- * examples/nightly-report — the scheduler singleton on an advisory lock
- * (seed exercise 8): two replicas fire at once, exactly one runs the job,
+ * examples/nightly-report — the scheduler singleton on an advisory lock:
+ * two replicas fire at once, exactly one runs the job,
  * the other skips and names the leader; a leader killed mid-job frees the
  * lock with its session.
  */

@@ -1,6 +1,6 @@
 /**
- * examples/search-index-rebuild — the seed's independent challenge: build
- * into a fresh table and swap it in atomically; an admin trigger during a
+ * examples/search-index-rebuild — build into a fresh table and swap it in
+ * atomically; an admin trigger during a
  * rebuild answers at once who is rebuilding; a worker killed (kill -9)
  * mid-rebuild leaves the old index serving, its lock frees by TTL, and the
  * next run cleans up and completes.

@@ -1,6 +1,6 @@
 /**
- * The advisory-lock backend on the real Postgres: the seed's scheduler
- * singleton (exercise 8) and the fault scenarios with real OS processes,
+ * The advisory-lock backend on the real Postgres: the scheduler singleton
+ * and the fault scenarios with real OS processes,
  * killed, paused, or with their session terminated by the server. Each test
  * has its own database and namespace. PGlite is refused (its advisory locks
  * always succeed), which the last block checks without a server.
@@ -13,31 +13,24 @@ import postgres from 'postgres';
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { FenceSourceError, InvalidArgumentError, LeaseLostError, PalisadeError } from '../../src/errors.js';
-import {
-  advisoryKey,
-  advisoryKeyParts,
-  advisoryLockBackend,
-  advisoryLockManager,
-  runIfLeader,
-} from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryKey, advisoryKeyParts } from '../../src/fencing/backends/postgres-advisory/keys.js';
+import { runIfLeader } from '../../src/fencing/backends/postgres-advisory/leader.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from '../support/databases.js';
-import { killAllWorkers, type Message } from '../support/processes.js';
-import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
-import { needs } from '../support/services.js';
 import {
   aborted,
-  badInputCalls,
   eventually,
-  expectFencesIncreaseAcrossProcesses,
   expectInvalid,
-  expectReleaseWakesWaiter,
   lockWorker,
   pendingFencingTimers,
   ready,
   request,
   resourceRow,
-} from './pg-lock-helpers.js';
+} from '../support/lock-workers.js';
+import { killAllWorkers, type Message } from '../support/processes.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
 
 const TWO_53 = 2n ** 53n;
 
@@ -100,20 +93,6 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     expect(next).not.toBeNull();
     expect(next?.fence).toBeGreaterThan(fenceA);
     await next?.release();
-  });
-
-  it('seed ex. 4: two processes doing using() are never inside at the same time', async () => {
-    const a = lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 10_000, waitMs: 30_000 });
-    const b = lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 10_000, waitMs: 30_000 });
-    await ready(a, b);
-    const [usedA, usedB] = await Promise.all([
-      request(a, { cmd: 'using', rounds: 8, holdMs: 15 }, 'used'),
-      request(b, { cmd: 'using', rounds: 8, holdMs: 15 }, 'used'),
-    ]);
-    expect(usedA.maxInside).toBe(1);
-    expect(usedB.maxInside).toBe(1);
-    const [row] = await execute(test.db, sql`select inside from occupancy where id = 1`);
-    expect(Number(row?.inside)).toBe(0);
   });
 
   it('seed ex. 5 + 6: the holder’s session is terminated — its signal fires, the next holder has a higher fence, its late write is stale', async () => {
@@ -180,10 +159,6 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     expect(await eventually(async () => (await manager.inspect('nightly')) === null)).toBe(true);
   });
 
-  it('fences strictly increase over 1,000 grants from four processes, and every fenced write applies', async () => {
-    await expectFencesIncreaseAcrossProcesses(test, 'advisory', namespace);
-  });
-
   it('fences above 2^53 come back exact, from the grant and from inspect', async () => {
     await test.db.execute(sql.raw(`select setval('palisade.fence_seq', ${TWO_53})`));
     const lease = await manager.acquire('big', { ttlMs: 10_000 });
@@ -215,7 +190,8 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     for (const name of ['x', 'y', 'z']) expect(await holderPids(name)).toEqual([]);
   });
 
-  it('bad input throws InvalidArgumentError before any query is sent', async () => {
+  // The manager's own bad-input refusals are the contract's (test/fencing/contract.test.ts); these are the factory's, runIfLeader's and the lease's.
+  it('bad options, runIfLeader input and a bad extend TTL throw InvalidArgumentError before any query is sent', async () => {
     const queries: string[] = [];
     const logged = postgres(test.url as string, {
       max: 2,
@@ -228,7 +204,6 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
         InvalidArgumentError,
       );
       const checked = advisoryLockManager({ client: logged, namespace });
-      await expectInvalid(badInputCalls(checked));
       await expectInvalid([
         () => runIfLeader(checked, '', () => 1, { ttlMs: 1000 }),
         () => runIfLeader(checked, 'fine', () => 1, { ttlMs: 0 }),
@@ -348,15 +323,6 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     expect(await eventually(async () => (await holderPids('job')).length === 0)).toBe(true);
     expect(await lease.release()).toBe('lost');
     await expect(closing.acquire('job', { ttlMs: 1000 })).rejects.toMatchObject({ code: 'closed' });
-  });
-
-  it('a waiter is woken by the release notification, not only by its timeout', async () => {
-    const backend = advisoryLockBackend({ client: client, namespace });
-    try {
-      await expectReleaseWakesWaiter(backend, manager);
-    } finally {
-      await backend.close();
-    }
   });
 });
 

@@ -20,11 +20,8 @@ import postgres from 'postgres';
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { execute } from '../../src/driver.js';
 import { LeaseLostError, LockTimeoutError, LockUnavailableError } from '../../src/errors.js';
-import {
-  advisoryKey,
-  advisoryKeyParts,
-  advisoryLockManager,
-} from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { advisoryKey, advisoryKeyParts } from '../../src/fencing/backends/postgres-advisory/keys.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';

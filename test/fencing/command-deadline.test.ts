@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { CommandTimeoutError, commandDeadline } from '../../src/fencing/backends/redis/command-deadline.js';
+import { CommandTimeoutError } from '../../src/errors.js';
+import { commandDeadline } from '../../src/fencing/backends/redis/command-deadline.js';
 
 describe('the Redis backend command deadline (one timer for all pending commands)', () => {
   it('rejects every command that never settles, passes through those that do, in any order', async () => {

@@ -10,24 +10,23 @@ import { Etcd3 } from 'etcd3';
 import { ConnectionPool } from 'etcd3/lib/connection-pool.js';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { InvalidArgumentError, LeaseLostError } from '../../src/errors.js';
-import {
-  etcdKeyNames,
-  etcdLeaseSeconds,
-  etcdLockBackend,
-  etcdLockManager,
-} from '../../src/fencing/backends/etcd/backend.js';
+import { etcdLockBackend } from '../../src/fencing/backends/etcd/backend.js';
+import { etcdKeyNames, etcdLeaseSeconds } from '../../src/fencing/backends/etcd/keys.js';
+import { etcdLockManager } from '../../src/fencing/backends/etcd/manager.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { describeLockBackend } from '../../src/testing/contract.js';
 import type { TestDatabase } from '../support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from '../support/etcd-cluster.js';
+import { builtInContract } from '../support/lock-backends.js';
 import type { ManagerConfig } from '../support/managers.js';
-import { sleep } from '../support/ports.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 
 const hasEtcd = needs('ETCD');
 
@@ -134,28 +133,6 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
     await Promise.all([b.release(), again.release()]);
   });
 
-  it('a grant is idempotent per token; a late release never deletes the next holder’s lock (seed ex. 3)', async () => {
-    const namespace = uniqueNamespace('etcd');
-    const backend = etcdLockBackend({ client, namespace });
-    opened.push(backend);
-    const first = await backend.grant('x', 'token-a', 5_000, null);
-    const resent = await backend.grant('x', 'token-a', 5_000, null);
-    expect(first?.fence).toBeDefined();
-    expect(resent?.fence).toBe(first?.fence);
-    expect(await backend.grant('x', 'token-b', 5_000, null)).toBeNull();
-
-    // A's lease ends as an expiry would: etcd revokes it and deletes its keys.
-    const [kv] = (await client.get(etcdKeyNames(namespace).lock('x')).exec()).kvs;
-    await client.leaseClient.leaseRevoke({ ID: kv?.lease ?? '0' });
-    const second = await backend.grant('x', 'token-b', 5_000, 'b');
-    expect(second?.fence).toBeGreaterThan(first?.fence ?? Number.MAX_SAFE_INTEGER);
-
-    expect(await backend.release('x', 'token-a')).toBe(false);
-    expect((await backend.inspect('x'))?.fence).toBe(second?.fence);
-    expect(await backend.release('x', 'token-b')).toBe(true);
-    expect(await backend.inspect('x')).toBeNull();
-  });
-
   it('the signal aborts when etcd drops the key, long before the local deadline', async () => {
     const namespace = uniqueNamespace('etcd');
     const m = manager(client, namespace);
@@ -214,7 +191,7 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
     expect(await woken(backend.waitForRelease('r', 60_000, undefined))).toBe('woken');
   });
 
-  it('bad input throws before any call (the client points at a closed port)', async () => {
+  it('bad options throw before any call (the client points at a closed port); bad calls are the contract’s', async () => {
     const nowhere = new Etcd3({ hosts: 'http://127.0.0.1:1', dialTimeout: 200 });
     opened.push(nowhere);
     expect(() => etcdLockManager({ client: nowhere, namespace: 'a/b' })).toThrow(InvalidArgumentError);
@@ -223,22 +200,6 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
       InvalidArgumentError,
     );
     expect(() => etcdLockManager({ client: {} as Etcd3, namespace: 'ok' })).toThrow(InvalidArgumentError);
-    const m = manager(nowhere);
-    await expect(m.acquire('', { ttlMs: 1_000 })).rejects.toBeInstanceOf(InvalidArgumentError);
-    await expect(m.acquire('x', { ttlMs: 0 })).rejects.toBeInstanceOf(InvalidArgumentError);
-    await expect(m.tryAcquire('\ud800', { ttlMs: 1_000 })).rejects.toBeInstanceOf(InvalidArgumentError);
-    await expect(m.acquire('x', { ttlMs: 1_000, waitMs: -1 })).rejects.toBeInstanceOf(InvalidArgumentError);
-  });
-
-  it('two processes doing using() never overlap (seed ex. 4)', async () => {
-    const namespace = uniqueNamespace('etcd');
-    const workers = await Promise.all([
-      readyWorker(workerConfig(namespace, 'job')),
-      readyWorker(workerConfig(namespace, 'job')),
-    ]);
-    for (const w of workers) w.send({ cmd: 'using', rounds: 6, holdMs: 30 });
-    const used = await Promise.all(workers.map((w) => w.next((m) => m.event === 'used' || m.event === 'error')));
-    for (const m of used) expect(m).toMatchObject({ event: 'used', rounds: 6, maxInside: 1 });
   });
 
   it('a holder paused past its lease is refused by the database; kill -9 of the next holder frees the lock (seed ex. 2, 5, 6)', async () => {
@@ -344,6 +305,12 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
     expect(await rowOf(row)).toMatchObject({ value: 'after', lastFence: after.fence });
     await after.release();
   });
+
+  describeLockBackend(
+    'etcd',
+    { describe, it, expect },
+    builtInContract('etcd', () => ({ databaseUrl: scenario.url ?? '', etcdEndpoints: cluster.endpoints })),
+  );
 });
 
 async function aborted(lease: Lease, timeoutMs: number): Promise<void> {

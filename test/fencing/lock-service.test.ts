@@ -115,7 +115,7 @@ describe('etcd unreachable', () => {
   it('acquire, tryAcquire and inspect throw LockServiceError (code lock_service), cause kept', async () => {
     const [port] = await freePorts(1);
     const { Etcd3 } = await import('etcd3');
-    const { etcdLockManager } = await import('../../src/fencing/backends/etcd/backend.js');
+    const { etcdLockManager } = await import('../../src/fencing/backends/etcd/manager.js');
     const client = new Etcd3({ hosts: [`http://127.0.0.1:${port}`] });
     const locks = etcdLockManager({ client, namespace: 'svc', commandTimeoutMs: 1_000 });
     try {

@@ -18,10 +18,10 @@ import type { AcquireOptions } from '../../src/fencing/options.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import type { TestDatabase } from '../support/databases.js';
-import { sleep } from '../support/ports.js';
 import { type ClusterNode, type RedisClusterHandle, startRedisCluster, waitFor } from '../support/redis-cluster.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 
 const hasRedisServer = needs('REDIS_SERVER');
 

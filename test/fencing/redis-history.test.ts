@@ -3,10 +3,10 @@ import { describe, expect, it, onTestFinished } from 'vitest';
 import { FenceSourceError } from '../../src/errors.js';
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { sleep } from '../support/ports.js';
 import { connect, pauseAfter, type RedisScenario, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 
 const REDIS_URL = process.env.REDIS_URL ?? '';
 /** A full resync starts at once (Redis 7 otherwise waits 5 s for more replicas to join a diskless transfer). */

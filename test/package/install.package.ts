@@ -19,7 +19,7 @@ import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { withDatabase } from '../support/databases.js';
+import { withDatabase } from '../support/scratch-database.js';
 import { services } from '../support/services.js';
 
 const run = promisify(execFile);

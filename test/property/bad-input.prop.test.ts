@@ -30,8 +30,8 @@ import { type Fence, MAX_FENCE, toFence } from '../../src/fencing/fence.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { MAX_NAME_BYTES, MAX_TTL_MS } from '../../src/fencing/options.js';
 import { migrate } from '../../src/migrate.js';
-import { type FencedRepository, fencedRepository } from '../../src/repo/index.js';
-import { fenceColumns } from '../../src/schema/index.js';
+import { type FencedRepository, fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { propertyParams, propertyTimeout } from './support.js';
 
 const items = pgTable('fuzz_items', {

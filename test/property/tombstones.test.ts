@@ -41,10 +41,12 @@ import { type Database, execute, int8 } from '../../src/driver.js';
 import { RetryableWriteError } from '../../src/errors.js';
 import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
-import { fencedRepository, type WriteResult } from '../../src/repo/index.js';
-import { fenceColumns } from '../../src/schema/index.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import type { WriteResult } from '../../src/repo/result.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns } from './support.js';
 
 const docs = pgTable('palisade_prop_tombs', {
@@ -223,8 +225,6 @@ export async function closeHarness(h: Harness | undefined): Promise<void> {
   await h.probe.end({ timeout: 5 });
   for (const s of h.slots) await s.client.end({ timeout: 5 });
 }
-
-const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /**
  * Runs `scenario` under `s`. Each operation's start is a scheduled task, and

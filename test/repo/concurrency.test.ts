@@ -13,14 +13,14 @@ import { type Database, execute } from '../../src/driver.js';
 import { RetryableWriteError } from '../../src/errors.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
-import { fencedRepository, mustApply, type WriteResult } from '../../src/repo/index.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { mustApply, type WriteResult } from '../../src/repo/result.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 import { type Accounts, createAccounts, storedRow } from './fixtures.js';
 
 const f = (n: number | bigint): Fence => toFence(n);
-const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
-
 describe.runIf(needs('DATABASE_URL'))('fenced writes under concurrency (real Postgres)', () => {
   let test: TestDatabase;
   let db: Database;

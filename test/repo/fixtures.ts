@@ -13,7 +13,7 @@ import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import type pg from 'pg';
 import type { Sql } from 'postgres';
 import type { Database } from '../../src/driver.js';
-import { fenceColumns } from '../../src/schema/index.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
 import type { TestDatabase } from '../support/databases.js';
 
 export function uniqueName(prefix: string): string {

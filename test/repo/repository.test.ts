@@ -10,8 +10,9 @@ import type { Database } from '../../src/driver.js';
 import { InvalidArgumentError, RowMissingError, StaleFenceError } from '../../src/errors.js';
 import { type Fence, MAX_FENCE, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
-import { fencedRepository, mustApply, type RepositoryOptions, type StaleWriteEvent } from '../../src/repo/index.js';
-import { fenceColumns } from '../../src/schema/index.js';
+import { fencedRepository, type RepositoryOptions, type StaleWriteEvent } from '../../src/repo/repository.js';
+import { mustApply } from '../../src/repo/result.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { drivers, type TestDatabase } from '../support/databases.js';
 import { createAccounts, createLines, storedRow, uniqueName, withQueryLog } from './fixtures.js';
 

@@ -6,8 +6,8 @@
 import { sql } from 'drizzle-orm';
 import { integer, pgSchema, pgTable } from 'drizzle-orm/pg-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { type Database, DatabaseError, execute, int8 } from '../../src/driver.js';
-import { InvalidArgumentError } from '../../src/errors.js';
+import { type Database, execute, int8 } from '../../src/driver.js';
+import { DatabaseError, InvalidArgumentError } from '../../src/errors.js';
 import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';

@@ -3,7 +3,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { migrate } from '../../src/migrate.js';
 import { pgliteDatabase, type TestDatabase } from '../support/databases.js';
 
-/** The lease table is updated on every grant and release: it must allow HOT updates (bench section 7c). */
+/** The lease table is updated on every grant and release: it must allow HOT updates (bench/sections/growth.ts measures why). */
 describe('palisade.leases as migrated', () => {
   let test: TestDatabase;
   beforeAll(async () => {

@@ -1,4 +1,3 @@
-import { randomBytes } from 'node:crypto';
 import { PGlite } from '@electric-sql/pglite';
 import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
@@ -6,6 +5,7 @@ import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import pg from 'pg';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
+import { createScratchDatabase } from './scratch-database.js';
 import { services } from './services.js';
 
 /** A database of a test's own: dropped (or discarded) by `close()`. */
@@ -28,10 +28,7 @@ export async function pgliteDatabase(): Promise<TestDatabase> {
 export async function postgresDatabase(): Promise<TestDatabase> {
   const base = services.postgres.url;
   if (!base) throw new Error('DATABASE_URL is not set');
-  const name = `palisade_t_${randomBytes(6).toString('hex')}`;
-  const admin = postgres(base, { max: 1, onnotice: () => {} });
-  await admin.unsafe(`create database ${name}`);
-  const url = withDatabase(base, name);
+  const { url, drop } = await createScratchDatabase(base);
   const client = postgres(url, { max: 20, onnotice: () => {} });
   const db = drizzlePostgres(client) as unknown as Database;
   return {
@@ -40,8 +37,7 @@ export async function postgresDatabase(): Promise<TestDatabase> {
     url,
     async close() {
       await client.end({ timeout: 5 });
-      await admin.unsafe(`drop database if exists ${name} with (force)`);
-      await admin.end({ timeout: 5 });
+      await drop();
     },
   };
 }
@@ -50,10 +46,7 @@ export async function postgresDatabase(): Promise<TestDatabase> {
 export async function nodePostgresDatabase(): Promise<TestDatabase> {
   const base = services.postgres.url;
   if (!base) throw new Error('DATABASE_URL is not set');
-  const name = `palisade_t_${randomBytes(6).toString('hex')}`;
-  const admin = postgres(base, { max: 1, onnotice: () => {} });
-  await admin.unsafe(`create database ${name}`);
-  const url = withDatabase(base, name);
+  const { url, drop } = await createScratchDatabase(base);
   const pool = new pg.Pool({ connectionString: url, max: 20 });
   pool.on('error', () => {}); // an idle client's connection dropped: the pool replaces it
   const db = drizzleNodePostgres(pool) as unknown as Database;
@@ -63,16 +56,9 @@ export async function nodePostgresDatabase(): Promise<TestDatabase> {
     url,
     async close() {
       await pool.end();
-      await admin.unsafe(`drop database if exists ${name} with (force)`);
-      await admin.end({ timeout: 5 });
+      await drop();
     },
   };
-}
-
-export function withDatabase(url: string, name: string): string {
-  const u = new URL(url);
-  u.pathname = `/${name}`;
-  return u.toString();
 }
 
 /** The drivers a repository suite runs on: PGlite always; postgres.js and node-postgres on the real Postgres when configured. */

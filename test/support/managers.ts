@@ -49,7 +49,7 @@ export async function openManager(config: ManagerConfig): Promise<OpenManager> {
       if (!config.etcdEndpoints?.length) throw new Error('the etcd backend needs etcdEndpoints');
       // Loaded only here: etcd3 (and gRPC) is an optional peer dependency.
       const { Etcd3 } = await import('etcd3');
-      const { etcdLockManager } = await import('../../src/fencing/backends/etcd/backend.js');
+      const { etcdLockManager } = await import('../../src/fencing/backends/etcd/manager.js');
       const etcd = new Etcd3({ hosts: [...config.etcdEndpoints] });
       closers.push(async () => etcd.close());
       manager = etcdLockManager({ client: etcd, namespace: config.namespace });

@@ -1,4 +1,4 @@
-/** Free loopback ports for servers a test starts itself, and a plain sleep. */
+/** Free loopback ports for servers that tests, bench and scripts start themselves. */
 import { createServer, type Server } from 'node:net';
 
 /**
@@ -27,6 +27,9 @@ export async function freePorts(count: number): Promise<number[]> {
   }
 }
 
-export function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
+/** One free loopback port (see {@link freePorts}). */
+export async function freePort(): Promise<number> {
+  const [port] = await freePorts(1);
+  if (port === undefined) throw new Error('no free port');
+  return port;
 }

@@ -10,8 +10,9 @@ import { mkdir, mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
-import { freePorts, sleep } from './ports.js';
+import { freePorts } from './ports.js';
 import { binaries } from './services.js';
+import { sleep } from './sleep.js';
 
 export interface ClusterNode {
   readonly port: number;

@@ -5,10 +5,11 @@
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import { mkdtemp, rm } from 'node:fs/promises';
-import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
+import { freePort } from './ports.js';
+import { sleep } from './sleep.js';
 
 export interface PrivateRedis {
   readonly port: number;
@@ -73,7 +74,7 @@ async function launch(port: number, extraArgs: string[]): Promise<ChildProcess> 
         if ((await probe.ping()) === 'PONG') return child;
       } catch {
         probe.disconnect();
-        await new Promise((r) => setTimeout(r, 50));
+        await sleep(50);
       }
     }
     throw new Error(`redis-server on port ${port} did not answer within 100 attempts`);
@@ -87,17 +88,4 @@ async function kill(child: ChildProcess): Promise<void> {
   const exited = new Promise((resolve) => child.once('exit', resolve));
   child.kill('SIGKILL');
   await exited;
-}
-
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const address = server.address();
-      server.close(() =>
-        typeof address === 'object' && address ? resolve(address.port) : reject(new Error('no port')),
-      );
-    });
-  });
 }

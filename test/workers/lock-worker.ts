@@ -6,7 +6,7 @@
 import { createInterface } from 'node:readline';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
-import { runIfLeader } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { runIfLeader } from '../../src/fencing/backends/postgres-advisory/leader.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';

@@ -1,145 +1,18 @@
 /**
- * The etcd lock backend: leases of etcd v3 (through the npm client `etcd3`),
- * for users who want a replicated, strongly consistent coordinator rather
- * than one Redis or one Postgres.
+ * The etcd {@link LockBackend}: one etcd lease plus one transaction per
+ * grant, the fence being the lock key's `create_revision`. The README's
+ * "etcd" section is the manual; `manager.ts` wraps this in a `LockManager`.
  *
- * `etcd3` is an optional peer dependency: this module only imports its
- * *types*, and the caller passes a client. Nothing else in palisade loads it.
- *
- * ## Keys
- *
- * With `p = palisade/<namespace>/` (the namespace is `[A-Za-z0-9_.-]`, so it
- * contains no `/`):
- *
- * - `p lock/<name>` — the lock: value = the owner token, attached to an etcd
- *   lease of the grant's own.
- * - `p holder/<name>` — what `inspect` shows (the holder label), same lease.
- *
- * ## Fences
- *
- * The fence is the lock key's `create_revision`: the revision of the etcd
- * cluster at which the key was created. Revisions are global to the cluster
- * and committed through Raft, so every grant's fence is above every fence
- * issued before it — by any lock name, in any namespace, of that cluster —
- * and a leader failover cannot make one go back. No counter of our own is
- * kept, so none can be lost.
- *
- * ## TTLs
- *
- * etcd leases count whole seconds: a `ttlMs` becomes `ceil(ttlMs / 1000)`
- * seconds, and etcd raises a TTL below its minimum (1.5 × the election
- * timeout: 2 s with the default 1 s election timeout). The lease's local
- * deadline (and so `lease.signal`) still uses `ttlMs`: the holder presumes the
- * lease lost no later than the server expires it, never after.
+ * `etcd3` is an optional peer dependency: this module imports only its
+ * *types*, and the caller passes a client.
  */
-import { performance } from 'node:perf_hooks';
-import type { Etcd3, IKeyValue, IRequestOp, IResponseHeader, ITxnRequest, ITxnResponse, Watcher } from 'etcd3';
-import { FenceSourceError, InvalidArgumentError, LockServiceError, PalisadeError } from '../../../errors.js';
+import type { IKeyValue, IRequestOp, IResponseHeader, ITxnRequest, ITxnResponse, Watcher } from 'etcd3';
+import { FenceSourceError, LockServiceError } from '../../../errors.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type Fence, toFence } from '../../fence.js';
-import { createLockManager, type LockManager } from '../../lock-manager.js';
-import { checkNamespace } from '../../options.js';
-
-const DEFAULT_COMMAND_TIMEOUT_MS = 10_000;
-const MAX_COMMAND_TIMEOUT_MS = 120_000;
-const MAX_ATTEMPTS = 12;
-
-/** Options of {@link etcdLockManager}. */
-export interface EtcdLockManagerOptions {
-  /**
-   * The caller's `etcd3` client (`new Etcd3({ hosts: [...] })`), listing
-   * every member of the cluster so that calls move on when one is down.
-   * palisade never closes it.
-   */
-  readonly client: Etcd3;
-  /** Separates lock sets: 1–100 characters of `[A-Za-z0-9_.-]`. */
-  readonly namespace: string;
-  /**
-   * Upper bound for each operation, retries included (default 10,000 ms:
-   * enough to ride out a leader election, which takes about 1–4 s with
-   * etcd's default 1 s election timeout). Within it, calls that failed for a
-   * transient reason (member down, election under way, timeout) are retried,
-   * each attempt bounded to a third of the budget (0.3–2 s), on another
-   * member where the client has one: a grant is idempotent per token, so a
-   * retried grant never takes the lock twice.
-   */
-  readonly commandTimeoutMs?: number;
-}
-
-/** The etcd keys of one namespace (for operators and tests). */
-export interface EtcdKeyNames {
-  /** The prefix of every key of the namespace, ending in `/`. */
-  readonly prefix: string;
-  /** The lock key of a (validated, NFC) lock name; its value is the owner token. */
-  lock(name: string): string;
-  /** The key holding the holder label of a lock name. */
-  holder(name: string): string;
-}
-
-/**
- * The keys palisade uses for `namespace` in etcd.
- * @throws {InvalidArgumentError} for a namespace outside `[A-Za-z0-9_.-]{1,100}`.
- */
-export function etcdKeyNames(namespace: string): EtcdKeyNames {
-  checkNamespace(namespace);
-  const prefix = `palisade/${namespace}/`;
-  return { prefix, lock: (name) => `${prefix}lock/${name}`, holder: (name) => `${prefix}holder/${name}` };
-}
-
-/**
- * The etcd lease TTL, in whole seconds, that a `ttlMs` asks for:
- * `ceil(ttlMs / 1000)`. The server may raise it to its minimum TTL.
- */
-export function etcdLeaseSeconds(ttlMs: number): number {
-  return Math.max(1, Math.ceil(ttlMs / 1000));
-}
-
-/**
- * A lock manager on an etcd v3 cluster. A grant is one etcd lease (TTL
- * `ceil(ttlMs / 1000)` s) plus ONE transaction: `if create_revision(lock) == 0
- * then put(lock, token, lease), put(holder, …, lease) else get(lock)`; the
- * fence is the lock key's `create_revision`. Extending is a lease keep-alive
- * (or, for another TTL, moving the key to a new lease; the fence stays);
- * releasing deletes the keys only if the lock's value is still the token.
- * Waiters watch the lock key and wake on its deletion. A watch on a held
- * lock aborts the lease's signal as soon as etcd deletes the key (the lease
- * expired or was revoked).
- *
- * Guarantees:
- * - fences strictly increase across all grants of the etcd *cluster* (all
- *   lock names, all namespaces), survive the loss of any minority of
- *   members, leader elections and restarts of the whole cluster from its
- *   data directories;
- * - a grant is idempotent per token; release and extend act only for the
- *   token that holds the lock and never touch another holder's keys;
- * - if this process sees a fence at or below a revision it already saw, it
- *   refuses (`FenceSourceError`) instead of issuing it;
- * - no operation waits longer than `commandTimeoutMs`.
- *
- * Does not guarantee:
- * - mutual exclusion: a lease can expire while its holder is paused. Only the
- *   fence, checked by the resource (a fenced repository), refuses the stale
- *   holder's write;
- * - monotonic fences if the cluster is replaced or restored from an older
- *   snapshot (revisions restart lower; restore with `etcdutl snapshot
- *   restore --bump-revision … --mark-compacted`) — only a process that saw
- *   a higher revision notices;
- * - comparability with fences of any other source: a table must take its
- *   fences from one source (one namespace of one backend). A fence from
- *   etcd and one from a Postgres sequence or Redis mean nothing to each
- *   other, and a low-numbered source would lose every row to a high one;
- * - sub-second TTLs, or prompt expiry after a leader change (the new leader
- *   restarts every lease's TTL, so a crashed holder's lock can outlive its
- *   TTL by up to one TTL);
- * - that a release whose reply was lost and that was retried reports
- *   `'released'` (the retry finds the lock gone and says `'lost'`; the lock
- *   is free either way).
- *
- * @throws {InvalidArgumentError} for bad options.
- */
-export function etcdLockManager(options: EtcdLockManagerOptions): LockManager {
-  return createLockManager(etcdLockBackend(options));
-}
+import { isTransient, retryingCall, withContext } from './failures.js';
+import { etcdLeaseSeconds } from './keys.js';
+import { checkEtcdOptions, type EtcdLockManagerOptions } from './options.js';
 
 /** What the backend remembers of a lease it granted, by token. */
 interface Held {
@@ -151,28 +24,14 @@ interface Held {
   watcher: Watcher | undefined;
 }
 
-interface CallOptions {
-  readonly deadline: number;
-}
-
 /**
- * The etcd {@link LockBackend} behind {@link etcdLockManager}; exported for
- * tests and for composing a manager by hand with `createLockManager`.
+ * The etcd {@link LockBackend} behind `etcdLockManager`, for composing a
+ * manager by hand with `createLockManager`.
  * @throws {InvalidArgumentError} for bad options.
  */
 export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
-  if (options === null || typeof options !== 'object') throw new InvalidArgumentError('etcd options are required');
-  const { client } = options;
-  if (client === null || typeof client !== 'object' || typeof client.watch !== 'function' || !client.kv) {
-    throw new InvalidArgumentError('client must be an etcd3 Etcd3 client');
-  }
-  const keys = etcdKeyNames(options.namespace);
-  const timeoutMs = options.commandTimeoutMs ?? DEFAULT_COMMAND_TIMEOUT_MS;
-  if (!Number.isInteger(timeoutMs) || timeoutMs < 1 || timeoutMs > MAX_COMMAND_TIMEOUT_MS) {
-    throw new InvalidArgumentError(`commandTimeoutMs must be an integer in 1 … ${MAX_COMMAND_TIMEOUT_MS}`);
-  }
-
-  const attemptMs = Math.min(Math.max(Math.floor(timeoutMs / 3), 300), 2_000);
+  const { client, keys, timeoutMs } = checkEtcdOptions(options);
+  const call = retryingCall(timeoutMs);
   const held = new Map<string, Held>();
   /** Revision at which a grant last found a lock held: waiters watch from the next one, so no release is missed. */
   const seenHeldAt = new Map<string, bigint>();
@@ -189,25 +48,6 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     if (header?.revision) {
       const revision = BigInt(header.revision);
       if (revision > observed) observed = revision;
-    }
-  }
-
-  /** Runs `fn` until it succeeds, fails for a non-transient reason, or `commandTimeoutMs` is spent. */
-  async function call<T>(what: string, fn: (o: CallOptions) => Promise<T>): Promise<T> {
-    const until = performance.now() + timeoutMs;
-    for (let attempt = 1; ; attempt++) {
-      // One attempt gets a share of the budget: a request stuck on a member that lost its leader is
-      // abandoned (it may still apply — every operation here tolerates that) and retried elsewhere.
-      const left = Math.max(1, Math.floor(Math.min(until - performance.now(), attemptMs)));
-      try {
-        return await fn({ deadline: Date.now() + left });
-      } catch (err) {
-        const pause = Math.min(400, 20 * 2 ** attempt) * (0.5 + Math.random() / 2);
-        if (!isTransient(err) || attempt >= MAX_ATTEMPTS || performance.now() + pause >= until) {
-          throw withContext(err, `etcd ${what}`);
-        }
-        await sleep(pause);
-      }
     }
   }
 
@@ -252,7 +92,9 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       };
       stream.on('data', (res) => settle(() => resolve(BigInt(res.TTL || '0') > 0n)));
       stream.on('error', (err) => settle(() => reject(err)));
-      stream.on('end', () => settle(() => reject(new Error('etcd keep-alive stream ended without an answer'))));
+      stream.on('end', () =>
+        settle(() => reject(new LockServiceError('etcd', 'etcd keep-alive stream ended without an answer'))),
+      );
       stream.write({ ID: leaseId });
     });
   }
@@ -503,38 +345,4 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     },
   };
   return backend;
-}
-
-const TRANSIENT_NAMES = new Set([
-  'GRPCUnavailableError',
-  'GRPCDeadlineExceededError',
-  'GRPCCancelledError',
-  'GRPCInternalError',
-  'GRPCAbortedError',
-  'GRPCResourceExhastedError',
-  'BrokenCircuitError',
-]);
-const TRANSIENT_MESSAGE =
-  /UNAVAILABLE|DEADLINE_EXCEEDED|leader changed|no leader|request timed out|timed out|too many requests|not capable|circuit|ECONNREFUSED|ECONNRESET|keep-alive stream ended/i;
-
-/** Member down, election under way, timeout: another attempt (maybe on another member) may succeed. */
-function isTransient(err: unknown): boolean {
-  if (!(err instanceof Error)) return false;
-  return TRANSIENT_NAMES.has(err.constructor.name) || TRANSIENT_MESSAGE.test(err.message);
-}
-
-/**
- * etcd3's (and gRPC's) errors become a {@link LockServiceError} that says
- * which operation failed and keeps the original as its cause; palisade's
- * own errors pass through.
- */
-function withContext(err: unknown, what: string): unknown {
-  if (err instanceof PalisadeError) return err;
-  const message = err instanceof Error ? err.message : String(err);
-  const hint = isTransient(err) ? ' (the cluster did not answer in time: members down, or an election under way)' : '';
-  return new LockServiceError('etcd', `${what} failed${hint}: ${message}`, err);
-}
-
-function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
 }

@@ -3,4 +3,6 @@
  * peer `etcd3`, so the root entry does not load it); the README's "etcd"
  * section is its manual.
  */
-export { type EtcdLockManagerOptions, etcdLockBackend, etcdLockManager } from './backend.js';
+export { etcdLockBackend } from './backend.js';
+export { etcdLockManager } from './manager.js';
+export type { EtcdLockManagerOptions } from './options.js';

@@ -1,7 +1,7 @@
 /**
  * Postgres lease backend: one row per lock in `palisade.leases`, fences from
- * `palisade.fence_seq`. Works on the real Postgres (postgres.js) and on
- * PGlite.
+ * `palisade.fence_seq`. The README's "Postgres leases and advisory locks"
+ * section is the manual; what follows is why the SQL is shaped as it is.
  *
  * Clock. Expiry is decided by the database only, with `clock_timestamp()`
  * (the time the expression is evaluated), never a client clock. Not
@@ -35,9 +35,9 @@ import {
   listenClientOf,
   prepared,
   type RawRow,
-  sqlStateOf,
 } from '../../../driver.js';
 import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';

@@ -21,7 +21,6 @@ import { LEAVE_SCRIPT, REDIS_HANDOFF_CONFIRM_MS, RELEASE_SCRIPT, runLeave, runRe
 import { scriptRunner } from './scripts/script.js';
 
 // Existing import paths (tests, tools) keep working.
-export { CommandTimeoutError } from './command-deadline.js';
 export {
   REDIS_COUNTER_BITS,
   REDIS_MAX_COUNTER,

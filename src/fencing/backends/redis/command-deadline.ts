@@ -9,14 +9,7 @@
  * `clearTimeout` and a `Promise.race` per round trip).
  */
 import { performance } from 'node:perf_hooks';
-import { PalisadeError } from '../../../errors.js';
-
-/** A Redis command or Postgres statement did not answer within `commandTimeoutMs`. */
-export class CommandTimeoutError extends PalisadeError {
-  constructor(what: string, ms: number) {
-    super('command_timeout', `${what} did not answer within ${ms} ms (it may still run)`);
-  }
-}
+import { CommandTimeoutError } from '../../../errors.js';
 
 /** @internal Runs a command and rejects with {@link CommandTimeoutError} if it has not settled after the bound. */
 export type Bounded = <T>(what: string, run: () => Promise<T>) => Promise<T>;

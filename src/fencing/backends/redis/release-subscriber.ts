@@ -56,16 +56,23 @@ export function releaseSubscriber(redis: RedisClient, channel: string): ReleaseL
       }
       onReleased(name); // and waiters that gave no token
     });
-    // Closed while Redis is away: disconnect() rejects the queued SUBSCRIBE instead of leaving it pending.
-    closing.addEventListener('abort', () => subscriber.disconnect(), { once: true });
+    // Closed while Redis is away: give up on the queued SUBSCRIBE. disconnect() does not always
+    // settle it: during ioredis's wait before a reconnect no 'close' follows, and the offline
+    // queue is never flushed, so the abort itself ends the wait.
+    const aborted = new Promise<never>((_, reject) => {
+      closing.addEventListener(
+        'abort',
+        () => {
+          subscriber.disconnect();
+          reject(closing.reason);
+        },
+        { once: true },
+      );
+    });
+    const subscribed = subscriber.subscribe(channel);
+    subscribed.catch(() => {}); // after an abort nobody awaits it
     try {
-      // Also given up when closing: a SUBSCRIBE queued offline on a client without a retry limit
-      // (maxRetriesPerRequest: null) was not always rejected by disconnect(), and close() waited on it.
-      await new Promise<void>((resolve, reject) => {
-        if (closing.aborted) reject(new Error('closed'));
-        closing.addEventListener('abort', () => reject(new Error('closed')), { once: true });
-        (subscriber as Redis).subscribe(channel).then(() => resolve(), reject);
-      });
+      await Promise.race([subscribed, aborted]);
     } catch (err) {
       subscriber.disconnect();
       throw err;

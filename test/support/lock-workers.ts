@@ -1,7 +1,7 @@
 /**
- * Helpers shared by the Postgres lease and advisory suites: lock workers in
- * their own processes, message waits that only look past a given point, and
- * bounded polling.
+ * Helpers shared by the backend suites beyond the contract: lock workers
+ * (test/workers/lock-worker.ts) in their own processes, message waits that
+ * only look past a given point, bounded polling, and timer accounting.
  */
 import { createHook } from 'node:async_hooks';
 import { sql } from 'drizzle-orm';
@@ -10,10 +10,10 @@ import { execute } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
 import type { LockBackend } from '../../src/fencing/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import type { AcquireOptions } from '../../src/fencing/options.js';
-import type { TestDatabase } from '../support/databases.js';
-import type { BackendKind } from '../support/managers.js';
-import { type Message, startWorker, type Worker } from '../support/processes.js';
+import type { TestDatabase } from './databases.js';
+import type { BackendKind } from './managers.js';
+import { type Message, startWorker, type Worker } from './processes.js';
+import { sleep } from './sleep.js';
 
 export interface WorkerOptions {
   readonly lock: string;
@@ -58,7 +58,7 @@ export async function request(
 export async function eventually(check: () => Promise<boolean>, tries = 400, everyMs = 50): Promise<boolean> {
   for (let i = 0; i < tries; i++) {
     if (await check()) return true;
-    await new Promise((r) => setTimeout(r, everyMs));
+    await sleep(everyMs);
   }
   return false;
 }
@@ -123,69 +123,6 @@ export async function expectInvalid(calls: (() => unknown)[]): Promise<void> {
   }
 }
 
-/** Calls with every kind of bad name, TTL and wait the issue lists. */
-export function badInputCalls(manager: LockManager): (() => unknown)[] {
-  const ok: AcquireOptions = { ttlMs: 1000, waitMs: 0 };
-  const badNames = ['', 'x'.repeat(1025), 'é'.repeat(513), 'lone \ud800 surrogate', 'nul\u0000'];
-  const badTtls = [0, -1, 1.5, Number.NaN, 86_400_001, Number.POSITIVE_INFINITY];
-  const calls: (() => unknown)[] = [];
-  for (const name of badNames) {
-    calls.push(
-      () => manager.acquire(name, ok),
-      () => manager.tryAcquire(name, ok),
-      () => manager.using(name, ok, () => 1),
-      () => manager.acquireAll(['fine', name], ok),
-      () => manager.inspect(name),
-    );
-  }
-  for (const ttlMs of badTtls) {
-    calls.push(
-      () => manager.acquire('fine', { ttlMs }),
-      () => manager.tryAcquire('fine', { ttlMs }),
-      () => manager.acquireAll(['fine'], { ttlMs }),
-    );
-  }
-  calls.push(
-    () => manager.acquire('fine', { ttlMs: 1000, waitMs: -1 }),
-    () => manager.acquireAll(['fine'], { ttlMs: 1000, waitMs: -1 }),
-    () => manager.acquireAll([], ok),
-    () => manager.acquire('fine', undefined as unknown as AcquireOptions),
-  );
-  return calls;
-}
-
-/**
- * 1,000 grants from four processes (250 each), each followed by a fenced
- * write: every process sees its fences strictly increase, all 1,000 are
- * distinct, every write applies (grants came in fence order across
- * processes) and the row ends at the highest fence.
- */
-export async function expectFencesIncreaseAcrossProcesses(
-  test: TestDatabase,
-  kind: BackendKind,
-  namespace: string,
-): Promise<void> {
-  const workers = [0, 1, 2, 3].map(() =>
-    lockWorker(test, kind, namespace, { lock: 'job', ttlMs: 10_000, waitMs: 60_000 }),
-  );
-  await ready(...workers);
-  const results = await Promise.all(
-    workers.map((w) => request(w, { cmd: 'fencedGrants', count: 250 }, 'fencedGrants', 120_000)),
-  );
-  const all: bigint[] = [];
-  for (const result of results) {
-    const fences = (result.fences as string[]).map(BigInt);
-    expect(fences).toHaveLength(250);
-    for (let i = 1; i < fences.length; i++) expect(fences[i]).toBeGreaterThan(fences[i - 1] as bigint);
-    expect(result.statuses).toEqual({ applied: 250 });
-    all.push(...fences);
-  }
-  expect(new Set(all).size).toBe(1000);
-  let highest = 0n;
-  for (const fence of all) if (fence > highest) highest = fence;
-  expect((await resourceRow(test)).lastFence).toBe(highest);
-}
-
 /**
  * A release wakes a waiter through the backend's notification (LISTEN/NOTIFY),
  * long before the waiter's 50 s timeout. The backend's LISTEN opens lazily,
@@ -199,7 +136,7 @@ export async function expectReleaseWakesWaiter(backend: LockBackend, manager: Lo
   for (let i = 0; i < 100 && !woke; i++) {
     const lease = await manager.acquire('job', { ttlMs: 10_000 });
     await lease.release();
-    await new Promise((r) => setTimeout(r, 20));
+    await sleep(20);
   }
   expect(woke).toBe(true);
   await waiting;

@@ -1,7 +1,7 @@
 /**
- * @internal How the lock manager tells "the lock service did not answer"
- * (worth another attempt within the wait) from "it said no", cuts an attempt
- * short at the wait's deadline, and reports an unreachable service.
+ * One attempt of a lock wait: its deadline, and how its failure reads
+ * (worth another attempt, or the service's answer). The README's "Lock
+ * managers" and "Errors" sections are the manual.
  */
 import { performance } from 'node:perf_hooks';
 import { LockServiceError, PalisadeError } from '../errors.js';
@@ -10,10 +10,11 @@ import type { LockManagerHooks } from './lock-manager.js';
 const SENTINEL_TIMEOUT = Symbol('deadline');
 
 /**
- * @internal `work`, or a timeout error at `deadline` (a monotonic time). If the work
+ * `work`, or a timeout error at `deadline` (a monotonic time). If the work
  * settles after the deadline, `onLate(value)` gets its value (undefined if it
  * failed) so a grant nobody waits for can be given back.
  */
+/** @internal */
 export async function bounded<T>(
   work: Promise<T>,
   deadline: number,
@@ -60,7 +61,7 @@ const NETWORK_CODES = new Set([
 const UNREACHABLE_MESSAGE =
   /Stream isn't writeable|Connection is closed|connect ECONNREFUSED|ECONNRESET|Reached the max retries per request|UNAVAILABLE|DEADLINE_EXCEEDED|No connection established|Connection terminated/i;
 
-/** @internal Whether `err` means the service did not answer (worth another attempt). */
+/** @internal Whether `err` says the service did not answer (worth another attempt), not that it said no. */
 export function isUnreachable(err: unknown, hooks: LockManagerHooks): boolean {
   if (err instanceof AttemptCutShort) return true;
   for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
@@ -75,7 +76,7 @@ export function isUnreachable(err: unknown, hooks: LockManagerHooks): boolean {
 }
 
 /**
- * @internal palisade's own errors pass through (an unreachable service excepted when
+ * palisade's own errors pass through (an unreachable service excepted when
  * a wait ended); anything else a backend's client threw (ioredis, etcd3,
  * a socket) becomes a {@link LockServiceError} that keeps it as its cause.
  */

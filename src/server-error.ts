@@ -1,0 +1,152 @@
+/**
+ * What palisade may repeat of a database server's error: the SQLSTATE, its
+ * condition name and the objects the server names, never a value (see
+ * `DatabaseError` and the README's "Errors" section).
+ */
+
+/** The SQLSTATE of a driver error, whichever driver and however wrapped. */
+export function sqlStateOf(err: unknown): string | undefined {
+  for (let e: unknown = err, depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
+    const known = (e as { sqlState?: unknown }).sqlState;
+    if (typeof known === 'string' && /^[0-9A-Z]{5}$/.test(known)) return known;
+    const code = (e as { code?: unknown }).code;
+    if (typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code)) return code;
+  }
+  return undefined;
+}
+
+/**
+ * SQLSTATE classes whose server messages name objects of the schema or the
+ * server (never a value a statement carried): connection (08), feature not
+ * supported (0A), transaction state (25, 2D), authorization (28), catalog
+ * and schema names (3D, 3F), rollback (40), syntax and access rules (42:
+ * identifiers and tokens of the query text — palisade sends every value as a
+ * parameter), resources (53), object state and locks (55), operator
+ * intervention (57), system errors (58), and palisade's fence trigger (PF:
+ * table name and fences). Data exceptions (22), integrity violations (23,
+ * whose DETAIL quotes the row), PL/pgSQL RAISE (P0) and internal errors (XX)
+ * are described by their fields only.
+ */
+const SERVER_TEXT_CLASSES = new Set([
+  '08',
+  '0A',
+  '25',
+  '2D',
+  '28',
+  '3D',
+  '3F',
+  '40',
+  '42',
+  '53',
+  '55',
+  '57',
+  '58',
+  'PF',
+]);
+
+/** Condition names of the SQLSTATEs a palisade user meets most (the rest show the code alone). */
+const CONDITIONS: Record<string, string> = {
+  '22001': 'string_data_right_truncation',
+  '22003': 'numeric_value_out_of_range',
+  '22007': 'invalid_datetime_format',
+  '22008': 'datetime_field_overflow',
+  '22012': 'division_by_zero',
+  '22021': 'character_not_in_repertoire',
+  '22023': 'invalid_parameter_value',
+  '22P02': 'invalid_text_representation',
+  '22P05': 'untranslatable_character',
+  '23502': 'not_null_violation',
+  '23503': 'foreign_key_violation',
+  '23505': 'unique_violation',
+  '23514': 'check_violation',
+  '23P01': 'exclusion_violation',
+  '25P02': 'in_failed_sql_transaction',
+  '40001': 'serialization_failure',
+  '40P01': 'deadlock_detected',
+  '42501': 'insufficient_privilege',
+  '42601': 'syntax_error',
+  '42703': 'undefined_column',
+  '42804': 'datatype_mismatch',
+  '42883': 'undefined_function',
+  '42P01': 'undefined_table',
+  '55P03': 'lock_not_available',
+  '57014': 'query_canceled',
+  '57P01': 'admin_shutdown',
+  P0001: 'raise_exception',
+};
+
+/** Error codes (not SQLSTATEs) of a connection that failed: their messages name the server, not data. */
+const CONNECTION_CODES = /^(E[A-Z]+|CONNECT_TIMEOUT|CONNECTION_[A-Z]+)$/;
+
+export interface SafeFields {
+  schema?: string;
+  table?: string;
+  column?: string;
+  dataType?: string;
+  constraint?: string;
+}
+
+/** Reads one of the server's error fields as postgres.js (`table_name`) or pg-protocol (`table`: PGlite, pg) names it. */
+function field(err: object, ...names: string[]): string | undefined {
+  for (const name of names) {
+    const value = (err as Record<string, unknown>)[name];
+    if (typeof value === 'string' && value.length > 0) return value;
+  }
+  return undefined;
+}
+
+/**
+ * The message, sanitised cause and fields of a driver error: the facts of
+ * {@link SafeFields} and the server's text only where it cannot quote a value.
+ */
+export function describeServerError(
+  cause: unknown,
+  sqlState: string | undefined,
+): { message: string; error: Error; fields: SafeFields } {
+  const original = originalError(cause);
+  const err = original !== null && typeof original === 'object' ? original : {};
+  const fields: SafeFields = {};
+  const schema = field(err, 'schema_name', 'schema');
+  const table = field(err, 'table_name', 'table');
+  const column = field(err, 'column_name', 'column');
+  const dataType = field(err, 'data_type', 'dataType');
+  const constraint = field(err, 'constraint_name', 'constraint');
+  if (schema) fields.schema = schema;
+  if (table) fields.table = table;
+  if (column) fields.column = column;
+  if (dataType) fields.dataType = dataType;
+  if (constraint) fields.constraint = constraint;
+
+  const parts: string[] = [];
+  if (sqlState) {
+    const condition = CONDITIONS[sqlState];
+    parts.push(`SQLSTATE ${sqlState}${condition ? ` ${condition}` : ''}`);
+  }
+  const on = [
+    table ? `table ${schema ? `${schema}.` : ''}${table}` : undefined,
+    column ? `column ${column}` : undefined,
+    dataType ? `type ${dataType}` : undefined,
+    constraint ? `constraint ${constraint}` : undefined,
+  ].filter((x) => x !== undefined);
+  if (on.length > 0) parts.push(on.join(', '));
+  const text = original instanceof Error ? original.message : undefined;
+  const code = (err as { code?: unknown }).code;
+  if (text && sqlState && SERVER_TEXT_CLASSES.has(sqlState.slice(0, 2))) parts.push(text);
+  else if (text && !sqlState && typeof code === 'string' && CONNECTION_CODES.test(code)) parts.push(text);
+  else if (!sqlState) parts.push(`${original instanceof Error ? original.name : typeof original} from the driver`);
+  const message = `database error: ${parts.join('; ')}`;
+
+  // The cause: the same facts, as an error of the driver's class name, without its message, detail or parameters.
+  const error = new Error(message);
+  error.name = original instanceof Error ? original.name : 'Error';
+  Object.assign(error, { ...(sqlState ? { code: sqlState } : typeof code === 'string' ? { code } : {}), ...fields });
+  const severity = field(err, 'severity');
+  if (severity) Object.assign(error, { severity });
+  return { message, error, fields };
+}
+
+/** The driver's own error under drizzle's `DrizzleQueryError` wrapper (which lists the parameters). */
+export function originalError(err: unknown): unknown {
+  const cause = (err as { cause?: unknown } | null)?.cause;
+  return (err as { name?: unknown } | null)?.constructor?.name === 'DrizzleQueryError' && cause ? cause : err;
+}
