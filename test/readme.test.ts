@@ -110,6 +110,51 @@ const repo = fencedRepository(db, accounts);
     prints: 'refused',
   },
   {
+    name: 'lock scope',
+    marker: "const invoices = fencedRepository(db, invoicesTable, { scope: 'lock' });",
+    prelude: `${PGLITE_DB}import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { fenceColumns, fencedRepository, migrate, postgresLockManager } from 'palisade-db';
+await migrate(db);
+const invoicesTable = pgTable('invoices', { id: integer('id').primaryKey(), status: text('status').notNull(), ...fenceColumns() });
+await db.execute(sql\`create table invoices (id int primary key, status text not null,
+  last_fence bigint not null default 0, deleted_at timestamptz)\`);
+await db.execute(sql\`insert into invoices (id, status) values (42, 'draft')\`);
+const locks = postgresLockManager({ client: db, namespace: 'readme' });
+`,
+    postlude: `process.exit(0);\n`,
+    prints: 'lock_scope',
+  },
+  {
+    name: 'fenced transactions',
+    marker: 'const result = await fencedTransaction(db, [lease]',
+    prelude: `${PGLITE_DB}import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { fenceColumns, fencedRepository, fencedTransaction, migrate, postgresLockManager } from 'palisade-db';
+await migrate(db);
+const accountsTable = pgTable('accounts', { id: text('id').primaryKey(), balance: integer('balance').notNull(), ...fenceColumns() });
+const ledgerTable = pgTable('ledger', {
+  id: text('id').primaryKey(),
+  from: text('from_account').notNull(),
+  to: text('to_account').notNull(),
+  amount: integer('amount').notNull(),
+  ...fenceColumns(),
+});
+await db.execute(sql\`create table accounts (id text primary key, balance int not null,
+  last_fence bigint not null default 0, deleted_at timestamptz)\`);
+await db.execute(sql\`create table ledger (id text primary key, from_account text not null, to_account text not null,
+  amount int not null, last_fence bigint not null default 0, deleted_at timestamptz)\`);
+await db.execute(sql\`insert into accounts (id, balance) values ('a', 10), ('b', 0)\`);
+const accounts = fencedRepository(db, accountsTable);
+const ledger = fencedRepository(db, ledgerTable);
+const locks = postgresLockManager({ client: db, namespace: 'readme' });
+const lease = await locks.acquire('transfer:a', { ttlMs: 10_000 });
+const [from, to, amount, entryId] = ['a', 'b', 5, 'entry-1'] as const;
+`,
+    postlude: `console.log(result.status);\nprocess.exit(0);\n`,
+    prints: 'applied',
+  },
+  {
     name: 'Writing a lock backend',
     marker: 'function mapLockBackend(): LockBackend {',
     postlude: `process.exit(0);\n`,

@@ -58,10 +58,13 @@ export function withFenceSource(backend: LockBackend, namespace: string, source:
     ...(backend.confirm ? { confirm: backend.confirm.bind(backend) } : {}),
     ...(backend.waitForTurn
       ? {
+          // Never rejects (the contract): a source not learnt yet makes a handover a plain wake-up,
+          // and the waiter's next grant call (same token: the same grant) learns it or fails.
           async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
-            const id = await sourceId();
             const grant = await (backend.waitForTurn as NonNullable<LockBackend['waitForTurn']>)(...args);
-            return grant === undefined ? undefined : { ...grant, source: id };
+            if (grant === undefined) return undefined;
+            const id = await known?.catch(() => undefined);
+            return id === undefined ? undefined : { ...grant, source: id };
           },
         }
       : {}),
