@@ -72,7 +72,9 @@ describe.runIf(needs('DATABASE_URL') && CHROMIUM !== undefined)('the chaos repor
       expect(dom).toContain(`data-drawn-lanes="${workers.length}"`);
       for (const w of workers) expect(dom).toContain(`<g class="lane" data-process="${w}">`);
       const verdict = /<div id="verdict" class="(ok|bad)"[^>]*>([^<]*)<\/div>/.exec(dom);
-      expect(verdict?.[1]).toBe(result.ok ? 'ok' : 'bad');
+      // The page judges the history (anomalies); a short run in which no stale write happened to be
+      // attempted is still a correct page, though the run itself proved nothing (result.ok false).
+      expect(verdict?.[1]).toBe(result.report.anomalies.length === 0 ? 'ok' : 'bad');
       expect(verdict?.[2]).toMatch(
         result.report.anomalies.length === 0
           ? new RegExp(`^No anomalies found — ${result.report.staleWrites.rejected} stale writes? refused`)
