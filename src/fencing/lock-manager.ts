@@ -4,6 +4,7 @@ import { observeAcquire } from '../telemetry/locks.js';
 import { AttemptCutShort, bounded, isUnreachable, serviceError } from './attempt.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
 import { Emitter, type LockEvents } from './events.js';
+import type { Fence } from './fence.js';
 import { ActiveLease, type Lease } from './lease.js';
 import { type AcquireOptions, type CheckedOptions, checkLockName, checkOptions } from './options.js';
 import { newToken } from './token.js';
@@ -107,6 +108,13 @@ export interface LockManagerHooks {
 export function createLockManager(backend: LockBackend, hooks: LockManagerHooks = {}): LockManager {
   const events = new Emitter<LockEvents>();
 
+  // No event object is built while nobody listens (the acquire hot path).
+  const announce = (name: string, fence: Fence, holder: string | null, startedAt: number): void => {
+    if (events.listens('acquired')) {
+      events.emit('acquired', { name, fence, holder, waitedMs: performance.now() - startedAt });
+    }
+  };
+
   async function attempt(
     name: string,
     opts: CheckedOptions,
@@ -142,14 +150,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       autoExtend: opts.autoExtend,
       maxHoldMs: opts.maxHoldMs,
     });
-    if (events.listens('acquired')) {
-      events.emit('acquired', {
-        name,
-        fence: grant.fence,
-        holder: opts.holder,
-        waitedMs: performance.now() - startedAt,
-      });
-    }
+    announce(name, grant.fence, opts.holder, startedAt);
     return lease;
   }
 
@@ -189,14 +190,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         run: () => confirm(name, token, opts.ttlMs, opts.holder, grant.fence),
       },
     });
-    if (events.listens('acquired')) {
-      events.emit('acquired', {
-        name,
-        fence: grant.fence,
-        holder: opts.holder,
-        waitedMs: performance.now() - startedAt,
-      });
-    }
+    announce(name, grant.fence, opts.holder, startedAt);
     return lease;
   }
 
