@@ -39,6 +39,7 @@ export type { AdvisoryLockManagerOptions } from './fencing/backends/postgres-adv
 export { type PostgresLockManagerOptions, postgresLockManager } from './fencing/backends/postgres-lease/backend.js';
 export { redisLockManager } from './fencing/backends/redis/manager.js';
 export type { RedisClient, RedisLockManagerOptions } from './fencing/backends/redis/options.js';
+export type { ClaimRegistersOption } from './fencing/eager-claim.js';
 export type { LockEvents } from './fencing/events.js';
 export { assertFence, type Fence, isFence, MAX_FENCE, toFence } from './fencing/fence.js';
 export type { Lease } from './fencing/lease.js';

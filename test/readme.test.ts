@@ -174,7 +174,7 @@ const expect = (_actual: unknown) => ({ toBe: (_e: unknown) => {}, toEqual: (_e:
 const myLockBackend = (o: { namespace: string }) => postgresLockBackend({ client: drizzle(new PGlite()), namespace: o.namespace });
 `,
     postlude: `console.log(\`\${checks.length} checks\`);\nprocess.exit(0);\n`,
-    prints: '8 checks',
+    prints: '9 checks',
   },
   {
     name: 'OpenTelemetry',

@@ -14,6 +14,7 @@ import {
   checkReleaseWakesWaiter,
   checkTokenChecked,
 } from './contract-checks.js';
+import { checkLockIdentityCarried } from './contract-identity.js';
 import { checkNoOverlapAcrossProcesses } from './contract-process.js';
 
 /** The few assertions the suite makes: vitest's and jest's `expect` fit. */
@@ -54,9 +55,8 @@ export interface ContractSubject {
 /**
  * How the suite gets backends. Every call of `open` must give a backend in
  * a namespace no other call uses, so checks run in parallel and twice.
- * An options object, so that what later versions of the contract need (a
- * lock identity carried by grants, for lock-scoped fencing) can be added
- * without breaking contracts written against this one.
+ * An options object, so that what later versions of the contract need can
+ * be added without breaking contracts written against this one.
  */
 export interface LockBackendContract {
   open(): Promise<ContractSubject>;
@@ -81,7 +81,9 @@ export interface LockBackendContract {
  * idempotent grants per token, token-checked release and extend, late
  * release after expiry, no overlap across OS processes, 1,000 grants with
  * strictly increasing fences, release wakes a waiter, bad input refused
- * before any round trip, and inspect. Each check opens and disposes its own
+ * before any round trip, inspect, and the lock identity (a backend that
+ * declares `namespace` gives every grant the same non-empty `source`, and
+ * its leases a `lock`). Each check opens and disposes its own
  * subject.
  *
  * Guarantees: every loop it runs is bounded in count and time, and it
@@ -126,6 +128,9 @@ export function describeLockBackend(name: string, runner: ContractRunner, contra
     );
     check('inspect reports the holder and fence while held, and null once released', (s) =>
       checkInspect(s, expect, ttlMs),
+    );
+    check('with a namespace, every grant names one fence source and leases carry their lock', (s) =>
+      checkLockIdentityCarried(s, expect, ttlMs),
     );
   });
 }

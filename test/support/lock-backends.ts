@@ -15,8 +15,10 @@ import { advisoryLockBackend } from '../../src/fencing/backends/postgres-advisor
 import { advisoryKey, advisoryKeyParts } from '../../src/fencing/backends/postgres-advisory/keys.js';
 import { postgresLockBackend } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { redisLockBackend } from '../../src/fencing/backends/redis/backend.js';
+import { redisFenceSource } from '../../src/fencing/backends/redis/source.js';
 import type { LockManagerHooks } from '../../src/fencing/lock-manager.js';
 import { SERVER_WAIT_GRACE_MS } from '../../src/fencing/options.js';
+import { withFenceSource } from '../../src/fencing/source.js';
 import type { ContractSubject, LockBackendContract } from '../../src/testing/contract.js';
 import type { BackendKind } from './managers.js';
 import { uniqueNamespace } from './scenario.js';
@@ -58,7 +60,13 @@ export async function openBackend(config: BackendConfig): Promise<OpenBackend> {
       const redis = new Redis(config.redisUrl, { commandTimeout: 2_000, maxRetriesPerRequest: 1 });
       redis.on('error', () => {}); // reconnects by itself; commands fail (bounded) meanwhile
       closers.unshift(async () => redis.disconnect());
-      backend = redisLockBackend({ client: redis, namespace: config.namespace, epochs: drizzle(client) });
+      const options = { client: redis, namespace: config.namespace, epochs: drizzle(client) };
+      // As redisLockManager builds it: grants carry the fence source, for leases' lock identity.
+      backend = withFenceSource(
+        redisLockBackend(options),
+        config.namespace,
+        redisFenceSource(options, config.namespace),
+      );
       break;
     }
     case 'etcd': {
@@ -66,9 +74,15 @@ export async function openBackend(config: BackendConfig): Promise<OpenBackend> {
       // Loaded only here: etcd3 (and gRPC) is an optional peer dependency.
       const { Etcd3 } = await import('etcd3');
       const { etcdLockBackend } = await import('../../src/fencing/backends/etcd/backend.js');
+      const { etcdFenceSource } = await import('../../src/fencing/backends/etcd/source.js');
       const etcd = new Etcd3({ hosts: [...config.etcdEndpoints] });
       closers.unshift(async () => etcd.close());
-      backend = etcdLockBackend({ client: etcd, namespace: config.namespace });
+      // As etcdLockManager builds it: grants carry the cluster id, for leases' lock identity.
+      backend = withFenceSource(
+        etcdLockBackend({ client: etcd, namespace: config.namespace }),
+        config.namespace,
+        etcdFenceSource(etcd),
+      );
       break;
     }
     default:

@@ -16,6 +16,7 @@ import {
   checkReleaseWakesWaiter,
   checkTokenChecked,
 } from '../../src/testing/contract-checks.js';
+import { checkLockIdentityCarried } from '../../src/testing/contract-identity.js';
 import { checkNoOverlapAcrossProcesses } from '../../src/testing/contract-process.js';
 import { type MemoryFlaws, memoryBackend } from './memory-backend.js';
 
@@ -37,6 +38,16 @@ describe('describeLockBackend checks', () => {
     await checkReleaseWakesWaiter(subject(), expect, TTL);
     await checkBadInputRefused(subject(), expect);
     await checkInspect(subject(), expect, TTL);
+    await checkLockIdentityCarried(subject(), expect, TTL);
+    await checkLockIdentityCarried(subject({ namespace: 'ns' }), expect, TTL);
+  });
+
+  it('catch a backend with a namespace whose grants name no source, or a different one each', async () => {
+    for (const flaw of [{ sourceMissing: true }, { sourceVaries: true }]) {
+      await expect(checkLockIdentityCarried(subject({ namespace: 'ns', ...flaw }), expect, TTL)).rejects.toMatchObject(
+        ASSERTION,
+      );
+    }
   });
 
   it('catch a re-sent grant that draws a new fence', async () => {

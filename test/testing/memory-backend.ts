@@ -17,6 +17,12 @@ export interface MemoryFlaws {
   readonly fenceNeverMoves?: boolean;
   /** `release` of an expired lease frees whoever holds the lock now. */
   readonly lateReleaseFreesNext?: boolean;
+  /** Not a flaw: declare this namespace, and give every grant the source `memory:<store>`. */
+  readonly namespace?: string;
+  /** With `namespace`: grants carry no source. */
+  readonly sourceMissing?: boolean;
+  /** With `namespace`: every grant names a source of its own. */
+  readonly sourceVaries?: boolean;
 }
 
 interface Held {
@@ -32,6 +38,11 @@ export function memoryBackend(flaws: MemoryFlaws = {}): LockBackend {
   const locks = new Map<string, Held>();
   const wakers = new Map<string, Set<() => void>>();
   let counter = 0n;
+  const store = Math.random().toString(36).slice(2);
+  const withSource = (grant: Grant): Grant => {
+    if (flaws.namespace === undefined || flaws.sourceMissing) return grant;
+    return { ...grant, source: flaws.sourceVaries ? `memory:${store}:${grant.fence}` : `memory:${store}` };
+  };
   const live = (name: string) => {
     const held = locks.get(name);
     return held && held.expiresAt > Date.now() ? held : undefined;
@@ -41,14 +52,15 @@ export function memoryBackend(flaws: MemoryFlaws = {}): LockBackend {
   };
   return {
     kind: 'memory',
+    ...(flaws.namespace === undefined ? {} : { namespace: flaws.namespace }),
     async grant(name, token, ttlMs, holder): Promise<Grant | null> {
       const held = live(name);
       if (held && held.token !== token) return null;
-      if (held && !flaws.resendDrawsFence) return { fence: toFence(held.fence) };
+      if (held && !flaws.resendDrawsFence) return withSource({ fence: toFence(held.fence) });
       counter++;
       const fence = flaws.fenceNeverMoves ? 1n : counter;
       locks.set(name, { token, fence, holder, expiresAt: Date.now() + ttlMs, acquiredAt: new Date() });
-      return { fence: toFence(fence) };
+      return withSource({ fence: toFence(fence) });
     },
     async extend(name, token, ttlMs) {
       const held = live(name);

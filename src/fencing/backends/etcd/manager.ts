@@ -1,4 +1,5 @@
 /** The etcd lock manager; the README's "etcd" section and "What each guarantees" are its manual. */
+import { checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import { checkNamespace } from '../../options.js';
 import { withFenceSource } from '../../source.js';
@@ -17,6 +18,9 @@ export function etcdLockManager(options: EtcdLockManagerOptions): LockManager {
   const backend = etcdLockBackend(options);
   // Leases carry their lock (kind, the cluster's id, namespace, name) for lock-scoped writes.
   return createLockManager(
-    withFenceSource(backend, checkNamespace(options.namespace), etcdFenceSource(options.client)),
+    withEagerClaim(
+      withFenceSource(backend, checkNamespace(options.namespace), etcdFenceSource(options.client)),
+      checkClaimRegisters(options.claimRegisters),
+    ),
   );
 }

@@ -1,6 +1,7 @@
 /** The options of the etcd backend and their checks; the README's "etcd" section is the manual. */
 import type { Etcd3 } from 'etcd3';
 import { InvalidArgumentError } from '../../../errors.js';
+import type { ClaimRegistersOption } from '../../eager-claim.js';
 import { type EtcdKeyNames, etcdKeyNames } from './keys.js';
 
 const DEFAULT_COMMAND_TIMEOUT_MS = 10_000;
@@ -26,6 +27,15 @@ export interface EtcdLockManagerOptions {
    * retried grant never takes the lock twice.
    */
   readonly commandTimeoutMs?: number;
+  /**
+   * The eager claim at acquire (README, "When each backend claims"): each
+   * grant claims its lock's register in `db`, the fenced tables' database,
+   * before `acquire` resolves, so a stale holder is refused on every row
+   * before the new holder writes. One statement on `db` per grant. A grant
+   * that finds a higher fence there is released and the acquire fails with
+   * `FenceSourceError`.
+   */
+  readonly claimRegisters?: ClaimRegistersOption;
 }
 
 /** Options after their checks. */

@@ -26,6 +26,7 @@ import {
 import { loadPeer } from '../../../optional.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { type Fence, toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import {
@@ -317,5 +318,6 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
  */
 export function advisoryLockManager(options: AdvisoryLockManagerOptions): LockManager {
   // The server bounds the grant's lock waits itself (lock_timeout): let its answer arrive.
-  return createLockManager(advisoryLockBackend(options), { waitGraceMs: SERVER_WAIT_GRACE_MS });
+  const claim = checkClaimRegisters(options?.claimRegisters);
+  return createLockManager(withEagerClaim(advisoryLockBackend(options), claim), { waitGraceMs: SERVER_WAIT_GRACE_MS });
 }

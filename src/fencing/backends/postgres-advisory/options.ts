@@ -1,5 +1,6 @@
 /** The options of the advisory backend; the README's "Postgres leases and advisory locks" section is the manual. */
 import type postgres from 'postgres';
+import type { ClaimRegistersOption } from '../../eager-claim.js';
 
 /** Options of `advisoryLockManager` and `advisoryLockBackend`. */
 export interface AdvisoryLockManagerOptions {
@@ -20,6 +21,16 @@ export interface AdvisoryLockManagerOptions {
    * 5,000. A grant waits at most what is left of the acquire's `waitMs`.
    */
   readonly lockTimeoutMs?: number;
+  /**
+   * The eager claim at acquire (README, "When each backend claims"): each
+   * grant claims its lock's register in `db`, the fenced tables' database when
+   * it is not `client`'s (on `client` itself every grant claims already),
+   * before `acquire` resolves, so a stale holder is refused on every row
+   * before the new holder writes. One statement on `db` per grant. A grant
+   * that finds a higher fence there is released and the acquire fails with
+   * `FenceSourceError`.
+   */
+  readonly claimRegisters?: ClaimRegistersOption;
 }
 
 /** True for a postgres.js client (a function with `unsafe` and parsed `options`). */

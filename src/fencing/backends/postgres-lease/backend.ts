@@ -39,6 +39,7 @@ import {
 import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { type ClaimRegistersOption, checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import {
@@ -76,6 +77,16 @@ export interface PostgresLockManagerOptions {
    * `waitMs` instead.
    */
   readonly lockTimeoutMs?: number;
+  /**
+   * The eager claim at acquire (README, "When each backend claims"): each
+   * grant claims its lock's register in `db`, the fenced tables' database when
+   * it is not `client`'s (on `client` itself every grant claims already),
+   * before `acquire` resolves, so a stale holder is refused on every row
+   * before the new holder writes. One statement on `db` per grant. A grant
+   * that finds a higher fence there is released and the acquire fails with
+   * `FenceSourceError`.
+   */
+  readonly claimRegisters?: ClaimRegistersOption;
 }
 
 const p = (name: string) => sql.placeholder(name);
@@ -265,5 +276,6 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
  */
 export function postgresLockManager(options: PostgresLockManagerOptions): LockManager {
   // The server bounds the grant's lock waits itself (lock_timeout): let its answer arrive.
-  return createLockManager(postgresLockBackend(options), { waitGraceMs: SERVER_WAIT_GRACE_MS });
+  const claim = checkClaimRegisters(options?.claimRegisters);
+  return createLockManager(withEagerClaim(postgresLockBackend(options), claim), { waitGraceMs: SERVER_WAIT_GRACE_MS });
 }

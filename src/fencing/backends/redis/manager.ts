@@ -5,6 +5,7 @@
  * while disconnected with "Stream isn't writeable…", which says nothing of
  * the cause; its `error` events do ("connect ECONNREFUSED 127.0.0.1:6379").
  */
+import { checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import { checkNamespace } from '../../options.js';
 import { withFenceSource } from '../../source.js';
@@ -88,7 +89,10 @@ const QUEUED_RETRY_MS = { min: 100, max: 200 } as const;
 export function redisLockManager(options: RedisLockManagerOptions): LockManager {
   const inner = redisLockBackend(options);
   const namespace = checkNamespace(options.namespace);
-  const backend = withFenceSource(inner, namespace, redisFenceSource(options, namespace));
+  const backend = withEagerClaim(
+    withFenceSource(inner, namespace, redisFenceSource(options, namespace)),
+    checkClaimRegisters(options.claimRegisters),
+  );
   const watch = watchConnection(options.client);
   return createLockManager(
     {

@@ -5,6 +5,7 @@
 import type { Cluster, Redis } from 'ioredis';
 import type { Database } from '../../../driver.js';
 import { InvalidArgumentError } from '../../../errors.js';
+import type { ClaimRegistersOption } from '../../eager-claim.js';
 
 const DEFAULT_COMMAND_TIMEOUT_MS = 5_000;
 
@@ -49,6 +50,15 @@ export interface RedisLockManagerOptions {
    * released (best effort) and otherwise expires with its TTL.
    */
   readonly commandTimeoutMs?: number;
+  /**
+   * The eager claim at acquire (README, "When each backend claims"): each
+   * grant claims its lock's register in `db`, the fenced tables' database,
+   * before `acquire` resolves, so a stale holder is refused on every row
+   * before the new holder writes. One statement on `db` per grant. A grant
+   * that finds a higher fence there is released and the acquire fails with
+   * `FenceSourceError`.
+   */
+  readonly claimRegisters?: ClaimRegistersOption;
 }
 
 /** @internal The options once checked. */

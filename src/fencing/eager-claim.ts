@@ -1,0 +1,86 @@
+/**
+ * The eager claim at acquire: a lock manager option for backends whose
+ * grants do not claim the lock's register themselves (README, "Two scopes
+ * of fencing", "When each backend claims").
+ */
+import { assertSupportedDriver, type Database } from '../driver.js';
+import { FenceSourceError, InvalidArgumentError } from '../errors.js';
+import { claimLock } from '../repo/lock-scope.js';
+import type { Grant, LockBackend } from './backend.js';
+
+/** The `claimRegisters` option of the lock managers. */
+export interface ClaimRegistersOption {
+  /**
+   * The database that holds the fenced tables (and palisade's migration
+   * 0005): each grant claims its lock's register there before `acquire`
+   * resolves. Need not be the database of `epochs` or of the manager.
+   */
+  readonly db: Database;
+}
+
+/**
+ * @internal Checks a `claimRegisters` option.
+ * @throws {InvalidArgumentError} unless it is `{ db }` with a drizzle Postgres database.
+ */
+export function checkClaimRegisters(value: unknown): ClaimRegistersOption | undefined {
+  if (value === undefined) return undefined;
+  if (value === null || typeof value !== 'object') throw new InvalidArgumentError('claimRegisters must be { db }');
+  const db = (value as { db?: unknown }).db;
+  assertSupportedDriver(db, 'claimRegisters.db');
+  return { db };
+}
+
+/**
+ * `backend` whose every grant (handed-over ones too) first claims its lock's
+ * register on `option.db`, in one statement: from then on every lock-scoped
+ * write of a lower fence of the lock is refused, before the new holder
+ * writes anything. A grant that finds a higher fence in the register is
+ * given back at once and the grant fails with {@link FenceSourceError}: its
+ * lease could never write. Without `option`, `backend` as it is.
+ * @throws {InvalidArgumentError} when the backend gives its leases no lock (no namespace).
+ */
+export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOption | undefined): LockBackend {
+  if (option === undefined) return backend;
+  const namespace = backend.namespace;
+  if (namespace === undefined) throw new InvalidArgumentError('claimRegisters needs a backend with a namespace');
+  const claimed = async (name: string, token: string, grant: Grant): Promise<Grant> => {
+    if (grant.source === undefined) return grant;
+    const lock = { kind: backend.kind, source: grant.source, namespace, name };
+    let registered: bigint;
+    try {
+      registered = await claimLock(option.db, lock, grant.fence);
+    } catch (err) {
+      // Not claimed, so not handed out: the lock frees now rather than at its TTL.
+      await backend.release(name, token).catch(() => {});
+      throw err;
+    }
+    if (registered === grant.fence) return grant;
+    await backend.release(name, token).catch(() => {});
+    throw new FenceSourceError(
+      'the lock register holds a higher fence than this grant (a newer holder claimed it first, or a forged or reset fence): the grant was released; see `palisade locks registers`',
+    );
+  };
+  return {
+    kind: backend.kind,
+    namespace,
+    ...(backend.leave ? { leave: backend.leave.bind(backend) } : {}),
+    ...(backend.confirm ? { confirm: backend.confirm.bind(backend) } : {}),
+    extend: backend.extend.bind(backend),
+    release: backend.release.bind(backend),
+    inspect: backend.inspect.bind(backend),
+    waitForRelease: backend.waitForRelease.bind(backend),
+    close: backend.close.bind(backend),
+    async grant(name, token, ttlMs, holder, options) {
+      const grant = await backend.grant(name, token, ttlMs, holder, options);
+      return grant === null ? null : claimed(name, token, grant);
+    },
+    ...(backend.waitForTurn
+      ? {
+          async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
+            const grant = await (backend.waitForTurn as NonNullable<LockBackend['waitForTurn']>)(...args);
+            return grant === undefined ? undefined : claimed(args[0], args[3], grant);
+          },
+        }
+      : {}),
+  };
+}

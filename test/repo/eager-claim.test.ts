@@ -1,0 +1,123 @@
+/**
+ * The eager claim at acquire (`claimRegisters`, README "When each backend
+ * claims") on real Redis: the stale holder is refused on every row before
+ * the new holder writes anything; a grant that finds a higher fence in the
+ * register is given back and the acquire fails with a typed error.
+ */
+import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { Redis } from 'ioredis';
+import { describe, expect, it } from 'vitest';
+import type { Database } from '../../src/driver.js';
+import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
+import type { Lease } from '../../src/fencing/lease.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { migrate } from '../../src/migrate.js';
+import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { postgresDatabase } from '../support/databases.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs, services } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
+
+const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+
+// A holder that has not noticed it lost the lease (paused): its signal never fired.
+const unaware = (lease: Lease) => ({ fence: lease.fence, lock: lease.lock, signal: new AbortController().signal });
+
+async function untilFree(manager: LockManager, name: string): Promise<void> {
+  for (let i = 0; i < 200 && (await manager.inspect(name)) !== null; i++) await sleep(20);
+  expect(await manager.inspect(name)).toBeNull();
+}
+
+describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
+  'claimRegisters: the eager claim at acquire (Redis, epochs in another database)',
+  { timeout: 120_000 },
+  () => {
+    async function withRedis(fn: (ctx: { db: Database; epochs: Database; redis: Redis }) => Promise<void>) {
+      const fenced = await scenarioDatabase();
+      const epochs = await postgresDatabase();
+      const redis = new Redis(services.redis.url as string, { commandTimeout: 2_000, maxRetriesPerRequest: 1 });
+      redis.on('error', () => {});
+      try {
+        await migrate(epochs.db);
+        await fenced.db.execute(sql`insert into resource (id, value) values (2, 'initial')`);
+        await fn({ db: fenced.db, epochs: epochs.db, redis });
+      } finally {
+        redis.disconnect();
+        await epochs.close();
+        await fenced.close();
+      }
+    }
+
+    it('the stale holder is refused on a row nobody wrote, before the new holder writes anything', async () => {
+      await withRedis(async ({ db, epochs, redis }) => {
+        const namespace = uniqueNamespace('eager');
+        const lazy = redisLockManager({ client: redis, namespace, epochs });
+        const eager = redisLockManager({ client: redis, namespace, epochs, claimRegisters: { db } });
+        const repo = fencedRepository(db, resource, { scope: 'lock' });
+        try {
+          const old = await lazy.acquire('L', { ttlMs: 150 });
+          expect((await repo.with(unaware(old)).update({ id: 1 }, { value: 'old' })).status).toBe('applied');
+          await untilFree(lazy, 'L');
+          const fresh = await eager.acquire('L', { ttlMs: 60_000 });
+          expect(fresh.fence > old.fence).toBe(true);
+          // The new holder has written nothing; the old one is refused on a row it never wrote.
+          expect(await repo.with(unaware(old)).update({ id: 2 }, { value: 'stale' })).toEqual({
+            status: 'stale',
+            currentFence: fresh.fence,
+          });
+          expect((await repo.get({ id: 2 }))?.value).toBe('initial');
+          expect((await repo.with(fresh).update({ id: 2 }, { value: 'fresh' })).status).toBe('applied');
+          // A lock handed over to a waiter claims too, before that acquire resolves.
+          const waiting = eager.acquire('L', { ttlMs: 60_000, waitMs: 20_000 });
+          await sleep(50);
+          await fresh.release();
+          const next = await waiting;
+          expect(await repo.with(unaware(fresh)).update({ id: 1 }, { value: 'stale' })).toEqual({
+            status: 'stale',
+            currentFence: next.fence,
+          });
+          await next.release();
+        } finally {
+          await eager.close();
+          await lazy.close();
+        }
+      });
+    });
+
+    it('a grant below the register is released and the acquire fails with FenceSourceError', async () => {
+      await withRedis(async ({ db, epochs, redis }) => {
+        const namespace = uniqueNamespace('eager');
+        const eager = redisLockManager({ client: redis, namespace, epochs, claimRegisters: { db } });
+        try {
+          const first = await eager.acquire('L', { ttlMs: 60_000 });
+          const forged = { ...unaware(first), fence: (first.fence + 1_000_000n) as typeof first.fence };
+          expect(await claimLockRegister(db, forged)).toEqual({ status: 'claimed' });
+          await first.release();
+          await expect(eager.acquire('L', { ttlMs: 60_000, waitMs: 1_000 })).rejects.toBeInstanceOf(FenceSourceError);
+          await expect(eager.tryAcquire('L', { ttlMs: 60_000 })).rejects.toMatchObject({ code: 'fence_source' });
+          // Given back at once: the lock is free, not held until its TTL.
+          expect(await eager.inspect('L')).toBeNull();
+        } finally {
+          await eager.close();
+        }
+      });
+    });
+
+    it('a bad claimRegisters is refused before anything runs', () => {
+      const redis = new Redis(services.redis.url as string, { lazyConnect: true });
+      try {
+        for (const bad of [null, {}, { db: 'postgres://x' }, 42]) {
+          expect(() =>
+            redisLockManager({ client: redis, namespace: 'n', claimRegisters: bad as never, allowFreshCounter: true }),
+          ).toThrow(InvalidArgumentError);
+        }
+      } finally {
+        redis.disconnect();
+      }
+    });
+  },
+);
