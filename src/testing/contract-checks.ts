@@ -17,8 +17,8 @@ export function contractToken(): string {
   return randomBytes(16).toString('hex');
 }
 
-/** Grants `name` to `token` or fails the check: the lock is expected free. */
-async function grantFree(
+/** @internal Grants `name` to `token` or fails the check: the lock is expected free. */
+export async function grantFree(
   backend: LockBackend,
   name: string,
   token: string,

@@ -6,14 +6,12 @@
 import type { Grant, LockBackend } from '../fencing/backend.js';
 import { createLockManager } from '../fencing/lock-manager.js';
 import type { ContractExpect, ContractSubject } from './contract.js';
-import { contractToken } from './contract-checks.js';
+import { contractToken, grantFree } from './contract-checks.js';
 
 /** Grants `name` to a new token (the lock is expected free), hands the grant to `seen`, releases. */
 async function grantOnce(backend: LockBackend, name: string, ttlMs: number, seen: Grant[]): Promise<void> {
   const token = contractToken();
-  const grant = await backend.grant(name, token, ttlMs, null);
-  if (!grant) throw new Error(`the contract expected lock ${name} to be free, but grant returned null`);
-  seen.push(grant);
+  seen.push(await grantFree(backend, name, token, ttlMs));
   await backend.release(name, token);
 }
 
