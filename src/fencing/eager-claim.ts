@@ -76,9 +76,11 @@ export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOptio
     },
     ...(backend.waitForTurn
       ? {
+          // Never rejects (the contract): a handover whose claim failed was given back, and the
+          // waiter's next grant call claims again and reports the failure as a grant does.
           async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
             const grant = await (backend.waitForTurn as NonNullable<LockBackend['waitForTurn']>)(...args);
-            return grant === undefined ? undefined : claimed(args[0], args[3], grant);
+            return grant === undefined ? undefined : claimed(args[0], args[3], grant).catch(() => undefined);
           },
         }
       : {}),
