@@ -42,7 +42,10 @@ export function checkClaimRegisters(value: unknown): ClaimRegistersOption | unde
 export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOption | undefined): LockBackend {
   if (option === undefined) return backend;
   const namespace = backend.namespace;
-  if (namespace === undefined) throw new InvalidArgumentError('claimRegisters needs a backend with a namespace');
+  if (namespace === undefined)
+    throw new InvalidArgumentError(
+      'claimRegisters needs leases with a lock identity (a Redis lock manager gets one only with epochs)',
+    );
   const claimed = async (name: string, token: string, grant: Grant): Promise<Grant> => {
     if (grant.source === undefined) return grant;
     const lock = { kind: backend.kind, source: grant.source, namespace, name };

@@ -9,7 +9,7 @@ import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
-import { FenceSourceError, InvalidArgumentError } from '../../src/errors.js';
+import { FenceSourceError, InvalidArgumentError, LockScopeError } from '../../src/errors.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
@@ -104,6 +104,30 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
         } finally {
           await eager.close();
         }
+      });
+    });
+
+    // Regression: without epochs the source id was a Redis key of its own; evicted alone (the counter
+    // kept), the next manager filed the same counter's fences under a second id, and a paused holder's
+    // lock-scoped write to a row the new holder had not written applied.
+    it('without epochs a Redis lease has no lock: a lock-scoped repository refuses it, claimRegisters is refused', async () => {
+      await withRedis(async ({ db, redis }) => {
+        const namespace = uniqueNamespace('no-epochs');
+        const locks = redisLockManager({ client: redis, namespace, allowFreshCounter: true });
+        const repo = fencedRepository(db, resource, { scope: 'lock' });
+        try {
+          const lease = await locks.acquire('L', { ttlMs: 60_000 });
+          expect(lease.lock).toBeUndefined();
+          expect(await redis.exists(`{palisade:${namespace}}:source`)).toBe(0);
+          expect(() => repo.with(lease)).toThrow(LockScopeError);
+          expect((await repo.get({ id: 2 }))?.value).toBe('initial');
+          await lease.release();
+        } finally {
+          await locks.close();
+        }
+        expect(() =>
+          redisLockManager({ client: redis, namespace, claimRegisters: { db }, allowFreshCounter: true }),
+        ).toThrow(InvalidArgumentError);
       });
     });
 

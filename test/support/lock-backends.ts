@@ -62,11 +62,9 @@ export async function openBackend(config: BackendConfig): Promise<OpenBackend> {
       closers.unshift(async () => redis.disconnect());
       const options = { client: redis, namespace: config.namespace, epochs: drizzle(client) };
       // As redisLockManager builds it: grants carry the fence source, for leases' lock identity.
-      backend = withFenceSource(
-        redisLockBackend(options),
-        config.namespace,
-        redisFenceSource(options, config.namespace),
-      );
+      const source = redisFenceSource(options);
+      if (source === undefined) throw new Error('the Redis contract subject has epochs, so a fence source');
+      backend = withFenceSource(redisLockBackend(options), config.namespace, source);
       break;
     }
     case 'etcd': {

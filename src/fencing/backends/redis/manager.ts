@@ -89,8 +89,9 @@ const QUEUED_RETRY_MS = { min: 100, max: 200 } as const;
 export function redisLockManager(options: RedisLockManagerOptions): LockManager {
   const inner = redisLockBackend(options);
   const namespace = checkNamespace(options.namespace);
+  const source = redisFenceSource(options);
   const backend = withEagerClaim(
-    withFenceSource(inner, namespace, redisFenceSource(options, namespace)),
+    source === undefined ? inner : withFenceSource(inner, namespace, source),
     checkClaimRegisters(options.claimRegisters),
   );
   const watch = watchConnection(options.client);
