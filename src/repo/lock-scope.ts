@@ -2,6 +2,7 @@
  * Lock scope: writes that claim their lock's fence register (README, "Two
  * scopes of fencing"). The SQL of the register is in migration 0005.
  */
+import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
 import { assertSupportedDriver, type Database, int8, prepared, transaction } from '../driver.js';
 import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
@@ -15,6 +16,29 @@ import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 const p = (name: string) => sql.placeholder(name);
 const claimSql = () =>
   sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered`;
+// The same claim, and the transaction it opens may sit idle at most `idle` ms (then the server ends it).
+const boundedClaimSql = () =>
+  sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered,
+    set_config('idle_in_transaction_session_timeout', ${p('idle')}::text, true) as idle`;
+
+/** The most a claim's transaction may sit idle for a holder without an expiry estimate, as in fencedTransaction. */
+const DEFAULT_IDLE_MS = 60_000;
+
+/**
+ * @internal A lock identity as a lock-scoped write carries it: with the most
+ * its claim's transaction may sit idle — the holder's remaining TTL — so a
+ * holder paused inside it cannot keep the register row locked past its lease.
+ */
+export interface ScopedLock extends LockIdentity {
+  readonly idleMs: number;
+}
+
+/** @internal `holder`'s remaining TTL in ms (at least 1), at most {@link DEFAULT_IDLE_MS}. */
+export function idleBound(holder: { readonly expiresAt?: unknown }): number {
+  const at = holder.expiresAt;
+  if (typeof at !== 'number' || Number.isNaN(at)) return DEFAULT_IDLE_MS;
+  return Math.max(1, Math.min(DEFAULT_IDLE_MS, Math.floor(at - performance.now())));
+}
 
 /**
  * Claims `lock`'s register for `fence` on `on` and returns the register's
@@ -23,8 +47,13 @@ const claimSql = () =>
  * @throws {FenceNotIssuedError} when the lock's grants claim the register on
  * this database and `fence` is above its latest grant.
  */
-export async function claimLock(on: Database, lock: LockIdentity, fence: Fence): Promise<Fence> {
-  const [row] = await prepared(on, 'palisade.claim_lock', claimSql)({ ...lock, fence: fence.toString() });
+export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, idleMs?: number): Promise<Fence> {
+  const { kind, source, namespace, name } = lock;
+  const values = { kind, source, namespace, name, fence: fence.toString() };
+  const [row] =
+    idleMs === undefined
+      ? await prepared(on, 'palisade.claim_lock', claimSql)(values)
+      : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql)({ ...values, idle: String(idleMs) });
   const registered = int8(row?.registered) ?? 0n;
   if (registered < fence) throw new FenceNotIssuedError(registered, fence);
   return registered as Fence;
@@ -42,8 +71,9 @@ export function inClaim<R>(
   run: (tx: Database) => Promise<R>,
   refused: (registered: Fence) => R | Promise<R>,
 ): Promise<R> {
+  const idleMs = (lock as Partial<ScopedLock>).idleMs;
   return transaction(on, async (tx) => {
-    const registered = await claimLock(tx, lock, fence);
+    const registered = await claimLock(tx, lock, fence, idleMs);
     return registered === fence ? run(tx) : refused(registered);
   });
 }
@@ -98,15 +128,18 @@ export function leasedRepository<T extends FencedTable>(
     }
     return fence;
   };
+  // Computed per write: the TTL left shrinks.
+  const scoped = (): ScopedLock | undefined =>
+    lock && { ...lock, idleMs: idleBound(holder as { expiresAt?: unknown }) };
   return {
     fence,
     lock,
     update: (async (key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning?: unknown }) =>
-      core.update(key, live(), patch, returningOf(opts), lock)) as LeasedRepository<T>['update'],
-    upsert: async (values) => core.upsert(values, live(), lock),
-    delete: async (key) => core.delete(key, live(), lock),
-    modify: async (key, fn) => core.modify(key, live(), fn, lock),
-    updateWhere: async (where, patch, opts) => core.updateWhere(where, live(), patch, opts, lock),
+      core.update(key, live(), patch, returningOf(opts), scoped())) as LeasedRepository<T>['update'],
+    upsert: async (values) => core.upsert(values, live(), scoped()),
+    delete: async (key) => core.delete(key, live(), scoped()),
+    modify: async (key, fn) => core.modify(key, live(), fn, scoped()),
+    updateWhere: async (where, patch, opts) => core.updateWhere(where, live(), patch, opts, scoped()),
   };
 }
 

@@ -1,5 +1,5 @@
 /**
- * Lock-scoped fencing (issue 11; README, "Two scopes of fencing"): the
+ * Lock-scoped fencing (README, "Two scopes of fencing"): the
  * per-row scenario on every backend with the newer holder in another OS
  * process, a holder SIGSTOPped inside a fenced transaction, concurrency
  * without self-blocking or hangs, forged fences and the register reset.
@@ -127,6 +127,35 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
         expect((await repo.with(lease).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
         holder.resume();
         const ended = await holder.next((m) => m.event === 'transaction', 60_000);
+        expect(ended.status).not.toBe('applied');
+        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+      } finally {
+        holder.kill();
+        await next.close();
+      }
+    });
+  });
+
+  // Regression: modify (like upsert and updateWhere) claims in a transaction of its own, which had
+  // no idle bound: a holder paused inside it kept the register row locked, and no grant got through.
+  it("a holder SIGSTOPped inside a lock-scoped modify's function: the next acquire succeeds, nothing it wrote is visible", async () => {
+    await withScenario(2, async (url) => {
+      const config: ManagerConfig = { kind: 'postgres', namespace: uniqueNamespace('mod'), databaseUrl: url };
+      const holder = startWorker(WORKER, { ...config, ttlMs: 1_500 });
+      const next = await openManager(config);
+      try {
+        await holder.next((m) => m.event === 'ready');
+        holder.send({ cmd: 'acquire', lock: 'L' });
+        await holder.next((m) => m.event === 'acquired');
+        holder.send({ cmd: 'pausedModify', lock: 'L', id: 1, value: 'paused', idleMs: 60_000 });
+        await holder.next((m) => m.event === 'inside');
+        holder.pause();
+        // The claim's transaction may idle at most the lease's remaining TTL: bounded by waitMs, not timed.
+        const lease = await next.manager.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
+        const repo = fencedRepository(next.db, resource);
+        expect((await repo.with(lease).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
+        holder.resume();
+        const ended = await holder.next((m) => m.event === 'modify', 60_000);
         expect(ended.status).not.toBe('applied');
         expect((await repo.get({ id: 1 }))?.value).toBe('initial');
       } finally {

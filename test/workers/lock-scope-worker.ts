@@ -70,6 +70,20 @@ const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = 
       say('transaction', { status: 'error', code: (err as { code?: unknown }).code ?? null });
     }
   },
+  async pausedModify(c) {
+    // A lock-scoped modify of row `id` whose function says so, then idles (the parent SIGSTOPs us there).
+    const lease = leaseOf(c.lock);
+    try {
+      const result = await repo.with(lease).modify({ id: Number(c.id) }, async () => {
+        say('inside', { status: 'claimed' });
+        await new Promise((resolve) => setTimeout(resolve, Number(c.idleMs ?? 3_000)));
+        return { value: String(c.value) };
+      });
+      say('modify', { status: result.status });
+    } catch (err) {
+      say('modify', { status: 'error', code: (err as { code?: unknown }).code ?? null });
+    }
+  },
   async crossTransactions(c) {
     // `rounds` fenced transactions over the given leases (in the order given), each writing rows in `ids` order.
     const names = c.locks as string[];
