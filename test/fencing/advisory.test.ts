@@ -74,7 +74,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     expect(row?.done).toBe(true);
   }
 
-  it('seed ex. 2 + 7: autoExtend holds over several TTLs; kill -9 frees the lock as soon as the session ends', async () => {
+  it('autoExtend holds over several TTLs; kill -9 frees the lock as soon as the session ends', async () => {
     const a = lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 2000, autoExtend: true });
     await ready(a);
     const fenceA = BigInt(String((await request(a, { cmd: 'acquire' }, 'acquired')).fence));
@@ -95,7 +95,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     await next?.release();
   });
 
-  it('seed ex. 5 + 6: the holder’s session is terminated — its signal fires, the next holder has a higher fence, its late write is stale', async () => {
+  it('the holder’s session is terminated — its signal fires, the next holder has a higher fence, its late write is stale', async () => {
     const a = lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 5000, autoExtend: true });
     const b = lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 30_000, waitMs: 30_000 });
     await ready(a, b);
@@ -116,7 +116,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     expect(await resourceRow(test)).toEqual({ value: 'from B', lastFence: fenceB });
   });
 
-  it('seed ex. 5 + 6: a holder paused past its TTL loses its session to idle_session_timeout; its late write is stale', async () => {
+  it('a holder paused past its TTL loses its session to idle_session_timeout; its late write is stale', async () => {
     const a = lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 1500 });
     const b = lockWorker(test, 'advisory', namespace, { lock: 'job', ttlMs: 30_000, waitMs: 30_000 });
     await ready(a, b);
@@ -135,7 +135,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     expect((await manager.inspect('job'))?.fence).toBe(fenceB);
   });
 
-  it('seed ex. 8: two scheduler processes, exactly one runs the job', async () => {
+  it('two scheduler processes, exactly one runs the job', async () => {
     const schedulers = [0, 1].map(() => lockWorker(test, 'advisory', namespace, { lock: 'nightly', ttlMs: 10_000 }));
     await ready(...schedulers);
     const verdict = (m: Message) => m.event === 'running' || m.event === 'leader' || m.event === 'error';

@@ -202,7 +202,7 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
     expect(() => etcdLockManager({ client: {} as Etcd3, namespace: 'ok' })).toThrow(InvalidArgumentError);
   });
 
-  it('a holder paused past its lease is refused by the database; kill -9 of the next holder frees the lock (seed ex. 2, 5, 6)', async () => {
+  it('a holder paused past its lease is refused by the database; kill -9 of the next holder frees the lock', async () => {
     const namespace = uniqueNamespace('etcd');
     const [first, second] = await Promise.all([
       readyWorker(workerConfig(namespace, 'row-1')),

@@ -46,7 +46,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
     await test.close();
   });
 
-  it('seed ex. 2: kill -9 the holder; another process acquires once the TTL has run out by the database clock', async () => {
+  it('kill -9 the holder; another process acquires once the TTL has run out by the database clock', async () => {
     const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 1500 });
     const b = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 5000, waitMs: 30_000 });
     await ready(a, b);
@@ -66,7 +66,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
     expect((heldByB?.acquiredAt?.getTime() ?? 0) - (heldByA?.acquiredAt?.getTime() ?? 0)).toBeGreaterThanOrEqual(1500);
   });
 
-  it('seed ex. 5 + 6: a holder paused past its TTL comes back to a stale write; the row keeps the new holder’s value', async () => {
+  it('a holder paused past its TTL comes back to a stale write; the row keeps the new holder’s value', async () => {
     const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 1500 });
     const b = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 30_000, waitMs: 30_000 });
     await ready(a, b);
@@ -87,7 +87,7 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
     expect(String(lost.reason)).toContain('TTL ran out');
   });
 
-  it('seed ex. 7: autoExtend keeps a short-TTL lease over a job of several TTLs; after kill -9 the lock frees', async () => {
+  it('autoExtend keeps a short-TTL lease over a job of several TTLs; after kill -9 the lock frees', async () => {
     const a = lockWorker(test, 'postgres', namespace, { lock: 'job', ttlMs: 2000, autoExtend: true });
     await ready(a);
     const fenceA = BigInt(String((await request(a, { cmd: 'acquire' }, 'acquired')).fence));

@@ -1,6 +1,6 @@
 /**
- * Lock scope under `fc.scheduler` interleavings on a REAL Postgres (issue 11,
- * proof 5): several holders of one lock — grants from an in-process lock
+ * Lock scope under `fc.scheduler` interleavings on a REAL Postgres:
+ * several holders of one lock — grants from an in-process lock
  * model whose fences rise grant after grant, an old holder never told it
  * lost the lock — write several rows of two tables, some writes row-scoped
  * (bare fence) and some lock-scoped (`with(holder)`). Every call's start is a

@@ -1,5 +1,5 @@
 /**
- * Separate OS processes for the seed's scenarios: a worker is a TypeScript
+ * Separate OS processes for the multi-process scenarios: a worker is a TypeScript
  * script run by `node --import tsx`, speaking JSON lines on stdout and
  * reading commands line by line on stdin. The parent pauses it with SIGSTOP,
  * resumes it with SIGCONT, or kills it with SIGKILL — real faults.

@@ -5,7 +5,7 @@ import { postgresDatabase, type TestDatabase } from './databases.js';
 
 /**
  * A fresh real-Postgres database for a multi-process scenario: palisade
- * migrated, the seed's `resource` row (id 1, fence 0) and an `occupancy`
+ * migrated, a `resource` row (id 1, fence 0) and an `occupancy`
  * counter that workers raise while inside a critical section.
  */
 export async function scenarioDatabase(): Promise<TestDatabase> {

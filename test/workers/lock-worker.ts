@@ -12,7 +12,7 @@ import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { type ManagerConfig, openManager } from '../support/managers.js';
 
-/** The row the seed's writers fight over; the parent creates it. */
+/** The row the writers fight over; the parent creates it. */
 export const resource = pgTable('resource', {
   id: integer('id').primaryKey(),
   value: text('value'),
