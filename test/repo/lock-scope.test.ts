@@ -109,61 +109,46 @@ describe('the per-row scenario: a newer holder in another process writes X only;
 });
 
 describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend', { timeout: 120_000 }, () => {
-  it('a holder SIGSTOPped inside a fenced transaction: the next acquire succeeds, its commit fails, nothing it wrote is visible', async () => {
-    await withScenario(2, async (url) => {
-      const config: ManagerConfig = { kind: 'postgres', namespace: uniqueNamespace('stop'), databaseUrl: url };
-      const holder = startWorker(WORKER, { ...config, ttlMs: 1_500 });
-      const next = await openManager(config);
-      try {
-        await holder.next((m) => m.event === 'ready');
-        holder.send({ cmd: 'acquire', lock: 'L' });
-        await holder.next((m) => m.event === 'acquired');
-        holder.send({ cmd: 'pausedTransaction', lock: 'L', id: 1, value: 'paused', idleMs: 60_000 });
-        expect((await holder.next((m) => m.event === 'inside')).status).toBe('applied');
-        holder.pause();
-        // TTL 1.5 s + idle timeout ≤ TTL: bounded by waitMs, never asserted on time.
-        const lease = await next.manager.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
-        const repo = fencedRepository(next.db, resource);
-        expect((await repo.with(lease).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
-        holder.resume();
-        const ended = await holder.next((m) => m.event === 'transaction', 60_000);
-        expect(ended.status).not.toBe('applied');
-        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-      } finally {
-        holder.kill();
-        await next.close();
-      }
+  // The holder writes row 1 (or is about to), says `inside`, and is SIGSTOPped there. modify (like
+  // upsert and updateWhere) claims in a transaction of its own: a regression left it without the idle
+  // bound, so a holder paused inside it kept the register row locked and no grant got through.
+  const paused = [
+    {
+      what: 'a fenced transaction: its commit fails',
+      cmd: 'pausedTransaction',
+      ends: 'transaction',
+      inside: 'applied',
+    },
+    { what: "a lock-scoped modify's function", cmd: 'pausedModify', ends: 'modify', inside: 'claimed' },
+  ] as const;
+  for (const { what, cmd, ends, inside } of paused) {
+    it(`a holder SIGSTOPped inside ${what}; the next acquire succeeds, nothing it wrote is visible`, async () => {
+      await withScenario(2, async (url) => {
+        const config: ManagerConfig = { kind: 'postgres', namespace: uniqueNamespace('stop'), databaseUrl: url };
+        const holder = startWorker(WORKER, { ...config, ttlMs: 1_500 });
+        const next = await openManager(config);
+        try {
+          await holder.next((m) => m.event === 'ready');
+          holder.send({ cmd: 'acquire', lock: 'L' });
+          await holder.next((m) => m.event === 'acquired');
+          holder.send({ cmd, lock: 'L', id: 1, value: 'paused', idleMs: 60_000 });
+          expect((await holder.next((m) => m.event === 'inside')).status).toBe(inside);
+          holder.pause();
+          // TTL 1.5 s + an idle timeout ≤ the TTL left: bounded by waitMs, never asserted on time.
+          const lease = await next.manager.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
+          const repo = fencedRepository(next.db, resource);
+          expect((await repo.with(lease).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
+          holder.resume();
+          const ended = await holder.next((m) => m.event === ends, 60_000);
+          expect(ended.status).not.toBe('applied');
+          expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+        } finally {
+          holder.kill();
+          await next.close();
+        }
+      });
     });
-  });
-
-  // Regression: modify (like upsert and updateWhere) claims in a transaction of its own, which had
-  // no idle bound: a holder paused inside it kept the register row locked, and no grant got through.
-  it("a holder SIGSTOPped inside a lock-scoped modify's function: the next acquire succeeds, nothing it wrote is visible", async () => {
-    await withScenario(2, async (url) => {
-      const config: ManagerConfig = { kind: 'postgres', namespace: uniqueNamespace('mod'), databaseUrl: url };
-      const holder = startWorker(WORKER, { ...config, ttlMs: 1_500 });
-      const next = await openManager(config);
-      try {
-        await holder.next((m) => m.event === 'ready');
-        holder.send({ cmd: 'acquire', lock: 'L' });
-        await holder.next((m) => m.event === 'acquired');
-        holder.send({ cmd: 'pausedModify', lock: 'L', id: 1, value: 'paused', idleMs: 60_000 });
-        await holder.next((m) => m.event === 'inside');
-        holder.pause();
-        // The claim's transaction may idle at most the lease's remaining TTL: bounded by waitMs, not timed.
-        const lease = await next.manager.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
-        const repo = fencedRepository(next.db, resource);
-        expect((await repo.with(lease).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
-        holder.resume();
-        const ended = await holder.next((m) => m.event === 'modify', 60_000);
-        expect(ended.status).not.toBe('applied');
-        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-      } finally {
-        holder.kill();
-        await next.close();
-      }
-    });
-  });
+  }
 
   it('Promise.all of 16 lock-scoped writes under one lease all apply', async () => {
     await withScenario(16, async (url) => {
