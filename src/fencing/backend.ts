@@ -111,3 +111,24 @@ export interface LockBackend {
   /** Frees what the backend holds (subscriptions, reserved connections). Not the caller's clients. */
   close(): Promise<void>;
 }
+
+/**
+ * @internal `backend` as it is, declaring `namespace`: the base of a wrapper
+ * that changes what grants carry (a fence source, an eager claim) and
+ * forwards everything else.
+ */
+export function forwardTo(backend: LockBackend, namespace: string): LockBackend {
+  return {
+    kind: backend.kind,
+    namespace,
+    grant: backend.grant.bind(backend),
+    ...(backend.leave ? { leave: backend.leave.bind(backend) } : {}),
+    ...(backend.waitForTurn ? { waitForTurn: backend.waitForTurn.bind(backend) } : {}),
+    ...(backend.confirm ? { confirm: backend.confirm.bind(backend) } : {}),
+    extend: backend.extend.bind(backend),
+    release: backend.release.bind(backend),
+    inspect: backend.inspect.bind(backend),
+    waitForRelease: backend.waitForRelease.bind(backend),
+    close: backend.close.bind(backend),
+  };
+}

@@ -6,7 +6,7 @@
 import { assertSupportedDriver, type Database } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../errors.js';
 import { claimLock } from '../repo/lock-scope.js';
-import type { Grant, LockBackend } from './backend.js';
+import { forwardTo, type Grant, type LockBackend } from './backend.js';
 
 /** The `claimRegisters` option of the lock managers. */
 export interface ClaimRegistersOption {
@@ -63,26 +63,20 @@ export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOptio
       'the lock register holds a higher fence than this grant (a newer holder claimed it first, or a forged or reset fence): the grant was released; see `palisade locks registers`',
     );
   };
+  const base = forwardTo(backend, namespace);
+  const handover = base.waitForTurn;
   return {
-    kind: backend.kind,
-    namespace,
-    ...(backend.leave ? { leave: backend.leave.bind(backend) } : {}),
-    ...(backend.confirm ? { confirm: backend.confirm.bind(backend) } : {}),
-    extend: backend.extend.bind(backend),
-    release: backend.release.bind(backend),
-    inspect: backend.inspect.bind(backend),
-    waitForRelease: backend.waitForRelease.bind(backend),
-    close: backend.close.bind(backend),
+    ...base,
     async grant(name, token, ttlMs, holder, options) {
-      const grant = await backend.grant(name, token, ttlMs, holder, options);
+      const grant = await base.grant(name, token, ttlMs, holder, options);
       return grant === null ? null : claimed(name, token, grant);
     },
-    ...(backend.waitForTurn
+    ...(handover
       ? {
           // Never rejects (the contract): a handover whose claim failed was given back, and the
           // waiter's next grant call claims again and reports the failure as a grant does.
           async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
-            const grant = await (backend.waitForTurn as NonNullable<LockBackend['waitForTurn']>)(...args);
+            const grant = await handover(...args);
             return grant === undefined ? undefined : claimed(args[0], args[3], grant).catch(() => undefined);
           },
         }

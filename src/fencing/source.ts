@@ -5,7 +5,7 @@
 import { sql } from 'drizzle-orm';
 import { type Database, execute } from '../driver.js';
 import { FenceSourceError } from '../errors.js';
-import type { Grant, LockBackend } from './backend.js';
+import { forwardTo, type Grant, type LockBackend } from './backend.js';
 
 /**
  * This database's id as a fence source (`palisade.fence_source_id()`,
@@ -46,32 +46,26 @@ export function withFenceSource(backend: LockBackend, namespace: string, source:
     });
     return known;
   };
+  const base = forwardTo(backend, namespace);
+  const handover = base.waitForTurn;
   return {
-    kind: backend.kind,
-    namespace,
+    ...base,
     async grant(...args: Parameters<LockBackend['grant']>): Promise<Grant | null> {
       const id = await sourceId();
-      const grant = await backend.grant(...args);
+      const grant = await base.grant(...args);
       return grant === null ? null : { ...grant, source: id };
     },
-    ...(backend.leave ? { leave: backend.leave.bind(backend) } : {}),
-    ...(backend.confirm ? { confirm: backend.confirm.bind(backend) } : {}),
-    ...(backend.waitForTurn
+    ...(handover
       ? {
           // Never rejects (the contract): a source not learnt yet makes a handover a plain wake-up,
           // and the waiter's next grant call (same token: the same grant) learns it or fails.
           async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
-            const grant = await (backend.waitForTurn as NonNullable<LockBackend['waitForTurn']>)(...args);
+            const grant = await handover(...args);
             if (grant === undefined) return undefined;
             const id = await known?.catch(() => undefined);
             return id === undefined ? undefined : { ...grant, source: id };
           },
         }
       : {}),
-    extend: backend.extend.bind(backend),
-    release: backend.release.bind(backend),
-    inspect: backend.inspect.bind(backend),
-    waitForRelease: backend.waitForRelease.bind(backend),
-    close: backend.close.bind(backend),
   };
 }
