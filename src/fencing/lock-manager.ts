@@ -135,7 +135,19 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         if (late) backend.release(name, token).catch(() => {});
       },
     );
-    if (!grant) return null;
+    return grant ? leaseOf(name, opts, startedAt, token, grant, sentAt) : null;
+  }
+
+  // The lease of a grant sent at `sentAt` (its local expiry counts from then), announced.
+  function leaseOf(
+    name: string,
+    opts: CheckedOptions,
+    startedAt: number,
+    token: string,
+    grant: Grant,
+    sentAt: number,
+    confirm?: { readonly withinMs: number; run(): Promise<boolean> },
+  ): Lease {
     const lease = new ActiveLease({
       backend,
       events,
@@ -149,6 +161,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       backendLost: grant.lost,
       autoExtend: opts.autoExtend,
       maxHoldMs: opts.maxHoldMs,
+      ...(confirm ? { confirm } : {}),
     });
     announce(name, grant.fence, opts.holder, startedAt);
     return lease;
@@ -172,26 +185,10 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     lastSentAt: number,
   ): Lease {
     const confirm = backend.confirm as NonNullable<LockBackend['confirm']>;
-    const lease = new ActiveLease({
-      backend,
-      events,
-      name,
-      token,
-      fence: grant.fence,
-      lock: lockOf(grant, name),
-      holder: opts.holder,
-      ttlMs: opts.ttlMs,
-      sentAt: lastSentAt,
-      backendLost: grant.lost,
-      autoExtend: opts.autoExtend,
-      maxHoldMs: opts.maxHoldMs,
-      confirm: {
-        withinMs: grant.confirmWithinMs ?? 0,
-        run: () => confirm(name, token, opts.ttlMs, opts.holder, grant.fence),
-      },
+    return leaseOf(name, opts, startedAt, token, grant, lastSentAt, {
+      withinMs: grant.confirmWithinMs ?? 0,
+      run: () => confirm(name, token, opts.ttlMs, opts.holder, grant.fence),
     });
-    announce(name, grant.fence, opts.holder, startedAt);
-    return lease;
   }
 
   // One token for the whole call: a backend with a fair order keeps the
