@@ -9,9 +9,8 @@
  * which Postgres truncates to 63 bytes). Everything above this module sees
  * plain row objects, bigints and {@link PalisadeError}s.
  */
-import { createHash } from 'node:crypto';
 import { entityKind, type SQL } from 'drizzle-orm';
-import type { PgDatabase, PgDialect, PgPreparedQuery, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
+import type { PgDatabase, PgDialect, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import { describeServerError, sqlStateOf } from './server-error.js';
 
@@ -22,13 +21,14 @@ export type Database = PgDatabase<PgQueryResultHKT, any, any>;
 /** A result row keyed by database column name, values as the driver returns them. */
 export type RawRow = Record<string, unknown>;
 
-interface Internals {
+export interface Internals {
   session: PgSession;
   dialect: PgDialect;
 }
 
 // drizzle keeps these public on the instance but not in its declared types.
-function internals(db: Database): Internals {
+/** @internal drizzle's session and dialect of `db`. */
+export function internals(db: Database): Internals {
   return db as unknown as Internals;
 }
 
@@ -68,18 +68,6 @@ export function assertSupportedDriver(db: unknown, who: string): asserts db is D
 }
 
 /**
- * The server-side name of a prepared statement: short (Postgres truncates
- * names to 63 bytes, so long names collide) and a function of the statement
- * itself, so two different statements never share a name and one statement
- * always gets the same one, on every connection of a pool.
- */
-export function statementName(key: string, text: string): string {
-  return `palisade_${createHash('sha256').update(key).update('\0').update(text).digest('hex').slice(0, 32)}`;
-}
-
-const preparedBySession = new WeakMap<object, Map<string, PgPreparedQuery<never>>>();
-
-/**
  * Runs `query` once. Values are sent as parameters; the statement is not
  * cached on our side (postgres.js still prepares it by text).
  */
@@ -91,45 +79,6 @@ export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
   }
 }
 
-/**
- * Returns a runner for a statement that is compiled once per session and
- * `key`: `build()` runs only on the first call, later calls only fill the
- * placeholders. Use `sql.placeholder(name)` (or `new Param(placeholder,
- * column)` to keep a column's encoder) inside the built SQL. With no `key`
- * the statement is compiled for this call only.
- */
-export function prepared(
-  db: Database,
-  key: string | undefined,
-  build: () => SQL,
-): (values: Record<string, unknown>) => Promise<RawRow[]> {
-  const { session, dialect } = internals(db);
-  let cache = preparedBySession.get(session);
-  if (!cache) {
-    cache = new Map();
-    preparedBySession.set(session, cache);
-  }
-  let query = key === undefined ? undefined : cache.get(key);
-  if (!query) {
-    // A name makes drizzle's postgres-js driver send a named (server-side
-    // prepared) statement; without one it sends an unnamed statement that
-    // postgres.js parses and describes in an extra round trip on every call.
-    // node-postgres sends the name to the server as is: a hash keeps it short and unique.
-    const compiled = dialect.sqlToQuery(build());
-    const name = key === undefined ? undefined : statementName(key, compiled.sql);
-    query = session.prepareQuery(compiled, undefined, name, false) as PgPreparedQuery<never>;
-    if (key !== undefined) cache.set(key, query);
-  }
-  const q = query;
-  return async (values) => {
-    try {
-      return rowsOf(await q.execute(values));
-    } catch (err) {
-      throw translateError(err);
-    }
-  };
-}
-
 /** Runs `fn` in a transaction (a savepoint when `db` already is one). */
 export async function transaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
   try {
@@ -139,7 +88,16 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
   }
 }
 
-function rowsOf(result: unknown): RawRow[] {
+/** How many rows a statement wrote: postgres.js `count`, node-postgres `rowCount`, PGlite `affectedRows`. */
+export function affectedOf(result: unknown): number {
+  const r = result as { count?: unknown; rowCount?: unknown; affectedRows?: unknown } | null;
+  const n = r?.count ?? r?.rowCount ?? r?.affectedRows;
+  if (typeof n === 'number') return n;
+  throw new DriverError('unrecognised result shape from the database driver');
+}
+
+/** The result rows, whichever driver returned them. */
+export function rowsOf(result: unknown): RawRow[] {
   if (Array.isArray(result)) return result as RawRow[];
   const rows = (result as { rows?: unknown } | null)?.rows;
   if (Array.isArray(rows)) return rows as RawRow[];

@@ -4,10 +4,11 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, type Database, int8, prepared, transaction } from '../driver.js';
+import { assertSupportedDriver, type Database, int8, transaction } from '../driver.js';
 import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
+import { prepared } from '../prepared.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import type { BatchResult, WriteResult } from './result.js';
 import type { Returning } from './statements.js';
@@ -52,8 +53,8 @@ export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, 
   const values = { kind, source, namespace, name, fence: fence.toString() };
   const [row] =
     idleMs === undefined
-      ? await prepared(on, 'palisade.claim_lock', claimSql)(values)
-      : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql)({ ...values, idle: String(idleMs) });
+      ? await prepared(on, 'palisade.claim_lock', claimSql).rows(values)
+      : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({ ...values, idle: String(idleMs) });
   const registered = int8(row?.registered) ?? 0n;
   if (registered < fence) throw new FenceNotIssuedError(registered, fence);
   return registered as Fence;

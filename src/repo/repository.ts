@@ -2,7 +2,7 @@
  * The write path of one fenced table: README, "The write path" and "Two
  * scopes of fencing". The API and its guarantees are in `repository-api.ts`.
  */
-import { and, eq, isNull, lt, type SQL, sql } from 'drizzle-orm';
+import { and, eq, isNull, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import {
   assertSupportedDriver,
@@ -10,7 +10,6 @@ import {
   type Database,
   execute,
   int8,
-  prepared,
   type RawRow,
   transaction,
   translateError,
@@ -18,10 +17,12 @@ import {
 import { InvalidArgumentError, LockScopeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import type { LockIdentity } from '../fencing/lock-identity.js';
+import { prepared } from '../prepared.js';
 import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
 import { joining, on, recordRefusal } from './joined.js';
 import { inClaim, leasedRepository, returningOf, type WriteCore } from './lock-scope.js';
+import { purgeStatement } from './purge.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
 
 export type {
@@ -59,6 +60,8 @@ import {
   type ValuesOf,
 } from './table.js';
 
+const NO_ROW: RawRow = Object.freeze({});
+
 /**
  * Creates the write path for `table` on `db` — a drizzle postgres-js,
  * node-postgres or PGlite database, or a transaction of one (then every
@@ -84,8 +87,13 @@ export function fencedRepository<T extends FencedTable>(
   const keyWhere = (key: [string, unknown][]) =>
     and(...key.map(([name, value]) => eq(info.columns[name] as PgColumn, value))) as SQL;
 
-  async function run(on: Database, statement: Statement): Promise<RawRow[]> {
-    return prepared(on, statement.key, statement.build)(statement.values);
+  const run = (on: Database, s: Statement): Promise<RawRow[]> => prepared(on, s.key, s.build).rows(s.values);
+
+  // The plain write: its row when it applied, `undefined` when it did not. For `status`, the
+  // statement returns nothing and its row count tells.
+  async function attempt(on: Database, s: Statement, returning: Returning): Promise<RawRow | undefined> {
+    if (returning === 'row') return (await run(on, s))[0];
+    return (await prepared(on, s.key, s.build).count(s.values)) > 0 ? NO_ROW : undefined;
   }
 
   // The success path: the plain write, and nothing else when it applied. Otherwise the refusal
@@ -100,7 +108,7 @@ export function fencedRepository<T extends FencedTable>(
     lock: LockIdentity | undefined,
   ): Promise<WriteResult<RowOf<T>>> {
     return observeWrite(info.label, method, 'UPDATE', fence, async () => {
-      const [written] = await run(on, statements.write);
+      const written = await attempt(on, statements.write, returning);
       if (written !== undefined) return applied(written, returning);
       const refuse = async (tx: Database) => {
         const raw = (await run(tx, statements.refusal))[0] ?? {};
@@ -363,26 +371,7 @@ export function fencedRepository<T extends FencedTable>(
     updateWhere: async (where, fence, patch, opts) => rowScoped().updateWhere(where, fence, patch, opts, undefined),
 
     async purgeTombstones(olderThan, opts = {}) {
-      const batchSize = opts.batchSize ?? 1000;
-      if (!(olderThan instanceof Date) || Number.isNaN(olderThan.getTime())) {
-        throw new InvalidArgumentError('olderThan must be a valid Date');
-      }
-      if (!Number.isSafeInteger(batchSize) || batchSize < 1)
-        throw new InvalidArgumentError('batchSize must be a positive integer');
-      // One statement: the tombstones go and the floor rises to the highest fence among them in
-      // the same transaction, so no moment exists in which a lower fence could recreate a row.
-      // The delete re-checks `ctid` on the row it waited for: a tombstone resurrected meanwhile
-      // has a new version (a new ctid) and stays.
-      const rows = await execute(
-        on(db),
-        sql`with gone as (delete from ${t} where ctid = any(array(
-          select ctid from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}
-        )) returning ${t.lastFence} as fence),
-        raised as (insert into palisade.tombstone_floors (table_name, floor)
-          select ${info.label}, max(fence) from gone having count(*) > 0
-          on conflict (table_name) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))
-        select count(*) as n from gone`,
-      );
+      const rows = await execute(on(db), purgeStatement(info, olderThan, opts.batchSize ?? 1000));
       return count(rows[0]?.n);
     },
 

@@ -33,7 +33,7 @@ import { isSql, type TableInfo } from './table.js';
 /** `reject`: a fence writes a row at most once (`<`). `allow`: `<=`, for several writes per grant. */
 export type SameFence = 'reject' | 'allow';
 
-/** What an applied write sends back: the row as written, or only that it applied. */
+/** What an applied write sends back: the row as written, or only that it applied (the row count). */
 export type Returning = 'row' | 'status';
 
 /** A statement ready to compile, with the values for its placeholders. */
@@ -47,7 +47,8 @@ export interface Statement {
 /**
  * A fenced write of one row as two statements over the same values.
  * `write` is the plain conditional write: one result row when it applied,
- * none when it did not. `refusal` runs only then: it attempts the very same
+ * none when it did not (with `returning: 'status'`, no result rows: a row
+ * count of 1 or 0). `refusal` runs only then: it attempts the very same
  * write again (it applies if the row became writable since) and reports the
  * row as it was before it, in exactly one result row. A lock-scoped `write`
  * also claims the lock's register; its `refusal` does not: it runs only in a
@@ -167,8 +168,7 @@ select w.*, (select fence from prev) as ${sql.identifier(PREV_FENCE)}, (select d
 from (select 1) as palisade_one left join w on true`;
 }
 
-const returningRow = sql.raw(`returning *, true as ${APPLIED}`);
-const returningStatus = sql.raw(`returning true as ${APPLIED}`);
+const returningRow = sql.raw(` returning *, true as ${APPLIED}`);
 
 /**
  * The two statements of a fenced single-row UPDATE whose SET is `set`: the
@@ -193,11 +193,11 @@ function fencedWrite(
     // Lock scope: the register is claimed by the row that is about to be written, as the last
     // condition (the function's COST puts it after the key and fence checks), so a write that
     // lands has claimed its lock in the same statement.
-    const guard = claim ? sql` and ${claimCall(info)} = ${fenceParam(info)}` : sql``;
+    const guard = claim ? sql` and ${claimGuard(info)}` : sql``;
     return {
       where,
       sql: sql`update ${t} set ${sql.join(assignments, sql`, `)}
-  where ${liveAndBelow(info, where, same)}${guard} ${tail}`,
+  where ${liveAndBelow(info, where, same)}${guard}${tail}`,
     };
   };
   const base = shapeKey === undefined ? undefined : `${tableShape(info)}|${method}|${same}|${shapeKey}`;
@@ -207,7 +207,8 @@ function fencedWrite(
   return {
     write: {
       key: base === undefined ? undefined : `${base}|${returning}${claim ? '|lock' : ''}`,
-      build: () => update(returning === 'row' ? returningRow : returningStatus, claim).sql,
+      // Status only: no RETURNING at all, the row count says whether it applied.
+      build: () => update(returning === 'row' ? returningRow : sql``, claim).sql,
       values,
     },
     refusal: {
@@ -253,10 +254,23 @@ export function deleteStatements(
   return fencedWrite(info, 'delete', key, set, '', values, same, 'row', lock);
 }
 
-/** `palisade.claim_lock(…)` of the lock in `lk`…`lname` for the statement's fence (migration 0005). */
-function claimCall(info: TableInfo): SQL {
+/**
+ * True when the lock in `lk`…`lname` is claimed for the statement's fence.
+ * Where the register already holds this fence (the grant claimed it, or an
+ * earlier write did), a sub-select shares its row (`FOR SHARE`: a raise
+ * waits for this transaction) without a function call; otherwise
+ * `palisade.claim_lock` (migration 0005) raises it, or names the higher
+ * fence that refuses. After waiting for a raise in progress, the sub-select
+ * re-checks the newest row version and finds it no longer at this fence,
+ * so the function decides.
+ */
+function claimGuard(info: TableInfo): SQL {
   const text = (name: string) => sql`${sql.placeholder(name)}::text`;
-  return sql`palisade.claim_lock(${text('lk')}, ${text('ls')}, ${text('ln')}, ${text('lname')}, ${fenceParam(info)})`;
+  const [lk, ls, ln, lname, fence] = [text('lk'), text('ls'), text('ln'), text('lname'), fenceParam(info)];
+  return sql`(exists (select 1 from palisade.lock_registers palisade_register
+    where palisade_register.kind = ${lk} and palisade_register.source = ${ls} and palisade_register.namespace = ${ln}
+      and palisade_register.name = ${lname} and palisade_register.fence = ${fence} for share)
+    or palisade.claim_lock(${lk}, ${ls}, ${ln}, ${lname}, ${fence}) = ${fence})`;
 }
 
 function claimValues(values: Record<string, unknown>, lock: LockIdentity): void {

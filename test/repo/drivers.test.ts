@@ -8,10 +8,11 @@ import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { drizzle as drizzleProxy } from 'drizzle-orm/pg-proxy';
 import pg from 'pg';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { type Database, driverOf, statementName } from '../../src/driver.js';
+import { type Database, driverOf } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
 import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
+import { statementName } from '../../src/prepared.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { mustApply } from '../../src/repo/result.js';
 import { drivers, nodePostgresDatabase, type TestDatabase } from '../support/databases.js';
@@ -109,5 +110,26 @@ describe.runIf(needs('DATABASE_URL'))('node-postgres on one connection (real Pos
     expect(names.length).toBeGreaterThan(3);
     expect(new Set(names).size).toBe(names.length);
     for (const n of names) expect(Buffer.byteLength(n)).toBeLessThanOrEqual(63);
+  });
+
+  it('a placeholder used several times is one parameter: the fence of an update is sent once', async () => {
+    const name = `accounts_params_${Date.now()}`;
+    await db.execute(sql`create table ${sql.identifier(name)} (
+      id text primary key, owner text not null default 'nobody', balance integer not null default 0,
+      meta jsonb, closed_at timestamptz, last_fence bigint not null default 0, deleted_at timestamptz)`);
+    const repo = fencedRepository(db, accountsTable(name));
+    mustApply(await repo.upsert({ id: 'a', owner: 'ann', balance: 1 }, f(1)));
+    mustApply(await repo.update({ id: 'a' }, f(2), { balance: 2 }, { returning: 'status' }));
+    const { rows } = await client.query<{ statement: string; parameter_types: string }>(
+      `select statement, parameter_types::text from pg_prepared_statements
+       where name like 'palisade_%' and statement like $1`,
+      [`update "${name}"%`],
+    );
+    expect(rows).toHaveLength(1);
+    const [update] = rows as [{ statement: string; parameter_types: string }];
+    // balance, fence, id — the fence in SET and in WHERE is the same $2.
+    expect(update.parameter_types).toBe('{integer,bigint,text}');
+    expect(update.statement.match(/\$2/g)).toHaveLength(2);
+    expect((await repo.get({ id: 'a' }))?.lastFence).toBe(2n);
   });
 });

@@ -33,10 +33,10 @@ import {
   type ListenClient,
   listen,
   listenClientOf,
-  prepared,
   type RawRow,
 } from '../../../driver.js';
 import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import { prepared } from '../../../prepared.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type ClaimRegistersOption, checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
@@ -205,7 +205,14 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
       let rows: RawRow[];
       try {
-        rows = await prepared(db, 'palisade.leases.grant', grantSql)({ ns, name, token, holder, ttl: ttlMs, wait });
+        rows = await prepared(db, 'palisade.leases.grant', grantSql).rows({
+          ns,
+          name,
+          token,
+          holder,
+          ttl: ttlMs,
+          wait,
+        });
       } catch (err) {
         // The row or the table stayed locked past this attempt's wait: not granted (the acquire retries or gives up).
         if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) return null;
@@ -217,7 +224,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
 
     async extend(name, token, ttlMs) {
       const rows = await bounded(name, 'extend', () =>
-        prepared(db, 'palisade.leases.extend', extendSql)({ ns, name, token, ttl: ttlMs, wait: lockTimeoutMs }),
+        prepared(db, 'palisade.leases.extend', extendSql).rows({ ns, name, token, ttl: ttlMs, wait: lockTimeoutMs }),
       );
       return rows.length > 0;
     },
@@ -225,14 +232,14 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     async release(name, token) {
       const payload = releasePayload(ns, name);
       const rows = await bounded(name, 'release', () =>
-        prepared(db, 'palisade.leases.release', releaseSql)({ ns, name, token, payload, wait: lockTimeoutMs }),
+        prepared(db, 'palisade.leases.release', releaseSql).rows({ ns, name, token, payload, wait: lockTimeoutMs }),
       );
       return rows.length > 0;
     },
 
     async inspect(name): Promise<LockInfo | null> {
       const [row] = await bounded(name, 'inspect', () =>
-        prepared(db, 'palisade.leases.inspect', inspectSql)({ ns, name, wait: lockTimeoutMs }),
+        prepared(db, 'palisade.leases.inspect', inspectSql).rows({ ns, name, wait: lockTimeoutMs }),
       );
       if (!row) return null;
       return {

@@ -1,0 +1,32 @@
+/**
+ * Removing tombstones for good (README, "The write path", purging
+ * tombstones): one statement deletes a batch and raises the table's
+ * tombstone floor in the same transaction.
+ */
+import { lt, type SQL, sql } from 'drizzle-orm';
+import { InvalidArgumentError } from '../errors.js';
+import type { TableInfo } from './table.js';
+
+/**
+ * The purge of up to `batchSize` tombstones deleted before `olderThan`; its
+ * one result row's `n` counts them.
+ * @throws {InvalidArgumentError} for an invalid date or batch size.
+ */
+export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: unknown): SQL {
+  if (!(olderThan instanceof Date) || Number.isNaN(olderThan.getTime())) {
+    throw new InvalidArgumentError('olderThan must be a valid Date');
+  }
+  if (!Number.isSafeInteger(batchSize) || (batchSize as number) < 1)
+    throw new InvalidArgumentError('batchSize must be a positive integer');
+  const t = info.table;
+  // The floor rises to the highest fence among the tombstones that go, in the same transaction, so
+  // no moment exists in which a lower fence could recreate a row. The delete re-checks `ctid` on the
+  // row it waited for: a tombstone resurrected meanwhile has a new version (a new ctid) and stays.
+  return sql`with gone as (delete from ${t} where ctid = any(array(
+      select ctid from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}
+    )) returning ${t.lastFence} as fence),
+    raised as (insert into palisade.tombstone_floors (table_name, floor)
+      select ${info.label}, max(fence) from gone having count(*) > 0
+      on conflict (table_name) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))
+    select count(*) as n from gone`;
+}
