@@ -4,7 +4,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, type Database, execute, int8, transaction } from '../driver.js';
+import { assertSupportedDriver, type Database, int8, transaction } from '../driver.js';
 import {
   FenceNotIssuedError,
   InvalidArgumentError,
@@ -15,7 +15,9 @@ import {
 } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
+import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
+import { claimLock } from './lock-scope.js';
 import type { FenceHolder } from './repository-api.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
@@ -78,7 +80,6 @@ export async function fencedTransaction<R>(
   const list = checkLeases(leases);
   if (typeof fn !== 'function') throw new InvalidArgumentError('fencedTransaction needs a function');
   const idleMs = idleTimeout(list, options);
-  const claims = JSON.stringify(list.map(({ lock, fence }) => ({ ...lock, fence: fence.toString() })));
   let refusal: Refusal | undefined;
   const refuse = (r: Refusal): never => {
     refusal = r;
@@ -87,24 +88,10 @@ export async function fencedTransaction<R>(
   };
   try {
     return await transaction(on(db), async (tx) => {
-      const rows = await execute(
-        tx,
-        sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered
-          from (select set_config('idle_in_transaction_session_timeout', ${String(idleMs)}, true)) s,
-          lateral palisade.claim_locks(${claims}::jsonb) c`,
-      );
-      for (const row of rows) {
-        const fence = int8(row.fence) ?? 0n;
-        const registered = int8(row.registered) ?? 0n;
-        if (registered < fence) throw new FenceNotIssuedError(registered, fence);
+      for (const [i, registered] of (await claimAll(tx, list, idleMs)).entries()) {
+        const { fence } = list[i] as Checked;
         if (registered > fence) {
-          refuse({
-            status: 'stale',
-            table: null,
-            key: null,
-            attemptedFence: fence,
-            currentFence: registered,
-          });
+          refuse({ status: 'stale', table: null, key: null, attemptedFence: fence, currentFence: registered });
         }
       }
       const refusals: Refusal[] = [];
@@ -135,6 +122,37 @@ export async function fencedTransactionOrThrow<R>(
   if (result.status === 'applied') return result.value;
   const { table, key, attemptedFence, currentFence } = result.refusal;
   throw new StaleFenceError(table ?? '(lock register)', key ?? {}, attemptedFence, currentFence);
+}
+
+const p = (name: string) => sql.placeholder(name);
+const claimLocksSql = () =>
+  sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered
+    from (select set_config('idle_in_transaction_session_timeout', ${p('idle')}::text, true)) s,
+    lateral palisade.claim_locks(${p('claims')}::jsonb) c`;
+
+/**
+ * Claims every lease's lock in one statement (one lock: `claim_lock`; more:
+ * `claim_locks`, which sorts them) and bounds the transaction's idle time;
+ * returns the register's fence per lease, in `list`'s order.
+ * @throws {FenceNotIssuedError} for a fence above its lock's latest grant.
+ */
+async function claimAll(tx: Database, list: readonly Checked[], idleMs: number): Promise<bigint[]> {
+  if (list.length === 1) {
+    const { lock, fence } = list[0] as Checked;
+    return [await claimLock(tx, lock, fence, idleMs)];
+  }
+  const claims = JSON.stringify(list.map(({ lock, fence }) => ({ ...lock, fence: fence.toString() })));
+  const rows = await prepared(tx, 'palisade.claim_locks_bounded', claimLocksSql).rows({ idle: String(idleMs), claims });
+  const key = (l: LockIdentity, fence: unknown) =>
+    JSON.stringify([l.kind, l.source, l.namespace, l.name, String(fence)]);
+  const registered = new Map<string, bigint>();
+  for (const row of rows) {
+    const fence = int8(row.fence) ?? 0n;
+    const current = int8(row.registered) ?? 0n;
+    if (current < fence) throw new FenceNotIssuedError(current, fence);
+    registered.set(key(row as unknown as LockIdentity, fence), current);
+  }
+  return list.map(({ lock, fence }) => registered.get(key(lock, fence)) ?? 0n);
 }
 
 interface Checked {
