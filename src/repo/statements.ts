@@ -28,6 +28,7 @@ import { type DriverValueEncoder, Param, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import type { LockIdentity } from '../fencing/lock-identity.js';
 import { type ExpressionTemplate, templateOf } from './expressions.js';
+import { cacheKeys, shape } from './statement-keys.js';
 import { isSql, type TableInfo } from './table.js';
 
 /** `reject`: a fence writes a row at most once (`<`). `allow`: `<=`, for several writes per grant. */
@@ -83,23 +84,6 @@ function bind(values: Record<string, unknown>, name: string, value: unknown, col
 const nullable = (column: PgColumn): DriverValueEncoder<unknown, unknown> => ({
   mapToDriverValue: (value) => (value === null ? null : column.mapToDriverValue(value)),
 });
-
-// The database names and types too: two table objects of one name may differ in them. Worked out once per table.
-const tableShapes = new WeakMap<TableInfo, string>();
-function tableShape(info: TableInfo): string {
-  let shape = tableShapes.get(info);
-  if (shape === undefined) {
-    const columns = Object.entries(info.columns).map(([key, c]) => `${key}=${c.name}:${c.getSQLType()}`);
-    shape = `${info.label}|${columns.join(',')}`;
-    tableShapes.set(info, shape);
-  }
-  return shape;
-}
-
-function shape(method: string, info: TableInfo, same: SameFence, entries: Entries): string | undefined {
-  if (entries.some(([, v]) => isSql(v))) return undefined;
-  return `${tableShape(info)}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
-}
 
 function keyCondition(info: TableInfo, key: Entries, values: Record<string, unknown>): SQL {
   return sql.join(
@@ -200,19 +184,19 @@ function fencedWrite(
   where ${liveAndBelow(info, where, same)}${guard}${tail}`,
     };
   };
-  const base = shapeKey === undefined ? undefined : `${tableShape(info)}|${method}|${same}|${shapeKey}`;
   const claim = lock !== undefined;
+  const keys = shapeKey === undefined ? undefined : cacheKeys(info, method, same, shapeKey, returning, claim);
   if (lock) claimValues(values, lock);
   fillKey(values, key);
   return {
     write: {
-      key: base === undefined ? undefined : `${base}|${returning}${claim ? '|lock' : ''}`,
+      key: keys?.write,
       // Status only: no RETURNING at all, the row count says whether it applied.
       build: () => update(returning === 'row' ? returningRow : sql``, claim).sql,
       values,
     },
     refusal: {
-      key: base === undefined ? undefined : `${base}|refusal`,
+      key: keys?.refusal,
       build: () => {
         const { where, sql: write } = update(returningRow);
         return withPrevious(info, where, write);
