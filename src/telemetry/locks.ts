@@ -1,7 +1,7 @@
 /** Spans and metrics of lock grants, waits, extensions, losses and releases (the README's "Watching it in production"). */
 import { performance } from 'node:perf_hooks';
 import { ATTR, type LostReason } from './catalog.js';
-import { type Attributes, api, failSpan, getTracer, meter, seconds, telemetryOptions } from './otel.js';
+import { type Attributes, api, failSpan, getTracer, meter, seconds, telemetryOptions, withSpan } from './otel.js';
 
 // Built afresh each time, never by spreading: `{ ...a, [key]: v }` costs ~1.3 µs here (a slow
 // clone path in V8), a quarter of the whole no-SDK budget of a lock cycle.
@@ -38,28 +38,29 @@ export async function observeAcquire<L extends { readonly fence: bigint } | null
   run: () => Promise<L>,
 ): Promise<L> {
   const otel = api();
+  if (!otel) return run();
   const t = getTracer();
-  if (!otel || !t) return run();
+  const m = meter();
+  if (!t && !m) return run(); // nothing would record
   const startedAt = performance.now();
   const attributes = lockAttributes(backend, name);
-  return t.startActiveSpan('palisade.lock.acquire', { attributes }, async (span) => {
-    const m = meter();
+  return withSpan(t, 'palisade.lock.acquire', { attributes }, async (span) => {
     try {
       const lease = await run();
       const outcome = lease ? 'acquired' : 'busy';
-      span.setAttribute(ATTR.lockOutcome, outcome);
-      if (lease) span.setAttribute(ATTR.fence, lease.fence.toString());
+      span?.setAttribute(ATTR.lockOutcome, outcome);
+      if (lease) span?.setAttribute(ATTR.fence, lease.fence.toString());
       m?.acquire.record(seconds(startedAt), lockAttributes(backend, name, ATTR.lockOutcome, outcome));
       if (lease) m?.grants.add(1, attributes);
       return lease;
     } catch (err) {
       const outcome = acquireOutcome(err);
-      span.setAttribute(ATTR.lockOutcome, outcome);
-      if (outcome === 'error') failSpan(otel, span, err);
+      span?.setAttribute(ATTR.lockOutcome, outcome);
+      if (outcome === 'error' && span) failSpan(otel, span, err);
       m?.acquire.record(seconds(startedAt), lockAttributes(backend, name, ATTR.lockOutcome, outcome));
       throw err;
     } finally {
-      span.end();
+      span?.end();
     }
   });
 }
@@ -67,9 +68,10 @@ export async function observeAcquire<L extends { readonly fence: bigint } | null
 /** @internal Wraps one extension: a span and the extensions count by outcome (`extended` / `failed`). */
 export async function observeExtend(backend: string, name: string, fence: bigint, run: () => Promise<void>) {
   const otel = api();
+  if (!otel) return run();
   const t = getTracer();
-  if (!otel || !t) return run();
-  const span = t.startSpan('palisade.lock.extend', {
+  if (!t && !meter()) return run();
+  const span = t?.startSpan('palisade.lock.extend', {
     attributes: lockAttributes(backend, name, ATTR.fence, fence.toString()),
   });
   let outcome = 'extended';
@@ -77,12 +79,12 @@ export async function observeExtend(backend: string, name: string, fence: bigint
     await run();
   } catch (err) {
     outcome = 'failed';
-    failSpan(otel, span, err);
+    if (span) failSpan(otel, span, err);
     throw err;
   } finally {
-    span.setAttribute(ATTR.lockOutcome, outcome);
+    span?.setAttribute(ATTR.lockOutcome, outcome);
     meter()?.extensions.add(1, lockAttributes(backend, name, ATTR.lockOutcome, outcome));
-    span.end();
+    span?.end();
   }
 }
 
@@ -98,9 +100,10 @@ export async function observeRelease(
   run: () => Promise<'released' | 'lost'>,
 ): Promise<'released' | 'lost'> {
   const otel = api();
+  if (!otel) return run();
   const t = getTracer();
-  if (!otel || !t) return run();
-  const span = t.startSpan('palisade.lock.release', {
+  if (!t && !meter()) return run();
+  const span = t?.startSpan('palisade.lock.release', {
     attributes: lockAttributes(backend, name, ATTR.fence, fence.toString()),
   });
   let outcome = 'error';
@@ -108,12 +111,12 @@ export async function observeRelease(
     outcome = await run();
     return outcome as 'released' | 'lost';
   } catch (err) {
-    failSpan(otel, span, err);
+    if (span) failSpan(otel, span, err);
     throw err;
   } finally {
-    span.setAttribute(ATTR.lockOutcome, outcome);
+    span?.setAttribute(ATTR.lockOutcome, outcome);
     meter()?.hold.record(seconds(grantedAt), lockAttributes(backend, name, ATTR.lockOutcome, outcome));
-    span.end();
+    span?.end();
   }
 }
 

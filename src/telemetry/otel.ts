@@ -54,7 +54,8 @@ export type Attributes = Record<string, string | number | boolean>;
 let loadedApi: Api | null | undefined;
 let options: TelemetryOptions = {};
 let meterSource: unknown;
-let instruments: Instruments | undefined;
+// `null`: the provider's meter is the API's no-op meter, nothing would record.
+let instruments: Instruments | null | undefined;
 let tracerSource: unknown;
 let tracer: Otel.Tracer | undefined;
 let version: string | undefined;
@@ -119,13 +120,23 @@ interface Instruments {
 
 // Instruments are rebuilt when the provider changes: the API hands out a
 // no-op meter until an SDK is registered, and keeps handing out that one.
-/** @internal palisade's instruments on the configured (or global) meter provider. */
+/**
+ * @internal palisade's instruments on the configured (or global) meter
+ * provider; `undefined` when nothing would record them (no
+ * `@opentelemetry/api`, or only its no-op meter): the hooks then skip the
+ * work of building attributes for them.
+ */
 export function meter(): Instruments | undefined {
   const otel = api();
   if (!otel) return undefined;
   const source = options.meterProvider ?? otel.metrics.getMeterProvider();
-  if (source !== meterSource || !instruments) {
+  if (source !== meterSource || instruments === undefined) {
+    meterSource = source;
     const m = (source as Otel.MeterProvider).getMeter(INSTRUMENTATION_SCOPE, version);
+    if (m === otel.createNoopMeter()) {
+      instruments = null;
+      return undefined;
+    }
     const make = (i: number) => {
       const spec = METRICS[i] as (typeof METRICS)[number];
       const opts = { unit: spec.unit, description: spec.description };
@@ -141,21 +152,50 @@ export function meter(): Instruments | undefined {
       fenceSource: make(6) as Otel.Counter,
       migrateWait: make(7) as Otel.Histogram,
     };
-    meterSource = source;
   }
-  return instruments;
+  return instruments ?? undefined;
 }
 
-/** @internal palisade's tracer on the configured (or global) tracer provider. */
+let noopTracerProvider: unknown;
+
+/**
+ * @internal palisade's tracer on the configured (or global) tracer provider,
+ * or `undefined` where a span would record nothing: no `@opentelemetry/api`,
+ * or its global provider with no SDK behind it — starting a no-op span
+ * costs a few µs per lock cycle or write. Checked on every call, so an SDK
+ * registered later is used from its first span on.
+ */
 export function getTracer(): Otel.Tracer | undefined {
   const otel = api();
-  if (!otel) return undefined;
+  if (!otel || !tracingRegistered(otel)) return undefined;
   const source = options.tracerProvider ?? otel.trace.getTracerProvider();
   if (source !== tracerSource || !tracer) {
     tracer = (source as Otel.TracerProvider).getTracer(INSTRUMENTATION_SCOPE, version);
     tracerSource = source;
   }
   return tracer;
+}
+
+function tracingRegistered(otel: Api): boolean {
+  if (options.tracerProvider) return true;
+  const provider = otel.trace.getTracerProvider() as { getDelegate?: () => unknown };
+  if (typeof provider.getDelegate !== 'function') return true;
+  // A fresh proxy's delegate is the API's one no-op provider.
+  noopTracerProvider ??= new otel.ProxyTracerProvider().getDelegate();
+  return provider.getDelegate() !== noopTracerProvider;
+}
+
+/**
+ * @internal `fn` inside an active span named `name` when `tracer` records
+ * (see {@link getTracer}), else with no span at all.
+ */
+export function withSpan<T>(
+  tracer: Otel.Tracer | undefined,
+  name: string,
+  spanOptions: Otel.SpanOptions,
+  fn: (span: Otel.Span | undefined) => Promise<T>,
+): Promise<T> {
+  return tracer ? tracer.startActiveSpan(name, spanOptions, fn) : fn(undefined);
 }
 
 /** @internal Seconds since a `performance.now()` reading. */

@@ -1,28 +1,11 @@
 /** Spans and the refusal count of fenced repository writes (the README's "Watching it in production"). */
 import { ATTR } from './catalog.js';
-import { type Api, type Attributes, api, failSpan, getTracer, meter, telemetryOptions } from './otel.js';
+import { type Attributes, api, failSpan, getTracer, meter, withSpan } from './otel.js';
 
 /** The outcome of one fenced single-row write, as the repository returns it. */
 interface WriteOutcome {
   readonly status: 'applied' | 'stale' | 'duplicate' | 'missing';
   readonly currentFence?: bigint;
-}
-
-let noopTracerProvider: unknown;
-
-/**
- * False while the global tracer provider has no SDK behind it (and none was
- * configured): its spans record nothing, yet starting one costs ~5 µs — a
- * twentieth of a fenced write's client CPU. Checked on every write, so an
- * SDK registered later is used from its first span on.
- */
-function tracingRegistered(otel: Api): boolean {
-  if (telemetryOptions().tracerProvider) return true;
-  const provider = otel.trace.getTracerProvider() as { getDelegate?: () => unknown };
-  if (typeof provider.getDelegate !== 'function') return true;
-  // A fresh proxy's delegate is the API's one no-op provider.
-  noopTracerProvider ??= new otel.ProxyTracerProvider().getDelegate();
-  return provider.getDelegate() !== noopTracerProvider;
 }
 
 /**
@@ -39,17 +22,11 @@ export async function observeWrite<R extends WriteOutcome>(
   run: () => Promise<R>,
 ): Promise<R> {
   const otel = api();
+  if (!otel) return run();
   const t = getTracer();
-  if (!otel || !t) return run();
-  if (!tracingRegistered(otel)) {
-    // No span would record anything: only the refusal count (a meter may be registered on its own).
-    const result = await run();
-    if (result.status !== 'applied')
-      meter()?.refused.add(1, { [ATTR.dbCollection]: table, [ATTR.writeOutcome]: result.status });
-    return result;
-  }
+  if (!t && !meter()) return run(); // nothing would record: not even a refusal count
   const summary = `${operation} ${table}`;
-  const attributes: Attributes = {
+  const attributes: Attributes | undefined = t && {
     [ATTR.dbSystem]: 'postgresql',
     [ATTR.dbCollection]: table,
     [ATTR.dbOperation]: operation,
@@ -57,21 +34,21 @@ export async function observeWrite<R extends WriteOutcome>(
     [ATTR.writeMethod]: method,
     [ATTR.fence]: fence.toString(),
   };
-  return t.startActiveSpan(summary, { kind: otel.SpanKind.CLIENT, attributes }, async (span) => {
+  return withSpan(t, summary, { kind: otel.SpanKind.CLIENT, attributes }, async (span) => {
     try {
       const result = await run();
-      span.setAttribute(ATTR.writeOutcome, result.status);
+      span?.setAttribute(ATTR.writeOutcome, result.status);
       if (result.status === 'stale' && result.currentFence !== undefined)
-        span.setAttribute(ATTR.currentFence, result.currentFence.toString());
+        span?.setAttribute(ATTR.currentFence, result.currentFence.toString());
       if (result.status !== 'applied')
         meter()?.refused.add(1, { [ATTR.dbCollection]: table, [ATTR.writeOutcome]: result.status });
       return result;
     } catch (err) {
-      span.setAttribute(ATTR.writeOutcome, 'error');
-      failSpan(otel, span, err);
+      span?.setAttribute(ATTR.writeOutcome, 'error');
+      if (span) failSpan(otel, span, err);
       throw err;
     } finally {
-      span.end();
+      span?.end();
     }
   });
 }
@@ -83,10 +60,11 @@ export async function observeBatch<R extends { readonly applied: number; readonl
   run: () => Promise<R>,
 ): Promise<R> {
   const otel = api();
+  if (!otel) return run();
   const t = getTracer();
-  if (!otel || !t) return run();
+  if (!t && !meter()) return run();
   const summary = `UPDATE ${table}`;
-  const attributes: Attributes = {
+  const attributes: Attributes | undefined = t && {
     [ATTR.dbSystem]: 'postgresql',
     [ATTR.dbCollection]: table,
     [ATTR.dbOperation]: 'UPDATE',
@@ -94,10 +72,10 @@ export async function observeBatch<R extends { readonly applied: number; readonl
     [ATTR.writeMethod]: 'updateWhere',
     [ATTR.fence]: fence.toString(),
   };
-  return t.startActiveSpan(summary, { kind: otel.SpanKind.CLIENT, attributes }, async (span) => {
+  return withSpan(t, summary, { kind: otel.SpanKind.CLIENT, attributes }, async (span) => {
     try {
       const result = await run();
-      span.setAttributes({
+      span?.setAttributes({
         [ATTR.rowsApplied]: result.applied,
         [ATTR.rowsStale]: result.stale,
         [ATTR.writeOutcome]: result.stale === 0 ? 'applied' : result.applied === 0 ? 'stale' : 'partial',
@@ -106,11 +84,11 @@ export async function observeBatch<R extends { readonly applied: number; readonl
         meter()?.refused.add(result.stale, { [ATTR.dbCollection]: table, [ATTR.writeOutcome]: 'stale' });
       return result;
     } catch (err) {
-      span.setAttribute(ATTR.writeOutcome, 'error');
-      failSpan(otel, span, err);
+      span?.setAttribute(ATTR.writeOutcome, 'error');
+      if (span) failSpan(otel, span, err);
       throw err;
     } finally {
-      span.end();
+      span?.end();
     }
   });
 }

@@ -207,4 +207,24 @@ describe('telemetry through the real OpenTelemetry SDK (PGlite)', () => {
     }
     await locks.close();
   });
+
+  it('with a meter provider and no tracing SDK, lock and write metrics are still recorded', async () => {
+    const metricsOnly = testSdk();
+    configureTelemetry({ meterProvider: metricsOnly.meterProvider });
+    try {
+      const locks = manager();
+      await (await locks.acquire('metrics-only', { ttlMs: 5000 })).release();
+      const accounts = await createAccounts(db);
+      const repo = fencedRepository(db, accounts);
+      expect((await repo.upsert({ id: 'm', owner: 'o', balance: 1 }, toFence(5n))).status).toBe('applied');
+      expect((await repo.update({ id: 'm' }, toFence(4n), { balance: 2 })).status).toBe('stale');
+      expect(await metricsOnly.total('palisade.lock.grants')).toBe(1);
+      expect(await metricsOnly.total('palisade.lock.hold.duration')).toBe(1);
+      expect(await metricsOnly.total('palisade.write.refused', { 'db.collection.name': getTableName(accounts) })).toBe(1);
+      await locks.close();
+    } finally {
+      configureTelemetry({ meterProvider: sdk.meterProvider, tracerProvider: sdk.tracerProvider });
+      await metricsOnly.shutdown();
+    }
+  });
 });
