@@ -7,33 +7,37 @@ import { performance } from 'node:perf_hooks';
 import { LockServiceError, PalisadeError } from '../errors.js';
 import type { LockManagerHooks } from './lock-manager.js';
 
-const SENTINEL_TIMEOUT = Symbol('deadline');
-
 /**
- * `work`, or a timeout error at `deadline` (a monotonic time). If the work
- * settles after the deadline, `onLate(value)` gets its value (undefined if it
- * failed) so a grant nobody waits for can be given back.
+ * @internal `work`, or a timeout error at `deadline` (a monotonic time). If
+ * the work settles after the deadline, `onLate(value)` gets its value
+ * (undefined if it failed) so a grant nobody waits for can be given back.
  */
-/** @internal */
-export async function bounded<T>(
-  work: Promise<T>,
-  deadline: number,
-  onLate: (value: T | undefined) => void,
-): Promise<T> {
+export function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T | undefined) => void): Promise<T> {
   const left = deadline - performance.now();
   if (!Number.isFinite(left)) return work;
-  let timer: NodeJS.Timeout | undefined;
-  const timeout = new Promise<typeof SENTINEL_TIMEOUT>((resolve) => {
-    timer = setTimeout(() => resolve(SENTINEL_TIMEOUT), Math.max(0, left));
+  // One promise and one timer, not a race between two promises: this runs on every waiting attempt.
+  return new Promise<T>((resolve, reject) => {
+    let cut = false;
+    const timer = setTimeout(
+      () => {
+        cut = true;
+        reject(new AttemptCutShort());
+      },
+      Math.max(0, left),
+    );
+    work.then(
+      (value) => {
+        if (cut) return onLate(value);
+        clearTimeout(timer);
+        resolve(value);
+      },
+      (err: unknown) => {
+        if (cut) return onLate(undefined);
+        clearTimeout(timer);
+        reject(err);
+      },
+    );
   });
-  try {
-    const first = await Promise.race([work, timeout]);
-    if (first !== SENTINEL_TIMEOUT) return first;
-  } finally {
-    clearTimeout(timer);
-  }
-  work.then(onLate, () => onLate(undefined));
-  throw new AttemptCutShort();
 }
 
 /** @internal An attempt abandoned at the wait's deadline (it may still land: then it is given back). */

@@ -39,11 +39,18 @@ export async function databaseSourceId(db: Database): Promise<string> {
  */
 export function withFenceSource(backend: LockBackend, namespace: string, source: () => Promise<string>): LockBackend {
   let known: Promise<string> | undefined;
+  let learnt: string | undefined; // the id once known: no extra await on every grant
   const sourceId = (): Promise<string> => {
-    known ??= source().catch((err: unknown) => {
-      known = undefined;
-      throw err;
-    });
+    known ??= source().then(
+      (id) => {
+        learnt = id;
+        return id;
+      },
+      (err: unknown) => {
+        known = undefined;
+        throw err;
+      },
+    );
     return known;
   };
   const base = forwardTo(backend, namespace);
@@ -51,9 +58,9 @@ export function withFenceSource(backend: LockBackend, namespace: string, source:
   return {
     ...base,
     async grant(...args: Parameters<LockBackend['grant']>): Promise<Grant | null> {
-      const id = await sourceId();
+      const id = learnt ?? (await sourceId());
       const grant = await base.grant(...args);
-      return grant === null ? null : { ...grant, source: id };
+      return grant === null ? null : withSource(grant, id);
     },
     ...(handover
       ? {
@@ -62,10 +69,22 @@ export function withFenceSource(backend: LockBackend, namespace: string, source:
           async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
             const grant = await handover(...args);
             if (grant === undefined) return undefined;
-            const id = await known?.catch(() => undefined);
-            return id === undefined ? undefined : { ...grant, source: id };
+            const id = learnt ?? (await known?.catch(() => undefined));
+            return id === undefined ? undefined : withSource(grant, id);
           },
         }
       : {}),
   };
+}
+
+// Field by field, not `{ ...grant, source }`: spreading an object takes a slow clone path in V8,
+// on every acquire.
+function withSource(grant: Grant, source: string): Grant {
+  const out: { fence: Grant['fence']; source: string; lost?: AbortSignal; confirmWithinMs?: number } = {
+    fence: grant.fence,
+    source,
+  };
+  if (grant.lost !== undefined) out.lost = grant.lost;
+  if (grant.confirmWithinMs !== undefined) out.confirmWithinMs = grant.confirmWithinMs;
+  return out;
 }

@@ -18,8 +18,8 @@ export type RedisClient = Redis<'legacy'> | Redis<'resp3'> | Cluster<'legacy'> |
 /** Options of `redisLockManager` (./manager.ts). */
 export interface RedisLockManagerOptions {
   /**
-   * The caller's ioredis client; palisade defines its scripts on it
-   * (`defineCommand`, names starting with `palisade`) and never closes it.
+   * The caller's ioredis client; palisade runs its Lua scripts on it
+   * (`EVALSHA`, `EVAL` after a NOSCRIPT) and never closes it.
    * Recommended: `new Redis(url, { commandTimeout: 2000, maxRetriesPerRequest: 1,
    * enableOfflineQueue: false })` so that nothing queues while Redis is away.
    */

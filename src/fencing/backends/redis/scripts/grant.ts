@@ -46,13 +46,15 @@ export const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
 const MAX_PRUNE = 64;
 
 // KEYS: lock, grant record, fence state, queue, seen.
-// ARGV: token, ttl ms, holder, has holder ('1'/'0'), max counter, waiting ('1'/'0'), stale ms, queue ttl ms, max prune.
+// ARGV: token, ttl ms, holder ('' for none, else '=' followed by the label), waiting ('1'/'0').
 // Replies: {'OK', epoch, counter} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}.
 // The queue: KEYS[4] token → place (order of arrival), KEYS[5] token → last retry (Redis TIME, ms).
+// The constants are part of the script (every argument is parsed on every call).
 const GRANT_LUA = `${IDENTITY_LUA}
-local waiting = ARGV[6] == '1'
+local waiting = ARGV[4] == '1'
+local t
 local function now()
-  local t = redis.call('TIME')
+  t = t or redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function wait_in_line(ms)
@@ -63,8 +65,8 @@ local function wait_in_line(ms)
     redis.call('ZADD', KEYS[4], place, ARGV[1])
   end
   redis.call('ZADD', KEYS[5], ms, ARGV[1])
-  redis.call('PEXPIRE', KEYS[4], ARGV[8])
-  redis.call('PEXPIRE', KEYS[5], ARGV[8])
+  redis.call('PEXPIRE', KEYS[4], ${QUEUE_TTL_MS})
+  redis.call('PEXPIRE', KEYS[5], ${QUEUE_TTL_MS})
   return {'BUSY'}
 end
 local current = redis.call('GET', KEYS[1])
@@ -76,22 +78,22 @@ if current == ARGV[1] then
       redis.call('PEXPIRE', KEYS[1], ARGV[2])
       redis.call('PEXPIRE', KEYS[2], ARGV[2])
       redis.call('HDEL', KEYS[2], 'handoff')
-      if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+      if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], 'holder', string.sub(ARGV[3], 2)) end
     end
     return {'OK', g[2], g[3]}
   end
 elseif current then
   if waiting then return wait_in_line(now()) end
   return {'BUSY'}
-else
-  -- Free: it goes to the head of the line, once waiters that stopped retrying are dropped.
+elseif redis.call('ZRANGE', KEYS[4], 0, 0)[1] then
+  -- Free, with a line: it goes to the head of the line, once waiters that stopped retrying are dropped.
   local ms = now()
-  local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ms - tonumber(ARGV[7]), 'LIMIT', 0, tonumber(ARGV[9]))
-  for _, t in ipairs(dead) do
-    redis.call('ZREM', KEYS[4], t)
-    redis.call('ZREM', KEYS[5], t)
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ms - ${REDIS_QUEUE_STALE_MS}, 'LIMIT', 0, ${MAX_PRUNE})
+  for _, d in ipairs(dead) do
+    redis.call('ZREM', KEYS[4], d)
+    redis.call('ZREM', KEYS[5], d)
   end
-  for _ = 1, tonumber(ARGV[9]) do
+  for _ = 1, ${MAX_PRUNE} do
     local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
     if not head or head == ARGV[1] then break end
     if redis.call('ZSCORE', KEYS[5], head) then
@@ -110,19 +112,22 @@ if st[1] ~= 'active' then
   return {'NOEPOCH', 'server', st[2] or ''}
 end
 if st[4] ~= id then return {'NOEPOCH', 'server', st[2]} end
-if tonumber(st[3]) >= tonumber(ARGV[5]) then return {'NOEPOCH', 'exhausted', st[2]} end
+if tonumber(st[3]) >= ${REDIS_MAX_COUNTER_ARG} then return {'NOEPOCH', 'exhausted', st[2]} end
 if current then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 elseif not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {'BUSY'}
 end
-redis.call('HINCRBY', KEYS[3], 'counter', 1)
-local counter = redis.call('HGET', KEYS[3], 'counter')
-local t = redis.call('TIME')
+-- HINCRBY's reply is a Lua number, exact (a counter stays below 2^39) and printed in full by tostring (%.14g).
+local counter = tostring(redis.call('HINCRBY', KEYS[3], 'counter', 1))
+now()
 local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at)
-if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at, 'holder', string.sub(ARGV[3], 2))
+else
+  redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at)
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 if waiting then
   redis.call('ZREM', KEYS[4], ARGV[1])
@@ -132,7 +137,7 @@ return {'OK', st[2], counter}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV4', lua: GRANT_LUA, numberOfKeys: 5 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV5', lua: GRANT_LUA, numberOfKeys: 5 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or
@@ -146,6 +151,9 @@ export type GrantReply =
   | { readonly kind: 'no-epoch'; readonly reason: string; readonly observed: string };
 
 const BUSY: GrantReply = { kind: 'busy' };
+
+/** @internal A holder label as the grant and confirm scripts take it: '' for none, '=' before a label (which may be ''). */
+export const holderArg = (holder: string | null): string => (holder === null ? '' : `=${holder}`);
 
 /** @internal One run of the grant script. */
 export async function runGrant(
@@ -165,13 +173,8 @@ export async function runGrant(
     keys.seen(name),
     token,
     ttlMs,
-    holder ?? '',
-    holder === null ? '0' : '1',
-    REDIS_MAX_COUNTER_ARG,
+    holderArg(holder),
     waiting ? '1' : '0',
-    REDIS_QUEUE_STALE_MS,
-    QUEUE_TTL_MS,
-    MAX_PRUNE,
   ])) as string[];
   if (reply[0] === 'OK') return { kind: 'granted', fence: fenceOf(reply[1], reply[2]) };
   if (reply[0] === 'BUSY') return BUSY;

@@ -3,6 +3,7 @@ import { FenceSourceError } from '../../../../errors.js';
 import type { LockInfo } from '../../../backend.js';
 import type { Fence } from '../../../fence.js';
 import { fenceOf, type RedisKeyNames } from '../keys.js';
+import { holderArg } from './grant.js';
 import type { LuaScript, RunScript } from './script.js';
 
 // KEYS: lock, grant record. ARGV: token, ttl ms.
@@ -26,7 +27,8 @@ return {'HELD', g[2], g[3], g[4] or '', g[4] and '1' or '0', g[5], tostring(pttl
 `;
 
 // A lock handed over by a release becomes the waiter's own: its TTL and holder label.
-// KEYS: lock, grant record. ARGV: token, ttl ms, holder, has holder ('1'/'0'). Replies: {'OK', epoch, counter} | {'LOST'}.
+// KEYS: lock, grant record. ARGV: token, ttl ms, holder ('' for none, else '=' and the label).
+// Replies: {'OK', epoch, counter} | {'LOST'}.
 const CONFIRM_LUA = `
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'LOST'} end
 local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
@@ -34,21 +36,16 @@ if g[1] ~= ARGV[1] then return {'LOST'} end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 redis.call('HDEL', KEYS[2], 'handoff')
-if ARGV[4] == '1' then redis.call('HSET', KEYS[2], 'holder', ARGV[3]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], 'holder', string.sub(ARGV[3], 2)) end
 return {'OK', g[2], g[3]}
 `;
 
 /** @internal */
-export const CONFIRM_SCRIPT: LuaScript = { name: 'palisadeConfirmV1', lua: CONFIRM_LUA, numberOfKeys: 2 };
+export const CONFIRM_SCRIPT: LuaScript = { name: 'palisadeConfirmV2', lua: CONFIRM_LUA, numberOfKeys: 2 };
 /** @internal */
 export const EXTEND_SCRIPT: LuaScript = { name: 'palisadeExtendV1', lua: EXTEND_LUA, numberOfKeys: 2 };
 /** @internal */
-export const INSPECT_SCRIPT: LuaScript = {
-  name: 'palisadeInspectV1',
-  lua: INSPECT_LUA,
-  numberOfKeys: 2,
-  readOnly: true,
-};
+export const INSPECT_SCRIPT: LuaScript = { name: 'palisadeInspectV1', lua: INSPECT_LUA, numberOfKeys: 2 };
 
 /** @internal Resets the TTL if `token` holds the lock; false if it does not. */
 export async function runExtend(
@@ -79,8 +76,7 @@ export async function runConfirm(
     keys.grant(name),
     token,
     ttlMs,
-    holder ?? '',
-    holder === null ? '0' : '1',
+    holderArg(holder),
   ])) as string[];
   return reply[0] === 'OK' && fenceOf(reply[1], reply[2]) === fence;
 }

@@ -14,8 +14,20 @@ import { REDIS_QUEUE_STALE_MS } from './grant.js';
 import { IDENTITY_LUA } from './identity.js';
 import type { LuaScript, RunScript } from './script.js';
 
-// KEYS: lock, grant record, queue, seen, fence state.
-// ARGV: token, channel, lock name, stale ms, handoff recent ms, handoff confirm ms, max counter.
+/**
+ * A release hands the lock over only to a head of the line that retried
+ * within this long (by the Redis server's clock): one likely to be alive
+ * and listening.
+ */
+export const REDIS_HANDOFF_RECENT_MS = 500;
+/**
+ * A lock handed over by a release is held this long unless the waiter
+ * confirms it (its grant or confirmation call sets its own TTL); a waiter
+ * that died meanwhile delays the lock by at most this much.
+ */
+export const REDIS_HANDOFF_CONFIRM_MS = 2_000;
+
+// KEYS: lock, grant record, queue, seen, fence state. ARGV: token, channel, lock name.
 // A live waiter seen within the handoff window at the head of the line gets the lock here, with its
 // fence, under the grant script's checks (current data history, active state, counter not used up),
 // for the confirmation window only; published as "<name>\0<sha1(token)>\0<epoch>\0<counter>".
@@ -34,23 +46,22 @@ seen = tonumber(seen)
 local t = redis.call('TIME')
 local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local nul = string.char(0)
-if seen >= ms - tonumber(ARGV[5]) then
+if seen >= ms - ${REDIS_HANDOFF_RECENT_MS} then
   local id = identity()
   local st = id and redis.call('HMGET', KEYS[5], 'state', 'epoch', 'counter', 'id')
-  if st and st[1] == 'active' and st[4] == id and tonumber(st[3]) < tonumber(ARGV[7]) then
-    redis.call('SET', KEYS[1], head, 'PX', ARGV[6])
-    redis.call('HINCRBY', KEYS[5], 'counter', 1)
-    local counter = redis.call('HGET', KEYS[5], 'counter')
+  if st and st[1] == 'active' and st[4] == id and tonumber(st[3]) < ${REDIS_MAX_COUNTER_ARG} then
+    redis.call('SET', KEYS[1], head, 'PX', ${REDIS_HANDOFF_CONFIRM_MS})
+    local counter = tostring(redis.call('HINCRBY', KEYS[5], 'counter', 1))
     local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
     redis.call('HSET', KEYS[2], 'token', head, 'epoch', st[2], 'counter', counter, 'at', at, 'handoff', '1')
-    redis.call('PEXPIRE', KEYS[2], ARGV[6])
+    redis.call('PEXPIRE', KEYS[2], ${REDIS_HANDOFF_CONFIRM_MS})
     redis.call('ZREM', KEYS[3], head)
     redis.call('ZREM', KEYS[4], head)
     redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. redis.sha1hex(head) .. nul .. st[2] .. nul .. counter)
     return 'RELEASED'
   end
 end
-if seen >= ms - tonumber(ARGV[4]) then
+if seen >= ms - ${REDIS_QUEUE_STALE_MS} then
   redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. redis.sha1hex(head))
 else
   redis.call('PUBLISH', ARGV[2], ARGV[3])
@@ -82,21 +93,8 @@ end
 return 'LEFT'
 `;
 
-/**
- * A release hands the lock over only to a head of the line that retried
- * within this long (by the Redis server's clock): one likely to be alive
- * and listening.
- */
-export const REDIS_HANDOFF_RECENT_MS = 500;
-/**
- * A lock handed over by a release is held this long unless the waiter
- * confirms it (its grant or confirmation call sets its own TTL); a waiter
- * that died meanwhile delays the lock by at most this much.
- */
-export const REDIS_HANDOFF_CONFIRM_MS = 2_000;
-
 /** @internal */
-export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV3', lua: RELEASE_LUA, numberOfKeys: 5 };
+export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV4', lua: RELEASE_LUA, numberOfKeys: 5 };
 /** @internal */
 export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV2', lua: LEAVE_LUA, numberOfKeys: 4 };
 
@@ -111,10 +109,6 @@ export async function runRelease(run: RunScript, keys: RedisKeyNames, name: stri
     token,
     keys.channel,
     name,
-    REDIS_QUEUE_STALE_MS,
-    REDIS_HANDOFF_RECENT_MS,
-    REDIS_HANDOFF_CONFIRM_MS,
-    REDIS_MAX_COUNTER_ARG,
   ]);
   return reply === 'RELEASED';
 }
