@@ -10,6 +10,9 @@
  *   npm run bench -- --rounds=5        at least 5 interleaved rounds in every comparison (the handoff too)
  *   npm run bench -- --render          rewrite latest.md and latest.svg from latest.json (after editing the findings)
  *
+ * It runs compiled by tsc (bench/build.mjs says why); `node --import tsx
+ * bench/run.ts` runs it from source, for developing the benchmark itself.
+ *
  * Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test;
  * a database of the run's own is created and dropped), a `redis-server`
  * binary (a server of the run's own is started on a free loopback port;
@@ -18,11 +21,11 @@
  */
 import { spawnSync } from 'node:child_process';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
-import { dirname, join } from 'node:path';
-import { fileURLToPath } from 'node:url';
+import { join } from 'node:path';
 import { migrate } from '../src/migrate.js';
 import { renderRatioChart } from './lib/chart.js';
 import { type BenchContext, SCALES } from './lib/context.js';
+import { RESULTS, ROOT } from './lib/paths.js';
 import { Report } from './lib/report.js';
 import { type RunMeta, renderMarkdown, runMeta } from './lib/results.js';
 import { benchDatabase, benchRedis } from './lib/services.js';
@@ -52,7 +55,7 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
 
 /** `--render`: rewrites latest.md from latest.json (e.g. after editing the findings), measuring nothing. */
 function renderOnly(): void {
-  const out = join(dirname(fileURLToPath(import.meta.url)), 'results');
+  const out = RESULTS;
   const saved = JSON.parse(readFileSync(join(out, 'latest.json'), 'utf8')) as {
     meta: RunMeta;
     tables: Report['tables'];
@@ -71,7 +74,7 @@ function renderOnly(): void {
 
 /** Both result files are linted with the rest of bench/: let the project's formatter lay them out. */
 function formatResults(...files: string[]): void {
-  const biome = join(dirname(fileURLToPath(import.meta.url)), '..', 'node_modules', '.bin', 'biome');
+  const biome = join(ROOT, 'node_modules', '.bin', 'biome');
   spawnSync(biome, ['format', '--write', ...files], { stdio: 'ignore', timeout: 60_000 });
 }
 
@@ -122,7 +125,7 @@ async function main(): Promise<void> {
       console.log(`  (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
     }
     const meta = await runMeta(ctx, started, new Date(), only);
-    const out = join(dirname(fileURLToPath(import.meta.url)), 'results');
+    const out = RESULTS;
     mkdirSync(out, { recursive: true });
     const base = only ? 'partial' : scale.name === 'full' ? 'latest' : 'quick';
     writeFileSync(

@@ -32,8 +32,10 @@ export interface Scale {
 export const SCALES: Record<'full' | 'quick', Scale> = {
   full: {
     name: 'full',
-    rounds: 5,
-    timeMs: 800,
+    // Many short rounds rather than a few long ones: this machine's speed drifts within a second,
+    // and only blocks of tens of ms, paired round by round, see the same machine (./measure.ts).
+    rounds: 60,
+    timeMs: 60,
     handoffMs: 4_000,
     handoffRounds: 3,
     memoryCycles: 100_000,
@@ -46,8 +48,8 @@ export const SCALES: Record<'full' | 'quick', Scale> = {
   },
   quick: {
     name: 'quick',
-    rounds: 2,
-    timeMs: 150,
+    rounds: 6,
+    timeMs: 40,
     handoffMs: 800,
     handoffRounds: 1,
     memoryCycles: 3_000,

@@ -92,7 +92,7 @@ export function palisadeRedis(ctx: BenchContext, namespace = 'bench'): LockUnder
 
 /** palisade's Postgres lease manager on a postgres.js client of its own (`max` connections). */
 export function palisadePostgres(ctx: BenchContext, namespace = 'bench', max = 20): LockUnderTest {
-  const sql = ctx.pg.client(max);
+  const sql = ctx.pg.client(max, undefined, { countQueries: true });
   const db = drizzle(sql) as unknown as Database;
   const manager = postgresLockManager({ client: db, namespace });
   return palisade(
@@ -112,7 +112,7 @@ export async function palisadeAdvisory(
   namespace = 'bench',
   max = 20,
 ): Promise<LockUnderTest | undefined> {
-  const sql = ctx.pg.client(max);
+  const sql = ctx.pg.client(max, undefined, { countQueries: true });
   // Up to 16 idle sessions kept for reuse (the default, 1, would open a connection per grant at 16 clients).
   const manager = advisoryLockManager({ client: sql, namespace, maxIdleSessions: 16 });
   return palisade(

@@ -1,23 +1,23 @@
 /**
- * Side-by-side timing on tinybench: every case of a comparison runs in each
- * round, in a rotated order, so drift on a shared machine (other engineers'
- * tests, autovacuum, CPU frequency) spreads over all cases instead of
- * favouring whichever ran first. Ratios are taken between medians of the
- * same run.
+ * Side-by-side timing: every case of a comparison runs in each round, in a
+ * rotated order, for a short block of time (tens of ms), over many rounds.
+ * This machine's speed drifts by tens of percent from one second to the
+ * next (a shared host): two runs of the same case 400 ms apart differed by
+ * up to ±50%, while adjacent 50 ms blocks differ little, so short blocks
+ * paired round by round (see {@link pairedRatio}) are what makes a
+ * difference of a few percent measurable at all.
  *
- * - Serial: one call at a time; tinybench's latency samples give p50/p99.
- * - Concurrent: tinybench's `concurrency: 'task'` keeps `concurrency`
- *   calls in flight (a closed loop of that many clients); throughput is
- *   iterations over the wall time of the round, latency per call.
+ * Each block is a closed loop of `concurrency` calls in flight (1 =
+ * serial): throughput is calls over the block's wall time; latency is
+ * per call; CPU is this process's user + system time over the block.
  */
 import { performance } from 'node:perf_hooks';
-import { Bench } from 'tinybench';
 
 /** One thing to time. `fn` must be bounded (it runs thousands of times). */
 export interface Case {
   readonly name: string;
   readonly fn: () => Promise<unknown>;
-  /** Runs once before each round of this case (untimed), e.g. to reset a row. */
+  /** Runs once before each block of this case (untimed), e.g. to reset a row. */
   readonly before?: () => Promise<void>;
 }
 
@@ -25,9 +25,8 @@ export interface MeasureOptions {
   /** Calls in flight: 1 = serial. */
   readonly concurrency: number;
   readonly rounds: number;
-  /** Time per case per round (ms). */
+  /** Time per case per round (ms): one block. */
   readonly timeMs: number;
-  readonly warmupMs?: number;
 }
 
 /** Medians over rounds. Latencies in ms. */
@@ -43,103 +42,84 @@ export interface Measured {
   readonly cpuUsPerCall: number;
 }
 
+/** The untimed warm-up of each case: pooled connections, scripts, prepared statements, the JIT. */
+const WARMUP_MS = 250;
+
 /**
  * Runs every case `rounds` times (rotating the order) and returns medians.
  * Throws the first error a case raises: a benchmark that fails must not
  * report a number.
  */
 export async function compare(cases: readonly Case[], opts: MeasureOptions): Promise<Measured[]> {
-  const perCase = cases.map(() => ({
-    ops: [] as number[],
-    p50: [] as number[],
-    p99: [] as number[],
-    cpu: [] as number[],
-    calls: 0,
-  }));
-  // An untimed pass first: opens pooled connections, loads scripts, prepares statements, warms the JIT,
-  // so that none of it lands on whichever case happens to run first.
+  const perCase = cases.map(() => ({ ops: [] as number[], latencies: [] as number[], cpuUs: 0, calls: 0 }));
   for (const c of cases) {
     await c.before?.();
-    await timeOne(c, { ...opts, timeMs: Math.min(250, opts.timeMs / 2), warmupMs: 0 });
+    await block(c, opts.concurrency, WARMUP_MS, undefined);
   }
   for (let round = 0; round < opts.rounds; round++) {
+    // The garbage of the last round is collected between rounds, not on a case's time
+    // (`npm run bench` runs node with --expose-gc).
+    (globalThis as { gc?: () => void }).gc?.();
     for (let k = 0; k < cases.length; k++) {
       const i = (k + round) % cases.length;
       const c = cases[i] as Case;
       await c.before?.();
-      const r = await timeOne(c, opts);
       const acc = perCase[i] as (typeof perCase)[number];
+      const r = await block(c, opts.concurrency, opts.timeMs, acc.latencies);
       acc.ops.push(r.opsPerSec);
-      acc.p50.push(r.p50Ms);
-      acc.p99.push(r.p99Ms);
-      acc.cpu.push(r.cpuUsPerCall);
+      acc.cpuUs += r.cpuUs;
       acc.calls += r.calls;
     }
   }
   return cases.map((c, i) => {
     const acc = perCase[i] as (typeof perCase)[number];
+    const sorted = acc.latencies.sort((a, b) => a - b);
     return {
       name: c.name,
       opsPerSec: median(acc.ops),
-      p50Ms: median(acc.p50),
-      p99Ms: median(acc.p99),
+      p50Ms: quantileSorted(sorted, 0.5),
+      p99Ms: quantileSorted(sorted, 0.99),
       roundsOpsPerSec: acc.ops.map((x) => Math.round(x)),
       calls: acc.calls,
-      cpuUsPerCall: median(acc.cpu),
+      cpuUsPerCall: acc.cpuUs / Math.max(1, acc.calls),
     };
   });
 }
 
-async function timeOne(
+/** One block: `concurrency` workers call `c.fn` until `ms` have passed; latencies go to `latencies`. */
+async function block(
   c: Case,
-  opts: MeasureOptions,
-): Promise<{ opsPerSec: number; p50Ms: number; p99Ms: number; calls: number; cpuUsPerCall: number }> {
-  const concurrent = opts.concurrency > 1;
-  const bench = new Bench({
-    time: opts.timeMs,
-    // warmupMs 0 = no warm-up (a concurrent warm-up needs a positive time bound, or it never ends).
-    warmup: opts.warmupMs !== 0,
-    warmupTime: opts.warmupMs || Math.min(200, opts.timeMs / 4),
-    // Serial: a minimum; concurrent: 0 = no cap, time bounds it (threshold must then be finite).
-    iterations: concurrent ? 0 : 8,
-    warmupIterations: concurrent ? 0 : 4,
-    concurrency: concurrent ? 'task' : null,
-    threshold: concurrent ? opts.concurrency : Number.POSITIVE_INFINITY,
-    throws: true,
-    // A bound on the whole case, whatever happens to the loop inside tinybench.
-    signal: AbortSignal.timeout(Math.max(30_000, opts.timeMs * 20)),
-  });
-  let started = 0;
-  let ended = 0;
-  let cpu0 = process.cpuUsage();
-  let cpu = { user: 0, system: 0 };
-  bench.add(c.name, c.fn, {
-    beforeAll(mode) {
-      if (mode !== 'run') return;
-      started = performance.now();
-      cpu0 = process.cpuUsage();
-    },
-    afterAll(mode) {
-      if (mode !== 'run') return;
-      ended = performance.now();
-      cpu = process.cpuUsage(cpu0);
-    },
-  });
-  await bench.run();
-  const result = bench.tasks[0]?.result;
-  if (!result || !('latency' in result)) {
-    const error = result && 'error' in result ? result.error : undefined;
-    throw new Error(`benchmark case ${c.name} did not complete (${result?.state ?? 'no result'})`, { cause: error });
-  }
-  const calls = result.latency.samplesCount;
-  const wallMs = ended - started;
-  return {
-    opsPerSec: concurrent ? (calls * 1000) / wallMs : 1000 / result.latency.mean,
-    p50Ms: result.latency.p50,
-    p99Ms: result.latency.p99,
-    calls,
-    cpuUsPerCall: (cpu.user + cpu.system) / Math.max(1, calls),
-  };
+  concurrency: number,
+  ms: number,
+  latencies: number[] | undefined,
+): Promise<{ opsPerSec: number; calls: number; cpuUs: number }> {
+  let calls = 0;
+  const cpu0 = process.cpuUsage();
+  const started = performance.now();
+  const stop = started + ms;
+  await Promise.all(
+    Array.from({ length: concurrency }, async () => {
+      while (performance.now() < stop) {
+        const t = performance.now();
+        await c.fn();
+        latencies?.push(performance.now() - t);
+        calls++;
+      }
+    }),
+  );
+  const wallMs = performance.now() - started;
+  const cpu = process.cpuUsage(cpu0);
+  return { opsPerSec: (calls * 1000) / wallMs, calls, cpuUs: cpu.user + cpu.system };
+}
+
+/**
+ * `a` over `b`, round by round (round i of one ran beside round i of the
+ * other: same minutes of the machine's load), as the median of those
+ * ratios with their min and max. What a goal between two cases is decided by.
+ */
+export function pairedRatio(a: Measured, b: Measured): { median: number; min: number; max: number } {
+  const ratios = a.roundsOpsPerSec.map((v, i) => v / (b.roundsOpsPerSec[i] ?? Number.NaN));
+  return { median: median(ratios), min: Math.min(...ratios), max: Math.max(...ratios) };
 }
 
 /** The median of `xs` (mean of the middle two for an even count); NaN when empty. */
@@ -152,14 +132,20 @@ export function median(xs: readonly number[]): number {
 
 /** The q-quantile (0…1) of `xs`, nearest rank. */
 export function quantile(xs: readonly number[], q: number): number {
-  if (xs.length === 0) return Number.NaN;
-  const s = [...xs].sort((a, b) => a - b);
+  return quantileSorted(
+    [...xs].sort((a, b) => a - b),
+    q,
+  );
+}
+
+function quantileSorted(s: readonly number[], q: number): number {
+  if (s.length === 0) return Number.NaN;
   return s[Math.min(s.length - 1, Math.max(0, Math.ceil(q * s.length) - 1))] as number;
 }
 
 /**
  * A closed loop of `workers` async workers for `durationMs` (and at most
- * `maxIterations` per worker): for the cases tinybench cannot shape, such
+ * `maxIterations` per worker): for the cases `compare` cannot shape, such
  * as several workers contending for one lock.
  */
 export async function closedLoop(

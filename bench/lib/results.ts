@@ -5,8 +5,10 @@
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { cpus, loadavg } from 'node:os';
+import { join } from 'node:path';
 import type { BenchContext } from './context.js';
 import { FINDINGS, PEERS } from './findings.js';
+import { ROOT } from './paths.js';
 import { markdownTable, type Report } from './report.js';
 
 export interface RunMeta {
@@ -24,14 +26,7 @@ export interface RunMeta {
   readonly syncguard: string;
 }
 
-const PACKAGES = [
-  'drizzle-orm',
-  'postgres',
-  'ioredis',
-  'tinybench',
-  'redis-semaphore',
-  '@sesamecare-oss/redlock',
-] as const;
+const PACKAGES = ['drizzle-orm', 'postgres', 'ioredis', 'redis-semaphore', '@sesamecare-oss/redlock'] as const;
 
 const require = createRequire(import.meta.url);
 
@@ -66,7 +61,7 @@ export async function runMeta(
   only: readonly string[] | undefined,
 ): Promise<RunMeta> {
   const [row] = await ctx.pg.sql`select current_setting('server_version') as v`;
-  const own = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
+  const own = JSON.parse(readFileSync(join(ROOT, 'package.json'), 'utf8')) as { version: string };
   const packages: Record<string, string> = { palisade: own.version };
   for (const p of PACKAGES) packages[p] = packageVersion(p);
   const cpu = cpus();

@@ -28,8 +28,12 @@ export interface BenchDatabase {
   readonly sql: postgres.Sql;
   /** drizzle on `sql`. */
   readonly db: Database;
-  /** Opens another postgres.js client on the same database (`connection`: server settings for its sessions). */
-  client(max: number, connection?: Record<string, string>): postgres.Sql;
+  /**
+   * Opens another postgres.js client on the same database (`connection`:
+   * server settings for its sessions; `countQueries`: count what it sends,
+   * see {@link queriesSent}).
+   */
+  client(max: number, connection?: Record<string, string>, options?: { countQueries?: boolean }): postgres.Sql;
   close(): Promise<void>;
 }
 
@@ -39,19 +43,19 @@ export async function benchDatabase(max = 20): Promise<BenchDatabase> {
   assertLoopback(base, 'DATABASE_URL');
   const { name, url, drop } = await createScratchDatabase(base, 'palisade_bench');
   const clients: postgres.Sql[] = [];
-  const client = (n: number, connection?: Record<string, string>) => {
-    const counter = { n: 0 };
-    const c = postgres(url, {
-      max: n,
-      onnotice: () => {},
-      // Counts every query the client sends (sessions derived from its options, like the advisory
-      // backend's, count here too): exact round-trip counts, cheap enough to leave on.
-      debug: () => {
+  const client = (n: number, connection?: Record<string, string>, options?: { countQueries?: boolean }) => {
+    const c = postgres(url, { max: n, onnotice: () => {}, ...(connection ? { connection } : {}) });
+    if (options?.countQueries) {
+      // postgres.js calls `options.debug` for every query its connections send. Given at creation it
+      // also makes every query capture a stack trace (tens of µs of client CPU, more the deeper the
+      // caller's stack: it slowed a repository write far more than a raw query); set afterwards, only
+      // the count is paid — except on sessions derived later (reserve, begin), which copy it.
+      const counter = { n: 0 };
+      c.options.debug = () => {
         counter.n++;
-      },
-      ...(connection ? { connection } : {}),
-    });
-    queryCounts.set(c, counter);
+      };
+      queryCounts.set(c, counter);
+    }
     clients.push(c);
     return c;
   };
@@ -71,7 +75,7 @@ export async function benchDatabase(max = 20): Promise<BenchDatabase> {
 
 const queryCounts = new WeakMap<postgres.Sql, { n: number }>();
 
-/** Queries sent so far by a client made with {@link BenchDatabase.client}. */
+/** Queries sent so far by a client made with {@link BenchDatabase.client} and `countQueries`. */
 export function queriesSent(sql: postgres.Sql): number {
   return queryCounts.get(sql)?.n ?? 0;
 }

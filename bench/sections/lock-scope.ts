@@ -17,7 +17,7 @@ import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { BenchContext } from '../lib/context.js';
-import { type Case, compare, type Measured } from '../lib/measure.js';
+import { type Case, compare, type Measured, pairedRatio } from '../lib/measure.js';
 import { ms, ops, printTable, ratio } from '../lib/report.js';
 import { createAccounts, makeAccounts, randomId } from '../lib/tables.js';
 
@@ -93,21 +93,29 @@ export async function lockScope(ctx: BenchContext): Promise<void> {
           await repo.with(pick(big)).update({ id: randomId(ROWS) }, { balance: value() }, { returning: 'status' }),
         ),
     },
+    {
+      // The first case again: its ratio to the first shows how far noise alone moves a ratio.
+      name: 'row-scoped repository.update, again (A/A control)',
+      fn: async () =>
+        applied(await repo.update({ id: randomId(ROWS) }, fence, { balance: value() }, { returning: 'status' })),
+    },
   ];
+  // A transaction's rows in ascending order: 16 clients writing random rows in random order deadlock.
+  const txRows = () => Array.from({ length: TX_WRITES }, () => randomId(ROWS)).sort((a, b) => a - b);
   const txCases: Case[] = [
     {
       name: `plain transaction of ${TX_WRITES} row-scoped writes`,
       fn: () =>
         db.transaction(async (tx) => {
           const inTx = fencedRepository(tx as unknown as Database, table, { sameFence: 'allow' });
-          for (let i = 0; i < TX_WRITES; i++) await inTx.update({ id: randomId(ROWS) }, fence, { balance: value() });
+          for (const id of txRows()) await inTx.update({ id }, fence, { balance: value() });
         }),
     },
     {
       name: `fencedTransaction of the same ${TX_WRITES} writes`,
       fn: async () => {
         const r = await fencedTransaction(db, one, async () => {
-          for (let i = 0; i < TX_WRITES; i++) await repo.update({ id: randomId(ROWS) }, fence, { balance: value() });
+          for (const id of txRows()) await repo.update({ id }, fence, { balance: value() });
         });
         applied(r);
       },
@@ -123,22 +131,34 @@ export async function lockScope(ctx: BenchContext): Promise<void> {
     ] as const) {
       const m = await compare(cases, { concurrency, rounds: scale.rounds, timeMs: scale.timeMs });
       raw[`${title} ${label}`] = m;
-      const base = (m[0] as Measured).opsPerSec;
+      const base = m[0] as Measured;
       const t = report.table('9. Lock scope', `${title}, ${label}`, [
         'case',
         'ops/s',
         'p50 ms',
         'p99 ms',
         '× first row',
+        '× first row, min–max of rounds',
       ]);
-      for (const r of m) t.rows.push([r.name, ops(r.opsPerSec), ms(r.p50Ms), ms(r.p99Ms), ratio(r.opsPerSec / base)]);
+      for (const r of m) {
+        const vs = pairedRatio(r, base);
+        t.rows.push([
+          r.name,
+          ops(r.opsPerSec),
+          ms(r.p50Ms),
+          ms(r.p99Ms),
+          ratio(vs.median),
+          `${ratio(vs.min)}–${ratio(vs.max)}`,
+        ]);
+      }
+      t.notes.push('Ratios are medians of per-round ratios (round i of one case ran beside round i of the other).');
       printTable(t);
       if (title === 'writes') {
         for (const [index, what] of [
           [1, 'lock-scoped write, one lock'],
           [2, `lock-scoped write, ${MANY_LOCKS} locks`],
         ] as const) {
-          const r = (m[index] as Measured).opsPerSec / base;
+          const r = pairedRatio(m[index] as Measured, base).median;
           report.goal({
             section: '9',
             goal: `${what} ≥ 0.9× row-scoped (${label})`,
@@ -146,7 +166,7 @@ export async function lockScope(ctx: BenchContext): Promise<void> {
             met: r >= 0.9,
           });
         }
-        const size = (m[4] as Measured).opsPerSec / (m[3] as Measured).opsPerSec;
+        const size = pairedRatio(m[4] as Measured, m[3] as Measured).median;
         report.goal({
           section: '9',
           goal: `${registered.toLocaleString('en-US')} registered names ≥ 0.9× 10 names per write (${label})`,
@@ -154,7 +174,7 @@ export async function lockScope(ctx: BenchContext): Promise<void> {
           met: size >= 0.9,
         });
       } else {
-        const r = (m[1] as Measured).opsPerSec / base;
+        const r = pairedRatio(m[1] as Measured, base).median;
         // One statement more than N + 2 (BEGIN, N writes, COMMIT): the expected ratio is (N + 2) / (N + 3).
         const expected = (TX_WRITES + 2) / (TX_WRITES + 3);
         report.goal({

@@ -23,12 +23,15 @@ import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import type { BenchContext } from '../lib/context.js';
 import { median } from '../lib/measure.js';
+import { COMPILED } from '../lib/paths.js';
 import { ops, pct, printTable } from '../lib/report.js';
 import { createAccounts } from '../lib/tables.js';
 import type { ChildArgs } from './telemetry-child.js';
 
 const run = promisify(execFile);
-const CHILD = fileURLToPath(new URL('./telemetry-child.ts', import.meta.url));
+const CHILD = fileURLToPath(new URL(`./telemetry-child.${COMPILED ? 'js' : 'ts'}`, import.meta.url));
+// Compiled, the child runs as it is; from source, through tsx.
+const LOADER = COMPILED ? [] : ['--import', 'tsx'];
 const ROWS = 10_000;
 const GOAL = 0.03;
 const MODES: readonly ChildArgs['mode'][] = ['without it', 'without it, again', 'api, no SDK', 'SDK registered'];
@@ -72,7 +75,7 @@ export async function telemetry(ctx: BenchContext): Promise<void> {
           fenceBase: fenceBase.toString(),
         };
         fenceBase += 100_000_000n;
-        const { stdout } = await run(process.execPath, ['--import', 'tsx', CHILD, JSON.stringify(args)], {
+        const { stdout } = await run(process.execPath, [...LOADER, CHILD, JSON.stringify(args)], {
           timeout: ms + 120_000,
         });
         const r = JSON.parse(stdout.trim().split('\n').at(-1) as string) as {
