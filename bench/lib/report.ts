@@ -4,6 +4,7 @@
  * including per-round numbers) and `bench/results/latest.md` (what the
  * README quotes).
  */
+import { type Measured, pairedRatio } from './measure.js';
 
 export type Cell = string | number | null;
 
@@ -55,6 +56,16 @@ export const ms = (x: number): string => (Number.isFinite(x) ? x.toFixed(x < 1 ?
 /** Formats a ratio as `0.97×`. */
 export const ratio = (x: number): string => (Number.isFinite(x) ? `${x.toFixed(2)}×` : 'n/a');
 /** Formats a fraction as a percentage. */
+/**
+ * The first cells of a comparison table's row: name, ops/s, p50, p99, then
+ * `r` over `reference` as the median of their paired per-round ratios and
+ * its min–max over the rounds.
+ */
+export function comparedCells(r: Measured, reference: Measured): string[] {
+  const vs = pairedRatio(r, reference);
+  return [r.name, ops(r.opsPerSec), ms(r.p50Ms), ms(r.p99Ms), ratio(vs.median), `${ratio(vs.min)}–${ratio(vs.max)}`];
+}
+
 export const pct = (x: number, digits = 1): string => (Number.isFinite(x) ? `${(x * 100).toFixed(digits)}%` : 'n/a');
 
 /** Renders one table as GitHub markdown. */

@@ -10,7 +10,7 @@ import type { BenchContext } from '../lib/context.js';
 import { type LockUnderTest, palisadeAdvisory, palisadePostgres, redisLocks, redisSemaphore } from '../lib/locks.js';
 import { type Case, compare, type Measured, pairedRatio } from '../lib/measure.js';
 import { countCommands, perOp, serverMicros } from '../lib/redis-count.js';
-import { ms, ops, printTable, ratio } from '../lib/report.js';
+import { comparedCells, printTable, ratio } from '../lib/report.js';
 
 const WAIT_MS = 2_000;
 const SEMAPHORE = 'redis-semaphore Mutex';
@@ -82,18 +82,7 @@ export async function lockRoundTrips(ctx: BenchContext): Promise<void> {
         '× best, min–max of rounds',
         'client CPU µs/cycle',
       ]);
-      for (const r of m) {
-        const vsBest = pairedRatio(r, best);
-        t.rows.push([
-          r.name,
-          ops(r.opsPerSec),
-          ms(r.p50Ms),
-          ms(r.p99Ms),
-          ratio(vsBest.median),
-          `${ratio(vsBest.min)}–${ratio(vsBest.max)}`,
-          r.cpuUsPerCall.toFixed(0),
-        ]);
-      }
+      for (const r of m) t.rows.push([...comparedCells(r, best), r.cpuUsPerCall.toFixed(0)]);
       const aa = pairedRatio(
         m.find((r) => r.name === CONTROL) as Measured,
         m.find((r) => r.name === SEMAPHORE) as Measured,

@@ -18,7 +18,7 @@ import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { BenchContext } from '../lib/context.js';
 import { type Case, compare, type Measured, pairedRatio } from '../lib/measure.js';
-import { ms, ops, printTable, ratio } from '../lib/report.js';
+import { comparedCells, printTable, ratio } from '../lib/report.js';
 import { createAccounts, makeAccounts, randomId } from '../lib/tables.js';
 
 const ROWS = 10_000;
@@ -140,17 +140,7 @@ export async function lockScope(ctx: BenchContext): Promise<void> {
         '× first row',
         '× first row, min–max of rounds',
       ]);
-      for (const r of m) {
-        const vs = pairedRatio(r, base);
-        t.rows.push([
-          r.name,
-          ops(r.opsPerSec),
-          ms(r.p50Ms),
-          ms(r.p99Ms),
-          ratio(vs.median),
-          `${ratio(vs.min)}–${ratio(vs.max)}`,
-        ]);
-      }
+      for (const r of m) t.rows.push(comparedCells(r, base));
       t.notes.push('Ratios are medians of per-round ratios (round i of one case ran beside round i of the other).');
       printTable(t);
       if (title === 'writes') {

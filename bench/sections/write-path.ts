@@ -25,7 +25,7 @@ import { updateStatements } from '../../src/repo/statements.js';
 import { describeTable } from '../../src/repo/table.js';
 import type { BenchContext } from '../lib/context.js';
 import { type Case, compare, type Measured, pairedRatio } from '../lib/measure.js';
-import { ms, ops, printTable, ratio } from '../lib/report.js';
+import { comparedCells, printTable, ratio } from '../lib/report.js';
 import { type Accounts, createAccounts, FenceCounter, makeAccounts, randomId } from '../lib/tables.js';
 
 const ROWS = 10_000;
@@ -171,14 +171,8 @@ export async function writePath(ctx: BenchContext): Promise<void> {
       'client CPU µs/op',
     ]);
     for (const r of m) {
-      const vsFenced = pairedRatio(r, fenced);
       t.rows.push([
-        r.name,
-        ops(r.opsPerSec),
-        ms(r.p50Ms),
-        ms(r.p99Ms),
-        ratio(vsFenced.median),
-        `${ratio(vsFenced.min)}–${ratio(vsFenced.max)}`,
+        ...comparedCells(r, fenced),
         ratio(pairedRatio(r, m[FLOOR] as Measured).median),
         r.cpuUsPerCall.toFixed(0),
       ]);
