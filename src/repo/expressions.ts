@@ -5,11 +5,15 @@
  * expression's structure and is compiled once and reused (and prepared on
  * the server) like a statement with plain values.
  */
-import { Column, is, Name, Param, SQL, StringChunk, sql as sqlTag, Table } from 'drizzle-orm';
+import { Column, entityKind, is, type Name, Param, SQL, type StringChunk, sql as sqlTag, Table } from 'drizzle-orm';
 
 /** An expression with its values lifted into placeholders. */
 export interface ExpressionTemplate {
-  readonly sql: SQL;
+  /**
+   * The expression with placeholders in place of its values. Built only
+   * when the statement is compiled — once per shape, not per call.
+   */
+  readonly sql: () => SQL;
   /**
    * Equal shapes compile to equal text (on one database object): the text
    * chunks, identifiers and placeholders in order, columns and tables by
@@ -43,51 +47,65 @@ export function templateOf(
   prefix: string,
   values: Record<string, unknown>,
 ): ExpressionTemplate | undefined {
-  let n = 0;
   let shape = '';
-  const lift = (value: unknown, encoder?: Param['encoder']): Param => {
-    const name = `${prefix}_${n++}`;
-    values[name] = value;
-    shape += '\u0000$';
-    // A null is sent as is: drizzle never passes it to an encoder when it compiles the value in place.
-    return new Param(sqlTag.placeholder(name), value === null ? undefined : encoder);
-  };
-  const rewrite = (chunks: readonly unknown[]): unknown[] | undefined => {
-    const out: unknown[] = [];
+  let n = 0;
+  // One walk for the shape and the values; `build` walks again only when the statement is compiled.
+  const walk = (chunks: readonly unknown[], build: boolean): unknown[] | undefined | false => {
+    const out: unknown[] | undefined = build ? [] : undefined;
     for (const chunk of chunks) {
+      const kind = kindOf(chunk);
       if (chunk === undefined) {
-        out.push(chunk);
-      } else if (is(chunk, StringChunk)) {
-        shape += `\u0000s${chunk.value.join('')}`;
-        out.push(chunk);
-      } else if (is(chunk, Name)) {
-        shape += `\u0000n${chunk.value}`;
-        out.push(chunk);
+        out?.push(chunk);
+      } else if (kind === 'StringChunk') {
+        if (!build) shape += `\u0000s${(chunk as StringChunk).value.join('')}`;
+        out?.push(chunk);
+      } else if (kind === 'Name') {
+        if (!build) shape += `\u0000n${(chunk as Name).value}`;
+        out?.push(chunk);
+      } else if (kind === 'SQL') {
+        if (inlines(chunk as SQL)) return false;
+        if (!build) shape += '\u0000(';
+        const inner = walk((chunk as SQL).queryChunks, build);
+        if (inner === false) return false;
+        if (!build) shape += '\u0000)';
+        out?.push(new SQL(inner as SQL['queryChunks']));
+      } else if (kind === 'Param' || isPlainValue(chunk)) {
+        const value = kind === 'Param' ? (chunk as Param).value : chunk;
+        if (!isPlainValue(value)) return false;
+        const name = `${prefix}_${n++}`;
+        if (build) {
+          // A null is sent as is: drizzle never passes it to an encoder when it compiles the value in place.
+          const encoder = value === null || kind !== 'Param' ? undefined : (chunk as Param).encoder;
+          out?.push(new Param(sqlTag.placeholder(name), encoder));
+        } else {
+          values[name] = value;
+          shape += '\u0000$';
+        }
       } else if (is(chunk, Column) || is(chunk, Table)) {
-        shape += `\u0000o${idOf(chunk)}`;
-        out.push(chunk);
-      } else if (is(chunk, SQL)) {
-        if (inlines(chunk)) return undefined;
-        shape += '\u0000(';
-        const inner = rewrite(chunk.queryChunks);
-        if (!inner) return undefined;
-        shape += '\u0000)';
-        out.push(new SQL(inner as SQL['queryChunks']));
-      } else if (is(chunk, Param)) {
-        if (!isPlainValue(chunk.value)) return undefined;
-        out.push(lift(chunk.value, chunk.encoder));
-      } else if (isPlainValue(chunk)) {
-        out.push(lift(chunk));
+        if (!build) shape += `\u0000o${idOf(chunk as object)}`;
+        out?.push(chunk);
       } else {
-        return undefined;
+        return false;
       }
     }
     return out;
   };
-  const chunks = inlines(expression) ? undefined : rewrite(expression.queryChunks);
-  if (!chunks) return undefined;
-  return { sql: new SQL(chunks as SQL['queryChunks']), shape };
+  if (inlines(expression) || walk(expression.queryChunks, false) === false) return undefined;
+  return {
+    shape,
+    sql: () => {
+      n = 0;
+      return new SQL(walk(expression.queryChunks, true) as SQL['queryChunks']);
+    },
+  };
 }
+
+// drizzle's `is()` walks the prototype chain on every test; the classes a template meets most
+// (text, names, nested SQL, parameters) are never subclassed, so their own kind decides at once.
+const kindOf = (chunk: unknown): unknown =>
+  typeof chunk === 'object' && chunk !== null
+    ? (chunk.constructor as { [entityKind]?: unknown } | undefined)?.[entityKind]
+    : undefined;
 
 // `.inlineParams()` writes the values into the text: not a template.
 const inlines = (expression: SQL) => (expression as unknown as { shouldInlineParams: boolean }).shouldInlineParams;

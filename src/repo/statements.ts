@@ -124,7 +124,7 @@ function patchPlan(info: TableInfo, patch: Entries, values: Record<string, unkno
       const column = info.columns[name] as PgColumn;
       const template = templates[i];
       const set = template
-        ? template.sql
+        ? template.sql()
         : isSql(value)
           ? value
           : new Param(sql.placeholder(`v${i}`), nullable(column));
