@@ -57,7 +57,10 @@ export interface GrantOptions {
  * builds waiting, leases, watchdogs and events on top. Each method is one
  * round trip and is only called with validated input. Names are already
  * normalised; tokens are random and unique per acquire call (a waiting
- * acquire re-sends the same token at every attempt).
+ * acquire re-sends the same token at every attempt that got an answer; after
+ * one that failed it releases and leaves with that token, in the background,
+ * and goes on with a new one). A backend need not give back what a failed
+ * grant may have taken: the manager does.
  */
 export interface LockBackend {
   /** Short name for messages and events: `redis`, `postgres`, `advisory`. */

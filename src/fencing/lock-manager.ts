@@ -32,7 +32,9 @@ export interface LockManager {
    * Waits (at most `waitMs`, default 10 s; exponential backoff with full
    * jitter, woken early when the lock is released) and returns a lease.
    * One token for the whole wait, so a backend with a fair order (Redis)
-   * keeps this caller's place in line across its retries.
+   * keeps this caller's place in line across its retries — except after an
+   * attempt that failed (no answer): what it may have taken is given back,
+   * and the wait goes on with a new token at the end of the line.
    * A lock service that cannot be reached (Redis down, a connection not
    * yet up) is retried within the same wait, each attempt cut short at the
    * deadline.
@@ -191,12 +193,20 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     });
   }
 
-  // One token for the whole call: a backend with a fair order keeps the
-  // token's place in its queue across attempts (a re-sent grant with the
-  // same token returns the same fence, so reuse is safe).
+  // An attempt that failed (an error, not an answer) may still have taken the lock — its reply
+  // lost, or the grant still queued in the client. Its lock and its place in line are given back in
+  // the background, and its token is never sent again: a later attempt with the same token could
+  // take the lock before that release lands, and the release would then free the new lease's lock.
+  const giveBack = (name: string, token: string): void => {
+    backend.release(name, token).catch(() => {});
+    backend.leave?.(name, token).catch(() => {});
+  };
+
+  // One token across the attempts that get an answer: a backend with a fair order keeps the token's
+  // place in its queue. After an attempt that failed, a new token (see giveBack).
   async function acquireUntil(name: string, opts: CheckedOptions, deadline: number): Promise<Lease> {
     const startedAt = performance.now();
-    const token = newToken();
+    let token = newToken();
     let queued = false;
     let unreachable: unknown;
     let answered = false;
@@ -218,6 +228,8 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           unreachable = undefined;
           answered = true;
         } catch (err) {
+          giveBack(name, token);
+          token = newToken();
           // The service may come back (a restart, a connection not up yet): retry within the wait.
           if (!isUnreachable(err, hooks)) throw serviceError(hooks, backend.kind, err);
           unreachable = err;
@@ -277,6 +289,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         try {
           return await attempt(checked, opts, now, token, false, now);
         } catch (err) {
+          giveBack(checked, token);
           throw serviceError(hooks, backend.kind, err);
         }
       });

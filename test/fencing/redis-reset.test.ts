@@ -4,6 +4,7 @@
  * between grants and while other processes are granting. Every fence
  * issued after a reset must be above every fence issued before it.
  */
+import { connect as connectTcp, createServer, type Server, type Socket } from 'node:net';
 import { sql } from 'drizzle-orm';
 import { Redis } from 'ioredis';
 import { afterAll, afterEach, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
@@ -12,6 +13,7 @@ import { CommandTimeoutError, FenceSourceError, InvalidArgumentError } from '../
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { freePort } from '../support/ports.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../support/processes.js';
 import { connect, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
@@ -39,6 +41,62 @@ async function grants(manager: LockManager, name: string, count: number): Promis
   const fences: bigint[] = [];
   for (let i = 0; i < count; i++) fences.push(await grant(manager, name));
   return fences;
+}
+
+/**
+ * A loopback TCP proxy to `port` that, once armed, drops the reply to the
+ * first command whose text contains `marker` (the server still ran it), cuts
+ * the connection and refuses new ones for 220 ms.
+ */
+async function replyDroppingProxy(port: number) {
+  let marker: string | undefined;
+  let dropped = false;
+  let server: Server | undefined;
+  const sockets = new Set<Socket>();
+  const listen = () =>
+    new Promise<void>((resolve) => {
+      server = createServer((client) => {
+        const upstream = connectTcp(port, '127.0.0.1');
+        sockets.add(client).add(upstream);
+        let cutNext = false;
+        client.on('data', (data) => {
+          if (marker !== undefined && data.toString().includes(marker)) {
+            marker = undefined;
+            cutNext = true;
+          }
+          upstream.write(data);
+        });
+        upstream.on('data', (data) => {
+          if (!cutNext) return void client.write(data);
+          cutNext = false;
+          dropped = true;
+          client.destroy();
+          upstream.destroy();
+          server?.close();
+          setTimeout(() => void listen(), 220);
+        });
+        const end = () => {
+          client.destroy();
+          upstream.destroy();
+        };
+        for (const s of [client, upstream]) s.on('error', end).on('close', end);
+      });
+      server.listen(proxyPort, '127.0.0.1', () => resolve());
+    });
+  const proxyPort = await freePort();
+  await listen();
+  return {
+    url: `redis://127.0.0.1:${proxyPort}`,
+    dropReplyTo(text: string) {
+      marker = text;
+      dropped = false;
+    },
+    dropped: () => dropped,
+    close() {
+      for (const s of sockets) s.destroy();
+      server?.close();
+    },
+  };
 }
 
 /** FLUSHALL from a client of its own. */
@@ -244,6 +302,39 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
 
     const after = await grants(newPrimary, 'job', 3);
     for (const fence of after) expect(fence).toBeGreaterThan(max([...replicated, ...lost]));
+  });
+
+  // Found by an outside review: the backend gave back the lock of a grant whose reply was lost (a
+  // release sent in the background), and the acquire retried with the same token. After the
+  // reconnect the release met NOSCRIPT and was sent again as EVAL, behind the retried grant, which
+  // had got the lock: the release then freed the new lease's lock, and a second client got it
+  // while the first lease was live.
+  it('a grant whose reply is lost: the retry never has its lock freed by the give-back of the failed attempt', async () => {
+    const proxy = await replyDroppingProxy(server.port);
+    onTestFinished(() => proxy.close());
+    const { manager: other, namespace, test } = await redisScenario(server.url);
+    for (let trial = 0; trial < 3; trial++) {
+      const admin = connect(server.url);
+      await admin.script('FLUSH'); // the script cache as after a restart or a failover
+      admin.disconnect();
+      const warm = await other.tryAcquire(`warm-${trial}`, { ttlMs: 30_000 }); // the grant script is loaded again
+      // ioredis' default offline queue: commands sent while the connection is down wait for it.
+      const victimClient = new Redis(proxy.url, { maxRetriesPerRequest: 1, commandTimeout: 2_000 });
+      victimClient.on('error', () => {});
+      const victim = redisLockManager({ client: victimClient, namespace, epochs: test.db });
+      proxy.dropReplyTo(`:lock:L${trial}\r\n`);
+      const lease = await victim.acquire(`L${trial}`, { ttlMs: 10_000, waitMs: 5_000 });
+      expect(proxy.dropped()).toBe(true); // the first attempt's reply was lost, then it retried
+      // Whatever the failed attempt's give-back does, whenever it lands, it cannot touch this lease's lock.
+      await new Promise((r) => setTimeout(r, 300));
+      expect(lease.signal.aborted).toBe(false);
+      expect((await other.inspect(`L${trial}`))?.fence).toBe(lease.fence);
+      expect(await other.tryAcquire(`L${trial}`, { ttlMs: 10_000 })).toBeNull();
+      expect(await lease.release()).toBe('released');
+      await warm?.release();
+      await victim.close();
+      victimClient.disconnect();
+    }
   });
 
   it('a release subscriber closed just as it reconnects leaves no unhandled rejection', async () => {

@@ -84,17 +84,10 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
   return {
     kind: 'redis',
 
-    async grant(name, token, ttlMs, holder, grantOptions) {
-      try {
-        return await grantOnce(name, token, ttlMs, holder, grantOptions?.waiting === true);
-      } catch (err) {
-        // The script may still have run (a timeout, a dropped connection): free what it may have taken.
-        if (!(err instanceof FenceSourceError)) {
-          runRelease(run, keys, name, token).catch(() => {});
-        }
-        throw err;
-      }
-    },
+    // A grant that failed may still have run (a timeout, a dropped connection): the lock manager
+    // gives back what it may have taken, and never sends that token again.
+    grant: (name, token, ttlMs, holder, grantOptions) =>
+      grantOnce(name, token, ttlMs, holder, grantOptions?.waiting === true),
 
     extend: (name, token, ttlMs) => runExtend(run, keys, name, token, ttlMs),
 
