@@ -15,9 +15,9 @@ export interface ExpressionTemplate {
    */
   readonly sql: () => SQL;
   /**
-   * Equal shapes compile to equal text (on one database object): the text
-   * chunks, identifiers and placeholders in order, columns and tables by
-   * identity. Built without compiling, which would cost more than the rest
+   * Equal shapes compile to equal text (on one database object) and encode
+   * their values alike: the text chunks, identifiers and placeholders in
+   * order, columns, tables and each placeholder's encoder by identity. Built without compiling, which would cost more than the rest
    * of the call.
    */
   readonly shape: string;
@@ -79,7 +79,10 @@ export function templateOf(
           out?.push(new Param(sqlTag.placeholder(name), encoder));
         } else {
           values[name] = value;
-          shape += '\u0000$';
+          // The encoder too (a null is sent without one): a value that one call encodes as JSON and
+          // another sends as it is must not share a compiled statement.
+          shape +=
+            kind !== 'Param' ? '\u0000$' : value === null ? '\u0000$null' : `\u0000$${idOf((chunk as Param).encoder)}`;
         }
       } else if (is(chunk, Column) || is(chunk, Table)) {
         if (!build) shape += `\u0000o${idOf(chunk as object)}`;

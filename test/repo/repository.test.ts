@@ -99,6 +99,29 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
         .where(eq(t.id, 'a'));
       expect(row?.isNull).toBe(true);
     });
+    // Found by an outside review: the template of an SQL expression recorded a placeholder but not
+    // how its value is encoded, so a jsonb comparison built by eq() (the value encoded as JSON) and
+    // the same text with a raw string shared one compiled statement, and the second call's value was
+    // encoded the first call's way: a wrong value stored, reported applied.
+    it('SQL expressions of one shape whose values encode differently each write what they say', async () => {
+      for (const order of [
+        ['eq', 'raw'],
+        ['raw', 'eq'],
+      ]) {
+        const { t, repo } = await accountA();
+        mustApply(await repo.update({ id: 'a' }, f(6), { meta: 'x' })); // the JSON string "x"
+        const patch = {
+          eq: () => ({ owner: sql`case when ${eq(t.meta, 'x')} then ${'hit'} else ${'miss'} end` }),
+          raw: () => ({ owner: sql`case when ${sql`${t.meta} = ${'"x"'}`} then ${'hit'} else ${'miss'} end` }),
+        };
+        let fence = 7;
+        for (const which of order as ('eq' | 'raw')[]) {
+          mustApply(await repo.update({ id: 'a' }, f(fence++), { owner: 'unset' }));
+          mustApply(await repo.update({ id: 'a' }, f(fence++), patch[which]()));
+          expect({ which, owner: (await repo.get({ id: 'a' }))?.owner }).toEqual({ which, owner: 'hit' });
+        }
+      }
+    });
   });
 
   describe('upsert', () => {
