@@ -54,3 +54,8 @@ BEGIN
   RETURNING r.fence INTO registered;
   RETURN registered;
 END $$;
+--> statement-breakpoint
+-- Every grant of a lock raises its register row: the same few rows are updated over and over, as
+-- the lease rows are (0001). Room for HOT updates on the page, and a vacuum after a fixed number of
+-- dead versions rather than a fifth of a table that may be tiny.
+ALTER TABLE "palisade"."lock_registers" SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 0);
