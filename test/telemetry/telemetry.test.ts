@@ -220,7 +220,8 @@ describe('telemetry through the real OpenTelemetry SDK (PGlite)', () => {
       expect((await repo.update({ id: 'm' }, toFence(4n), { balance: 2 })).status).toBe('stale');
       expect(await metricsOnly.total('palisade.lock.grants')).toBe(1);
       expect(await metricsOnly.total('palisade.lock.hold.duration')).toBe(1);
-      expect(await metricsOnly.total('palisade.write.refused', { 'db.collection.name': getTableName(accounts) })).toBe(1);
+      const refused = { 'db.collection.name': getTableName(accounts) };
+      expect(await metricsOnly.total('palisade.write.refused', refused)).toBe(1);
       await locks.close();
     } finally {
       configureTelemetry({ meterProvider: sdk.meterProvider, tracerProvider: sdk.tracerProvider });
