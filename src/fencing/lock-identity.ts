@@ -26,15 +26,21 @@ export interface LockIdentity {
 
 const PART_BYTES = 1024;
 
+// A lease's identity is frozen and checked once: repo.with(lease) on every write finds it here.
+const checked = new WeakMap<object, LockIdentity>();
+
 /**
  * Checks a {@link LockIdentity} given by a caller (four non-empty strings of
- * at most 1,024 UTF-8 bytes, no NUL) and returns a frozen copy.
+ * at most 1,024 UTF-8 bytes, no NUL) and returns a frozen copy — the same
+ * copy every time it is given the same frozen value (a lease's).
  * @throws {InvalidArgumentError} otherwise, before any query.
  */
 export function checkLockIdentity(value: unknown): LockIdentity {
   if (value === null || typeof value !== 'object') {
     throw new InvalidArgumentError('lock must be { kind, source, namespace, name }');
   }
+  const known = checked.get(value);
+  if (known !== undefined) return known;
   const v = value as Record<string, unknown>;
   for (const part of ['kind', 'source', 'namespace', 'name'] as const) {
     const s = v[part];
@@ -45,10 +51,14 @@ export function checkLockIdentity(value: unknown): LockIdentity {
       throw new InvalidArgumentError(`lock.${part} must be at most ${PART_BYTES} UTF-8 bytes`);
     }
   }
-  return Object.freeze({
+  const identity: LockIdentity = Object.freeze({
     kind: v.kind as string,
     source: v.source as string,
     namespace: v.namespace as string,
     name: v.name as string,
   });
+  // Only a frozen value can be remembered: an open one may change before the next call.
+  if (Object.isFrozen(value)) checked.set(value, identity);
+  checked.set(identity, identity);
+  return identity;
 }

@@ -11,7 +11,7 @@ import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.j
 import { prepared } from '../prepared.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import type { BatchResult, WriteResult } from './result.js';
-import type { Returning } from './statements.js';
+import type { Claim, Returning } from './statements.js';
 import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 
 const p = (name: string) => sql.placeholder(name);
@@ -26,13 +26,31 @@ const boundedClaimSql = () =>
 const DEFAULT_IDLE_MS = 60_000;
 
 /**
- * @internal A lock identity as a lock-scoped write carries it: with the most
- * its claim's transaction may sit idle — the holder's remaining TTL — so a
- * holder paused inside it cannot keep the register row locked past its lease.
+ * @internal What a lock-scoped write carries: its lock, and the most its
+ * claim's transaction may sit idle — the holder's remaining TTL, asked when
+ * a claim opens one — so a holder paused inside it cannot keep the register
+ * row locked past its lease.
  */
-export interface ScopedLock extends LockIdentity {
-  readonly idleMs: number;
+export interface LockScope {
+  readonly lock: LockIdentity;
+  idleMs(): number;
 }
+
+// The fence at which this process last saw each lock's register claimed (a claim that held). A write
+// of that fence then shares the register by its key alone (statements.ts, `Claim`); a wrong guess
+// (the register moved, or the claim was on another database or rolled back) writes nothing there
+// and falls to the refusal path, which claims.
+const claimedAt = new WeakMap<LockIdentity, bigint>();
+
+/** @internal Notes what a claim of `lock` for `fence` found: the register's fence. */
+export function noteClaim(lock: LockIdentity, fence: Fence, registered: bigint): void {
+  if (registered === fence) claimedAt.set(lock, fence);
+  else claimedAt.delete(lock);
+}
+
+/** @internal How a write of `fence` claims `scope`'s lock: shared by key once this process saw that claim hold. */
+export const claimOf = (scope: LockScope | undefined, fence: Fence): Claim | undefined =>
+  scope && { lock: scope.lock, shared: claimedAt.get(scope.lock) === fence };
 
 /** @internal `holder`'s remaining TTL in ms (at least 1), at most {@link DEFAULT_IDLE_MS}. */
 export function idleBound(holder: { readonly expiresAt?: unknown }): number {
@@ -56,6 +74,7 @@ export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, 
       ? await prepared(on, 'palisade.claim_lock', claimSql).rows(values)
       : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({ ...values, idle: String(idleMs) });
   const registered = int8(row?.registered) ?? 0n;
+  noteClaim(lock, fence, registered);
   if (registered < fence) throw new FenceNotIssuedError(registered, fence);
   return registered as Fence;
 }
@@ -67,41 +86,40 @@ export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, 
  */
 export function inClaim<R>(
   on: Database,
-  lock: LockIdentity,
+  scope: LockScope,
   fence: Fence,
   run: (tx: Database) => Promise<R>,
   refused: (registered: Fence) => R | Promise<R>,
 ): Promise<R> {
-  const idleMs = (lock as Partial<ScopedLock>).idleMs;
   return transaction(on, async (tx) => {
-    const registered = await claimLock(tx, lock, fence, idleMs);
+    const registered = await claimLock(tx, scope.lock, fence, scope.idleMs());
     return registered === fence ? run(tx) : refused(registered);
   });
 }
 
-/** @internal What a lock-scoped view needs of its repository: each write, optionally claiming `lock`. */
+/** @internal What a lock-scoped view needs of its repository: each write, optionally lock-scoped. */
 export interface WriteCore<T extends FencedTable> {
   update(
     key: KeyOf<T>,
     fence: Fence,
     patch: PatchOf<T>,
     returning: Returning,
-    lock: LockIdentity | undefined,
+    scope: LockScope | undefined,
   ): Promise<WriteResult<RowOf<T>>>;
-  upsert(values: unknown, fence: Fence, lock: LockIdentity | undefined): Promise<WriteResult<RowOf<T>>>;
-  delete(key: KeyOf<T>, fence: Fence, lock: LockIdentity | undefined): Promise<WriteResult<RowOf<T>>>;
+  upsert(values: unknown, fence: Fence, scope: LockScope | undefined): Promise<WriteResult<RowOf<T>>>;
+  delete(key: KeyOf<T>, fence: Fence, scope: LockScope | undefined): Promise<WriteResult<RowOf<T>>>;
   modify(
     key: KeyOf<T>,
     fence: Fence,
     fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
-    lock: LockIdentity | undefined,
+    scope: LockScope | undefined,
   ): Promise<WriteResult<RowOf<T>>>;
   updateWhere(
     where: unknown,
     fence: Fence,
     patch: PatchOf<T>,
     options: { allOrNothing?: boolean } | undefined,
-    lock: LockIdentity | undefined,
+    scope: LockScope | undefined,
   ): Promise<BatchResult>;
 }
 
@@ -129,18 +147,17 @@ export function leasedRepository<T extends FencedTable>(
     }
     return fence;
   };
-  // Computed per write: the TTL left shrinks.
-  const scoped = (): ScopedLock | undefined =>
-    lock && { ...lock, idleMs: idleBound(holder as { expiresAt?: unknown }) };
+  // The idle bound is asked per claim: the TTL left shrinks.
+  const scoped: LockScope | undefined = lock && { lock, idleMs: () => idleBound(holder as { expiresAt?: unknown }) };
   return {
     fence,
     lock,
     update: (async (key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning?: unknown }) =>
-      core.update(key, live(), patch, returningOf(opts), scoped())) as LeasedRepository<T>['update'],
-    upsert: async (values) => core.upsert(values, live(), scoped()),
-    delete: async (key) => core.delete(key, live(), scoped()),
-    modify: async (key, fn) => core.modify(key, live(), fn, scoped()),
-    updateWhere: async (where, patch, opts) => core.updateWhere(where, live(), patch, opts, scoped()),
+      core.update(key, live(), patch, returningOf(opts), scoped)) as LeasedRepository<T>['update'],
+    upsert: async (values) => core.upsert(values, live(), scoped),
+    delete: async (key) => core.delete(key, live(), scoped),
+    modify: async (key, fn) => core.modify(key, live(), fn, scoped),
+    updateWhere: async (where, patch, opts) => core.updateWhere(where, live(), patch, opts, scoped),
   };
 }
 

@@ -16,12 +16,19 @@ import {
 } from '../driver.js';
 import { InvalidArgumentError, LockScopeError, RetryableWriteError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
-import type { LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
 import { joining, on, recordRefusal } from './joined.js';
-import { inClaim, leasedRepository, returningOf, type WriteCore } from './lock-scope.js';
+import {
+  claimOf,
+  inClaim,
+  type LockScope,
+  leasedRepository,
+  noteClaim,
+  returningOf,
+  type WriteCore,
+} from './lock-scope.js';
 import { purgeStatement } from './purge.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
 
@@ -36,6 +43,7 @@ export type {
 import { rememberContext, type WriteResult } from './result.js';
 import {
   APPLIED,
+  type Claim,
   deleteStatements,
   type FencedWrite,
   FLOOR,
@@ -105,11 +113,16 @@ export function fencedRepository<T extends FencedTable>(
     fence: Fence,
     statements: FencedWrite,
     returning: Returning,
-    lock: LockIdentity | undefined,
+    scope: LockScope | undefined,
+    claim: Claim | undefined,
   ): Promise<WriteResult<RowOf<T>>> {
     return observeWrite(info.label, method, 'UPDATE', fence, async () => {
       const written = await attempt(on, statements.write, returning);
-      if (written !== undefined) return applied(written, returning);
+      if (written !== undefined) {
+        // Applied, so the lock is claimed at this fence: later writes of it share the register by key.
+        if (claim !== undefined && !claim.shared) noteClaim(claim.lock, fence, fence);
+        return applied(written, returning);
+      }
       const refuse = async (tx: Database) => {
         const raw = (await run(tx, statements.refusal))[0] ?? {};
         if (raw[APPLIED] === true) return applied(raw, returning);
@@ -117,8 +130,8 @@ export function fencedRepository<T extends FencedTable>(
       };
       // Lock scope: the refusal statement runs only under a claim of the register, which then
       // stays locked until it is done (or names the higher fence that claimed the lock).
-      if (lock === undefined) return refuse(on);
-      return inClaim(on, lock, fence, refuse, (registered) => lockRefusal(key, fence, registered));
+      if (scope === undefined) return refuse(on);
+      return inClaim(on, scope, fence, refuse, (registered) => lockRefusal(key, fence, registered));
     });
   }
 
@@ -227,13 +240,14 @@ export function fencedRepository<T extends FencedTable>(
     fenceIn: Fence,
     patchIn: PatchOf<T>,
     returning: Returning,
-    lock?: LockIdentity,
+    scope?: LockScope,
   ) {
     const fence = assertFence(fenceIn);
     const key = keyEntries(info, keyIn);
     const patch = patchEntries(info, patchIn, false);
-    const statements = updateStatements(info, key, patch, fence, same, returning, lock);
-    return write(on, 'update', key, fence, statements, returning, lock);
+    const claim = claimOf(scope, fence);
+    const statements = updateStatements(info, key, patch, fence, same, returning, claim);
+    return write(on, 'update', key, fence, statements, returning, scope, claim);
   }
 
   // Row scope is closed on a `scope: 'lock'` repository: a bare fence would bypass the register.
@@ -243,38 +257,39 @@ export function fencedRepository<T extends FencedTable>(
   };
 
   const core: WriteCore<T> = {
-    update: (key, fence, patch, returning, lock) => update(on(db), key, fence, patch, returning, lock),
+    update: (key, fence, patch, returning, scope) => update(on(db), key, fence, patch, returning, scope),
 
-    async upsert(valuesIn, fenceIn, lock) {
+    async upsert(valuesIn, fenceIn, scope) {
       const fence = assertFence(fenceIn);
       const row = patchEntries(info, valuesIn as ValuesOf<T>, true);
       const key = keyEntries(info, Object.fromEntries(row.filter(([name]) => info.keyNames.includes(name))));
       const upsert = (tx: Database) => writeUpsert(tx, key, fence, upsertStatement(info, key, row, fence, same));
-      if (lock === undefined) return upsert(on(db));
-      return inClaim(on(db), lock, fence, upsert, (registered) => lockRefusal(key, fence, registered));
+      if (scope === undefined) return upsert(on(db));
+      return inClaim(on(db), scope, fence, upsert, (registered) => lockRefusal(key, fence, registered));
     },
 
-    async delete(keyIn, fenceIn, lock) {
+    async delete(keyIn, fenceIn, scope) {
       const fence = assertFence(fenceIn);
       const key = keyEntries(info, keyIn);
-      return write(on(db), 'delete', key, fence, deleteStatements(info, key, fence, same, lock), 'row', lock);
+      const claim = claimOf(scope, fence);
+      return write(on(db), 'delete', key, fence, deleteStatements(info, key, fence, same, claim), 'row', scope, claim);
     },
 
-    async modify(keyIn, fenceIn, fn, lock) {
+    async modify(keyIn, fenceIn, fn, scope) {
       const fence = assertFence(fenceIn);
       const key = keyEntries(info, keyIn);
       if (typeof fn !== 'function') throw new InvalidArgumentError('modify needs a function that returns the patch');
-      if (lock === undefined) return modify(on(db), key, keyIn, fence, fn);
+      if (scope === undefined) return modify(on(db), key, keyIn, fence, fn);
       return inClaim(
         on(db),
-        lock,
+        scope,
         fence,
         (tx) => modify(tx, key, keyIn, fence, fn),
         (registered) => lockRefusal(key, fence, registered),
       );
     },
 
-    async updateWhere(where, fenceIn, patchIn, opts = {}, lock = undefined) {
+    async updateWhere(where, fenceIn, patchIn, opts = {}, scope = undefined) {
       const fence = assertFence(fenceIn);
       checkCondition(where, 'updateWhere');
       const patch = patchEntries(info, patchIn, false);
@@ -284,9 +299,9 @@ export function fencedRepository<T extends FencedTable>(
           const [row] = await run(tx, statement);
           return { applied: count(row?.applied), stale: count(row?.stale) };
         };
-        if (lock === undefined) return batch(on(db));
+        if (scope === undefined) return batch(on(db));
         // Refused by the register: every live row the condition matches counts as stale.
-        return inClaim(on(db), lock, fence, batch, async () => {
+        return inClaim(on(db), scope, fence, batch, async () => {
           const [row] = await execute(
             on(db),
             sql`select count(*) as n from ${t} where (${where}) and ${isNull(t.deletedAt)}`,

@@ -35,7 +35,7 @@ export function cacheKeys(
   same: SameFence,
   shapeKey: string,
   returning: Returning,
-  claim: boolean,
+  claim: 'none' | 'claim' | 'shared',
 ) {
   let byShape = keysByTable.get(info);
   if (byShape === undefined) {
@@ -46,7 +46,7 @@ export function cacheKeys(
   let keys = byShape.get(short);
   if (keys === undefined) {
     const base = `${tableShape(info)}|${method}|${same}|${shapeKey}`;
-    keys = { write: `${base}|${returning}${claim ? '|lock' : ''}`, refusal: `${base}|refusal` };
+    keys = { write: `${base}|${returning}${claim === 'none' ? '' : `|${claim}`}`, refusal: `${base}|refusal` };
     byShape.set(short, keys);
   }
   return keys;

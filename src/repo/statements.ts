@@ -28,6 +28,7 @@ import { type DriverValueEncoder, Param, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
 import type { LockIdentity } from '../fencing/lock-identity.js';
 import { type ExpressionTemplate, templateOf } from './expressions.js';
+import { registerKey } from './register-key.js';
 import { cacheKeys, shape } from './statement-keys.js';
 import { isSql, type TableInfo } from './table.js';
 
@@ -36,6 +37,19 @@ export type SameFence = 'reject' | 'allow';
 
 /** What an applied write sends back: the row as written, or only that it applied (the row count). */
 export type Returning = 'row' | 'status';
+
+/**
+ * How a lock-scoped write claims its lock's register in its own statement:
+ * `claim` shares a register already at its fence, else raises it (or names
+ * the higher fence) through `palisade.claim_lock`; `shared` only shares a
+ * register already at its fence, found by its key — one parameter instead of
+ * four — and writes nothing otherwise (the refusal path then claims). `shared`
+ * is for a lock this process has seen claimed at this fence.
+ */
+export interface Claim {
+  readonly lock: LockIdentity;
+  readonly shared: boolean;
+}
 
 /** A statement ready to compile, with the values for its placeholders. */
 export interface Statement {
@@ -168,31 +182,31 @@ function fencedWrite(
   values: Record<string, unknown>,
   same: SameFence,
   returning: Returning,
-  lock: LockIdentity | undefined,
+  claim: Claim | undefined,
 ): FencedWrite {
   const t = info.table;
-  const update = (tail: SQL, claim = false) => {
+  const update = (tail: SQL, guarded = false) => {
     const where = keyCondition(info, key, values);
     const assignments = [...set(info), sql`${bare(t.lastFence)} = ${fenceParam(info)}`];
     // Lock scope: the register is claimed by the row that is about to be written, as the last
     // condition (the function's COST puts it after the key and fence checks), so a write that
     // lands has claimed its lock in the same statement.
-    const guard = claim ? sql` and ${claimGuard(info)}` : sql``;
+    const guard = guarded && claim ? sql` and ${claimGuard(info, claim.shared)}` : sql``;
     return {
       where,
       sql: sql`update ${t} set ${sql.join(assignments, sql`, `)}
   where ${liveAndBelow(info, where, same)}${guard}${tail}`,
     };
   };
-  const claim = lock !== undefined;
-  const keys = shapeKey === undefined ? undefined : cacheKeys(info, method, same, shapeKey, returning, claim);
-  if (lock) claimValues(values, lock);
+  const mode = claim === undefined ? 'none' : claim.shared ? 'shared' : 'claim';
+  const keys = shapeKey === undefined ? undefined : cacheKeys(info, method, same, shapeKey, returning, mode);
+  if (claim) claimValues(values, claim);
   fillKey(values, key);
   return {
     write: {
       key: keys?.write,
       // Status only: no RETURNING at all, the row count says whether it applied.
-      build: () => update(returning === 'row' ? returningRow : sql``, claim).sql,
+      build: () => update(returning === 'row' ? returningRow : sql``, true).sql,
       values,
     },
     refusal: {
@@ -218,11 +232,11 @@ export function updateStatements(
   fence: bigint,
   same: SameFence,
   returning: Returning = 'row',
-  lock?: LockIdentity,
+  claim?: Claim,
 ): FencedWrite {
   const values: Record<string, unknown> = { fence };
   const plan = patchPlan(info, patch, values);
-  return fencedWrite(info, 'update', key, plan.assignments, plan.key, values, same, returning, lock);
+  return fencedWrite(info, 'update', key, plan.assignments, plan.key, values, same, returning, claim);
 }
 
 /** Marks a live row deleted: a tombstone that keeps the fence. A tombstone is not live: nothing is written. */
@@ -231,24 +245,29 @@ export function deleteStatements(
   key: Entries,
   fence: bigint,
   same: SameFence,
-  lock?: LockIdentity,
+  claim?: Claim,
 ): FencedWrite {
   const values: Record<string, unknown> = { fence };
   const set = (i: TableInfo) => [sql`${bare(i.table.deletedAt)} = now()`];
-  return fencedWrite(info, 'delete', key, set, '', values, same, 'row', lock);
+  return fencedWrite(info, 'delete', key, set, '', values, same, 'row', claim);
 }
 
 /**
- * True when the lock in `lk`…`lname` is claimed for the statement's fence.
- * Where the register already holds this fence (the grant claimed it, or an
- * earlier write did), a sub-select shares its row (`FOR SHARE`: a raise
- * waits for this transaction) without a function call; otherwise
- * `palisade.claim_lock` (migration 0005) raises it, or names the higher
- * fence that refuses. After waiting for a raise in progress, the sub-select
- * re-checks the newest row version and finds it no longer at this fence,
- * so the function decides.
+ * True when the lock is claimed for the statement's fence. Where the
+ * register already holds this fence (the grant claimed it, or an earlier
+ * write did), a sub-select shares its row (`FOR SHARE`: a raise waits for
+ * this transaction) without a function call. After waiting for a raise in
+ * progress, the sub-select re-checks the newest row version and finds it no
+ * longer at this fence. `shared`: that sub-select alone, by the register's
+ * key (`lkey`). Otherwise (by `lk`…`lname`) `palisade.claim_lock` (migration
+ * 0005) decides what the sub-select did not: it raises the register, or
+ * names the higher fence that refuses.
  */
-function claimGuard(info: TableInfo): SQL {
+function claimGuard(info: TableInfo, shared: boolean): SQL {
+  if (shared) {
+    return sql`exists (select 1 from palisade.lock_registers palisade_register
+    where palisade_register.lock_key = ${sql.placeholder('lkey')}::uuid and palisade_register.fence = ${fenceParam(info)} for share)`;
+  }
   const text = (name: string) => sql`${sql.placeholder(name)}::text`;
   const [lk, ls, ln, lname, fence] = [text('lk'), text('ls'), text('ln'), text('lname'), fenceParam(info)];
   return sql`(exists (select 1 from palisade.lock_registers palisade_register
@@ -257,7 +276,11 @@ function claimGuard(info: TableInfo): SQL {
     or palisade.claim_lock(${lk}, ${ls}, ${ln}, ${lname}, ${fence}) = ${fence})`;
 }
 
-function claimValues(values: Record<string, unknown>, lock: LockIdentity): void {
+function claimValues(values: Record<string, unknown>, { lock, shared }: Claim): void {
+  if (shared) {
+    values.lkey = registerKey(lock);
+    return;
+  }
   values.lk = lock.kind;
   values.ls = lock.source;
   values.ln = lock.namespace;

@@ -1,4 +1,5 @@
-import { bigint, boolean, pgSchema, primaryKey, text, timestamp } from 'drizzle-orm/pg-core';
+import { sql } from 'drizzle-orm';
+import { bigint, boolean, pgSchema, primaryKey, text, timestamp, uniqueIndex, uuid } from 'drizzle-orm/pg-core';
 
 /**
  * palisade's own objects live in their own Postgres schema so they never
@@ -98,6 +99,13 @@ export const lockRegisters = palisadeSchema.table(
     namespace: text('namespace').notNull(),
     name: text('name').notNull(),
     fence: bigint('fence', { mode: 'bigint' }).notNull(),
+    /** The four parts as one uuid (`palisade.lock_key(…)`, migration 0007): what a lock-scoped write probes. */
+    lockKey: uuid('lock_key')
+      .notNull()
+      .generatedAlwaysAs(sql`palisade.lock_key("kind", "source", "namespace", "name")`),
   },
-  (t) => [primaryKey({ name: 'lock_registers_pkey', columns: [t.kind, t.source, t.namespace, t.name] })],
+  (t) => [
+    primaryKey({ name: 'lock_registers_pkey', columns: [t.kind, t.source, t.namespace, t.name] }),
+    uniqueIndex('lock_registers_lock_key').on(t.lockKey),
+  ],
 );

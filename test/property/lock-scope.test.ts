@@ -5,7 +5,10 @@
  * lost the lock — write several rows of two tables, some writes row-scoped
  * (bare fence) and some lock-scoped (`with(holder)`). Every call's start is a
  * scheduled task and calls overlap inside Postgres as real concurrent
- * transactions.
+ * transactions. Lease-like holders (a frozen lock identity of their own)
+ * take both claim paths: the full claim at first, then — once this process
+ * saw their claim hold — the shared one by the register's key, while other
+ * holders may have raised the register in between.
  *
  * A trigger appends each applied write to an audit table inside the writing
  * statement (after the row lock and, lock-scoped, after the register
@@ -43,8 +46,18 @@ interface Op {
   readonly row: number;
   readonly scope: 'row' | 'lock';
 }
+interface Holder {
+  readonly ops: readonly Op[];
+  /**
+   * Like a lease: the holder's own frozen lock identity, through which this
+   * process remembers the fence it saw claimed, and later writes of that
+   * fence share the register by its key alone. Otherwise an open object
+   * literal per write, which always takes the full claim.
+   */
+  readonly leaseLike: boolean;
+}
 interface Scenario {
-  readonly holders: readonly (readonly Op[])[];
+  readonly holders: readonly Holder[];
 }
 
 const opArb: fc.Arbitrary<Op> = fc.record({
@@ -53,7 +66,10 @@ const opArb: fc.Arbitrary<Op> = fc.record({
   scope: fc.constantFrom<'row' | 'lock'>('row', 'lock', 'lock'),
 });
 const scenarioArb: fc.Arbitrary<Scenario> = fc.record({
-  holders: fc.array(fc.array(opArb, { minLength: 1, maxLength: 4 }), { minLength: 2, maxLength: 4 }),
+  holders: fc.array(fc.record({ ops: fc.array(opArb, { minLength: 1, maxLength: 4 }), leaseLike: fc.boolean() }), {
+    minLength: 2,
+    maxLength: 4,
+  }),
 });
 
 interface Attempt {
@@ -111,12 +127,14 @@ async function play(s: fc.Scheduler, scenario: Scenario) {
   };
   let next = 0n;
   const attempts: Attempt[] = [];
-  const holder = async (h: number, ops: readonly Op[]) => {
+  const holder = async (h: number, { ops, leaseLike }: Holder) => {
     // The grant is a scheduled step too: fences follow the order the scheduler grants in.
     await s.schedule(Promise.resolve(`h${h} acquire`));
     next += 1n;
     const fence = toFence(next);
-    const holderOf = { fence, lock, signal: new AbortController().signal };
+    const signal = new AbortController().signal;
+    const own = Object.freeze({ ...lock });
+    const holderOf = () => ({ fence, lock: leaseLike ? own : { ...lock }, signal });
     for (const [i, op] of ops.entries()) {
       const tag = `h${h} f${fence} #${i} ${op.scope} ${op.table}${op.row}`;
       await s.schedule(Promise.resolve(tag));
@@ -126,7 +144,7 @@ async function play(s: fc.Scheduler, scenario: Scenario) {
       try {
         result =
           op.scope === 'lock'
-            ? await repo.with(holderOf).update(key, { v: tag }, { returning: 'status' })
+            ? await repo.with(holderOf()).update(key, { v: tag }, { returning: 'status' })
             : await repo.update(key, fence, { v: tag }, { returning: 'status' });
       } catch (error) {
         result = { status: 'error', error };
@@ -134,7 +152,7 @@ async function play(s: fc.Scheduler, scenario: Scenario) {
       attempts.push({ tag, op, fence, result });
     }
   };
-  await s.waitFor(Promise.all(scenario.holders.map((ops, h) => holder(h, ops))));
+  await s.waitFor(Promise.all(scenario.holders.map((spec, h) => holder(h, spec))));
   const audit = await execute(
     db,
     sql`select tab, key, fence, v from scope_audit where key like ${`${run}-%`} order by id`,

@@ -1,0 +1,176 @@
+/**
+ * The register key (README, "Two scopes of fencing"): the key computed in
+ * TypeScript is the one `palisade.lock_key` stores, for any lock; and the
+ * two claim paths of a lock-scoped write — the full claim, then, once this
+ * process saw a lease's claim hold, the register shared by its key alone —
+ * decide alike when the register moved in between (a higher fence claimed
+ * it, or an operator removed it).
+ */
+import { fc, test as propTest } from '@fast-check/vitest';
+import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { type Database, execute } from '../../src/driver.js';
+import { type Fence, toFence } from '../../src/fencing/fence.js';
+import type { LockIdentity } from '../../src/fencing/lock-identity.js';
+import { migrate } from '../../src/migrate.js';
+import { registerKey } from '../../src/repo/register-key.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { pgliteDatabase, type TestDatabase } from '../support/databases.js';
+import { createScratchDatabase, type ScratchDatabase } from '../support/scratch-database.js';
+import { needs, services } from '../support/services.js';
+
+const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+
+// Any text a lock part may hold: no NUL, at most 1,024 UTF-8 bytes, any other code point (lone
+// surrogates too: both ends send them as U+FFFD).
+const part = (minLength: number) =>
+  fc
+    .string({ unit: 'binary', minLength, maxLength: 40 })
+    .filter((s) => !s.includes('\u0000') && Buffer.byteLength(s) <= 1024);
+const identityArb = fc.record({ kind: part(1), source: part(1), namespace: part(0), name: part(1) });
+
+async function sameKeyEverywhere(db: Database, lock: LockIdentity) {
+  const [row] = await execute(
+    db,
+    sql`insert into palisade.lock_registers (kind, source, namespace, name, fence)
+      values (${lock.kind}, ${lock.source}, ${lock.namespace}, ${lock.name}, 1)
+      on conflict do nothing
+      returning lock_key::text as stored, palisade.lock_key(kind, source, namespace, name)::text as computed`,
+  );
+  // Two arbitrary locks equal after U+FFFD replacement land on one row: then only the function is asked.
+  const [fn] = await execute(
+    db,
+    sql`select palisade.lock_key(${lock.kind}, ${lock.source}, ${lock.namespace}, ${lock.name})::text as computed`,
+  );
+  const key = registerKey(lock);
+  expect(fn?.computed).toBe(key);
+  if (row) expect([row.stored, row.computed]).toEqual([key, key]);
+}
+
+describe('the register key', () => {
+  let pglite: TestDatabase;
+  beforeAll(async () => {
+    pglite = await pgliteDatabase();
+    await migrate(pglite.db);
+  }, 60_000);
+  afterAll(async () => pglite?.close());
+
+  propTest.prop([identityArb], { numRuns: 200 })('is the one palisade.lock_key stores (PGlite)', async (lock) => {
+    await sameKeyEverywhere(pglite.db, lock);
+  });
+
+  it('tells apart locks whose parts only split differently', () => {
+    const a = registerKey({ kind: 'ab', source: 'c', namespace: '', name: 'd' });
+    const b = registerKey({ kind: 'a', source: 'bc', namespace: '', name: 'd' });
+    const c = registerKey({ kind: 'a', source: 'b', namespace: 'c', name: 'd' });
+    expect(new Set([a, b, c]).size).toBe(3);
+  });
+});
+
+describe.runIf(needs('DATABASE_URL'))('the two claim paths on Postgres', () => {
+  let scratch: ScratchDatabase;
+  let client: postgres.Sql;
+  let db: Database;
+  // The text of every statement sent, to tell which claim path a write took.
+  const sent: string[] = [];
+
+  beforeAll(async () => {
+    scratch = await createScratchDatabase(services.postgres.url as string);
+    client = postgres(scratch.url, {
+      max: 4,
+      onnotice: () => {},
+      debug: (_connection, query) => {
+        sent.push(query);
+      },
+    });
+    db = drizzle(client) as unknown as Database;
+    await migrate(db);
+    await execute(
+      db,
+      sql`create table resource (id integer primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+    );
+    await execute(db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, 20) g`);
+  }, 60_000);
+  afterAll(async () => {
+    await client?.end({ timeout: 5 });
+    await scratch?.drop();
+  });
+
+  propTest.prop([identityArb], { numRuns: 100 })('the key is the one palisade.lock_key stores', async (lock) => {
+    await sameKeyEverywhere(db, lock);
+  });
+
+  let n = 0;
+  // A lease's lock identity: frozen, one object per lease (two leases of one lock in two processes
+  // are two objects).
+  const lockNamed = (name: string) => ({ kind: 'test', source: 'register-key', namespace: 'n', name });
+  const lease = (fence: bigint, lock: ReturnType<typeof lockNamed>) => ({
+    fence: toFence(fence) as Fence,
+    lock: Object.freeze({ ...lock }),
+    signal: new AbortController().signal,
+  });
+  // Which claim path the statement of one write took.
+  async function pathOf<R>(write: () => Promise<R>): Promise<{ result: R; path: 'claim' | 'shared' | 'none' }> {
+    const from = sent.length;
+    const result = await write();
+    const first = sent.slice(from).find((q) => q.startsWith('update "resource"')) ?? '';
+    const path = first.includes('palisade.claim_lock(') ? 'claim' : first.includes('lock_key =') ? 'shared' : 'none';
+    return { result, path };
+  }
+  const row = () => ({ id: ++n });
+
+  it('a lease writes through the full claim first, then shares the register by its key', async () => {
+    const repo = fencedRepository(db, resource);
+    const a = lease(41n, lockNamed('first-then-shared'));
+    const first = await pathOf(() => repo.with(a).update(row(), { value: 'a1' }));
+    const second = await pathOf(() => repo.with(a).update(row(), { value: 'a2' }));
+    expect([first.result.status, first.path]).toEqual(['applied', 'claim']);
+    expect([second.result.status, second.path]).toEqual(['applied', 'shared']);
+  });
+
+  it('a higher fence claims between two writes of a lease: the shared write is refused, on a row it never wrote', async () => {
+    const repo = fencedRepository(db, resource);
+    const lock = lockNamed('raised-between');
+    const a = lease(41n, lock);
+    const b = lease(42n, lock);
+    await repo.with(a).update(row(), { value: 'a1' });
+    expect((await repo.with(b).update(row(), { value: 'b1' })).status).toBe('applied');
+    const late = await pathOf(() => repo.with(a).update(row(), { value: 'a2' }));
+    expect(late.path).toBe('shared');
+    expect(late.result).toEqual({ status: 'stale', currentFence: 42n });
+  });
+
+  it('an operator removed the register: the next shared write claims it again and applies', async () => {
+    const repo = fencedRepository(db, resource);
+    const lock = lockNamed('removed');
+    const a = lease(41n, lock);
+    await repo.with(a).update(row(), { value: 'a1' });
+    await execute(db, sql`delete from palisade.lock_registers where lock_key = ${registerKey(lock)}::uuid`);
+    const again = await pathOf(() => repo.with(a).update(row(), { value: 'a2' }));
+    expect([again.result.status, again.path]).toEqual(['applied', 'shared']);
+    const [register] = await execute(
+      db,
+      sql`select fence::text as fence from palisade.lock_registers where lock_key = ${registerKey(lock)}::uuid`,
+    );
+    expect(register?.fence).toBe('41');
+  });
+
+  it('one lock identity object at another fence takes the full claim', async () => {
+    const repo = fencedRepository(db, resource);
+    const identity = Object.freeze(lockNamed('reused-identity'));
+    const at = (fence: bigint) => ({
+      fence: toFence(fence) as Fence,
+      lock: identity,
+      signal: AbortSignal.timeout(60_000),
+    });
+    await repo.with(at(41n)).update(row(), { value: 'a1' });
+    const next = await pathOf(() => repo.with(at(43n)).update(row(), { value: 'b1' }));
+    expect([next.result.status, next.path]).toEqual(['applied', 'claim']);
+    const old = await pathOf(() => repo.with(at(41n)).update(row(), { value: 'a2' }));
+    expect(old.result).toEqual({ status: 'stale', currentFence: 43n });
+  });
+});
