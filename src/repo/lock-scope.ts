@@ -10,7 +10,7 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
-import type { BatchResult, WriteResult } from './result.js';
+import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Claim, Returning } from './statements.js';
 import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 
@@ -152,8 +152,9 @@ export function leasedRepository<T extends FencedTable>(
   return {
     fence,
     lock,
-    update: (async (key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning?: unknown }) =>
-      core.update(key, live(), patch, returningOf(opts), scoped)) as LeasedRepository<T>['update'],
+    update: rejecting((key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning?: unknown }) =>
+      core.update(key, live(), patch, returningOf(opts), scoped),
+    ) as LeasedRepository<T>['update'],
     upsert: async (values) => core.upsert(values, live(), scoped),
     delete: async (key) => core.delete(key, live(), scoped),
     modify: async (key, fn) => core.modify(key, live(), fn, scoped),

@@ -2,24 +2,22 @@
  * The write path of one fenced table: README, "The write path" and "Two
  * scopes of fencing". The API and its guarantees are in `repository-api.ts`.
  */
-import { and, eq, isNull, type SQL, sql } from 'drizzle-orm';
-import type { PgColumn } from 'drizzle-orm/pg-core';
+import { and, isNull, sql } from 'drizzle-orm';
 import {
   assertSupportedDriver,
   count,
   type Database,
   execute,
-  int8,
   type RawRow,
   transaction,
   translateError,
 } from '../driver.js';
-import { InvalidArgumentError, LockScopeError, RetryableWriteError } from '../errors.js';
+import { InvalidArgumentError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { prepared } from '../prepared.js';
 import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
-import { joining, on, recordRefusal } from './joined.js';
+import { joining, on } from './joined.js';
 import {
   claimOf,
   inClaim,
@@ -30,6 +28,7 @@ import {
   type WriteCore,
 } from './lock-scope.js';
 import { purgeStatement } from './purge.js';
+import { refusals } from './refusals.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
 
 export type {
@@ -40,15 +39,12 @@ export type {
   StaleWriteEvent,
 } from './repository-api.js';
 
-import { rememberContext, type WriteResult } from './result.js';
+import { rejecting, type WriteResult } from './result.js';
 import {
   APPLIED,
   type Claim,
   deleteStatements,
   type FencedWrite,
-  FLOOR,
-  PREV_DELETED,
-  PREV_FENCE,
   type Returning,
   type SameFence,
   type Statement,
@@ -61,6 +57,7 @@ import {
   type FencedTable,
   type KeyOf,
   keyEntries,
+  keyWhere,
   mapRow,
   type PatchOf,
   patchEntries,
@@ -92,21 +89,13 @@ export function fencedRepository<T extends FencedTable>(
   if (scope !== 'row' && scope !== 'lock') throw new InvalidArgumentError("scope must be 'row' or 'lock'");
   const t = table as FencedTable;
 
-  const keyWhere = (key: [string, unknown][]) =>
-    and(...key.map(([name, value]) => eq(info.columns[name] as PgColumn, value))) as SQL;
-
   const run = (on: Database, s: Statement): Promise<RawRow[]> => prepared(on, s.key, s.build).rows(s.values);
 
-  // The plain write: its row when it applied, `undefined` when it did not. For `status`, the
-  // statement returns nothing and its row count tells.
-  async function attempt(on: Database, s: Statement, returning: Returning): Promise<RawRow | undefined> {
-    if (returning === 'row') return (await run(on, s))[0];
-    return (await prepared(on, s.key, s.build).count(s.values)) > 0 ? NO_ROW : undefined;
-  }
-
-  // The success path: the plain write, and nothing else when it applied. Otherwise the refusal
-  // statement tries the write again (it applies if the row became writable in between) and explains.
-  async function write(
+  // The success path: the plain write, and nothing else when it applied (for `status` the statement
+  // returns nothing and its row count tells). Otherwise the refusal statement tries the write again
+  // (it applies if the row became writable in between) and explains. One async frame on the way:
+  // each one more costs a promise and a turn of the microtask queue on every write.
+  function write(
     on: Database,
     method: 'update' | 'delete',
     key: [string, unknown][],
@@ -116,12 +105,14 @@ export function fencedRepository<T extends FencedTable>(
     scope: LockScope | undefined,
     claim: Claim | undefined,
   ): Promise<WriteResult<RowOf<T>>> {
-    return observeWrite(info.label, method, 'UPDATE', fence, async () => {
-      const written = await attempt(on, statements.write, returning);
-      if (written !== undefined) {
-        // Applied, so the lock is claimed at this fence: later writes of it share the register by key.
-        if (claim !== undefined && !claim.shared) noteClaim(claim.lock, fence, fence);
-        return applied(written, returning);
+    const attempt = async (): Promise<WriteResult<RowOf<T>>> => {
+      const s = statements.write;
+      const statement = prepared(on, s.key, s.build);
+      if (returning === 'row') {
+        const [row] = await statement.rows(s.values);
+        if (row !== undefined) return appliedAt(row, returning, claim, fence);
+      } else if ((await statement.count(s.values)) > 0) {
+        return appliedAt(NO_ROW, returning, claim, fence);
       }
       const refuse = async (tx: Database) => {
         const raw = (await run(tx, statements.refusal))[0] ?? {};
@@ -132,11 +123,18 @@ export function fencedRepository<T extends FencedTable>(
       // stays locked until it is done (or names the higher fence that claimed the lock).
       if (scope === undefined) return refuse(on);
       return inClaim(on, scope, fence, refuse, (registered) => lockRefusal(key, fence, registered));
-    });
+    };
+    return observeWrite(info.label, method, 'UPDATE', fence, attempt);
   }
 
-  const lockRefusal = (key: [string, unknown][], fence: Fence, currentFence: Fence) =>
-    report({ status: 'stale', currentFence }, key, fence);
+  // Applied, so a lock-scoped write's lock is claimed at this fence: later writes of it share the
+  // register by its key.
+  function appliedAt(raw: RawRow, returning: Returning, claim: Claim | undefined, fence: Fence) {
+    if (claim !== undefined && !claim.shared) noteClaim(claim.lock, fence, fence);
+    return applied(raw, returning);
+  }
+
+  const { explain, refusal, report, lockRefusal } = refusals<RowOf<T>>(info, same, options.onStale);
 
   async function writeUpsert(on: Database, key: [string, unknown][], fence: Fence, statement: Statement) {
     return observeWrite(info.label, 'upsert', 'INSERT', fence, async () => {
@@ -151,88 +149,6 @@ export function fencedRepository<T extends FencedTable>(
     status: 'applied',
     row: (returning === 'row' ? mapRow(info, raw) : undefined) as RowOf<T>,
   });
-
-  async function explain(on: Database, method: string, raw: RawRow, key: [string, unknown][], fence: Fence) {
-    let result = classify(method, raw, fence);
-    if (result === 'race') result = await reclassify(on, method, key, fence);
-    return report(result, key, fence);
-  }
-
-  // The serial model (README, "The write path"): update, modify and delete write a LIVE row whose
-  // fence is below theirs; a tombstone or an absent row is `missing` and nothing is written. An
-  // upsert writes a live row or a tombstone below its fence, and creates an absent row only above
-  // the table's tombstone floor. `stale` names the fence that refused; `duplicate` means this very
-  // fence wrote the row. The statement decides on one row version; the previous row read beside it
-  // (the statement's snapshot) explains a refusal, unless the row changed while the statement waited
-  // for its lock: then the row is read again and the refusal explained by that later state.
-  function classify(method: string, raw: RawRow, fence: Fence): WriteResult<RowOf<T>> | 'race' {
-    const prevFence = int8(raw[PREV_FENCE]);
-    const prevDeleted = raw[PREV_DELETED] === true;
-    if (method !== 'upsert') {
-      // Not live in the snapshot: the write's WHERE excluded the row without waiting for it.
-      if (prevFence === null || prevDeleted) return { status: 'missing' };
-      return refusal(prevFence, fence) ?? 'race';
-    }
-    if (prevFence === null) {
-      // Absent from the snapshot: the insert was not attempted when the floor refused the fence.
-      const floor = int8(raw[FLOOR]);
-      if (floor !== null && !writable(floor, fence)) return { status: 'stale', currentFence: floor as Fence };
-    }
-    // ON CONFLICT decided on the newest row version, which may be newer than the snapshot's: a
-    // refusal explained by the snapshot could name the wrong fence (say `duplicate` where a higher
-    // fence deleted the row while the upsert waited for it). Read the row again.
-    return 'race';
-  }
-
-  const writable = (current: bigint, fence: bigint) => (same === 'allow' ? current <= fence : current < fence);
-
-  function refusal(current: bigint, fence: Fence): WriteResult<RowOf<T>> | undefined {
-    if (current > fence) return { status: 'stale', currentFence: current as Fence };
-    if (current === fence && same === 'reject') return { status: 'duplicate' };
-    return undefined;
-  }
-
-  async function reclassify(on: Database, method: string, key: [string, unknown][], fence: Fence) {
-    const [row] = await execute(
-      on,
-      sql`select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${keyWhere(key)}`,
-    );
-    const current = row ? int8(row.fence) : null;
-    if (method !== 'upsert' && (current === null || row?.deleted === true)) return { status: 'missing' } as const;
-    // Fences of a row only rise while it exists, so a refusal by the row as it is now is also a
-    // refusal by the version that decided: the write is placed (serially) at this read.
-    let refused = current === null ? undefined : refusal(current, fence);
-    if (current === null && method === 'upsert') {
-      const [floorRow] = await execute(
-        on,
-        sql`select floor from palisade.tombstone_floors where table_name = ${info.label}`,
-      );
-      const floor = int8(floorRow?.floor);
-      if (floor !== null && !writable(floor, fence)) refused = { status: 'stale', currentFence: floor as Fence };
-    }
-    if (refused) return refused;
-    // Writable now, yet the write did not apply (the row changed again since, or a purge removed
-    // it): no serial explanation is at hand, so the caller retries.
-    throw new RetryableWriteError('race', undefined);
-  }
-
-  function report(result: WriteResult<RowOf<T>>, key: [string, unknown][], fence: Fence) {
-    const keyObject = Object.fromEntries(key);
-    rememberContext(result, { table: info.label, key: keyObject, fence });
-    if (result.status === 'stale' || result.status === 'duplicate') {
-      const currentFence = result.status === 'stale' ? result.currentFence : fence;
-      recordRefusal({ status: result.status, table: info.label, key: keyObject, attemptedFence: fence, currentFence });
-    }
-    if (options.onStale && (result.status === 'stale' || result.status === 'duplicate')) {
-      const currentFence = result.status === 'stale' ? result.currentFence : fence;
-      try {
-        options.onStale({ table: info.label, key: keyObject, attemptedFence: fence, currentFence });
-      } catch {
-        // An observer must not turn a correct refusal into a failure.
-      }
-    }
-    return result;
-  }
 
   function update(
     on: Database,
@@ -331,7 +247,7 @@ export function fencedRepository<T extends FencedTable>(
       }
     };
     return transaction(on, async (tx) => {
-      const [row] = await tx.select().from(t).where(keyWhere(key)).for('update');
+      const [row] = await tx.select().from(t).where(keyWhere(info, key)).for('update');
       const locked = row as (RowOf<T> & { lastFence: bigint; deletedAt: Date | null }) | undefined;
       // The locked row decides (one row version): absent or deleted is `missing`, nothing written.
       if (!locked || locked.deletedAt !== null) return report({ status: 'missing' }, key, fence);
@@ -355,7 +271,7 @@ export function fencedRepository<T extends FencedTable>(
         const rows = await on(db)
           .select()
           .from(t)
-          .where(and(keyWhere(key), isNull(t.deletedAt)))
+          .where(and(keyWhere(info, key), isNull(t.deletedAt)))
           .limit(1);
         return rows[0] as RowOf<T> | undefined;
       } catch (err) {
@@ -377,9 +293,10 @@ export function fencedRepository<T extends FencedTable>(
       }
     },
 
-    // async: bad input rejects the promise, like every other method, rather than throwing.
-    update: (async (key: KeyOf<T>, fence: Fence, patch: PatchOf<T>, opts?: unknown) =>
-      rowScoped().update(key, fence, patch, returningOf(opts), undefined)) as FencedRepository<T>['update'],
+    // Bad input rejects the promise, like every other method, rather than throwing.
+    update: rejecting((key: KeyOf<T>, fence: Fence, patch: PatchOf<T>, opts?: unknown) =>
+      rowScoped().update(key, fence, patch, returningOf(opts), undefined),
+    ) as FencedRepository<T>['update'],
     upsert: async (values, fence) => rowScoped().upsert(values, fence, undefined),
     delete: async (key, fence) => rowScoped().delete(key, fence, undefined),
     modify: async (key, fence, fn) => rowScoped().modify(key, fence, fn, undefined),

@@ -22,32 +22,43 @@ export function tableShape(info: TableInfo): string {
   return shape;
 }
 
-const keysByTable = new WeakMap<TableInfo, Map<string, { write: string; refusal: string }>>();
+type Keys = { readonly write: string; readonly refusal: string };
+type Claim = 'none' | 'claim' | 'shared';
+
+// By table, then by the write's variant (a small number), then by the patch's shape: no key is
+// concatenated, and hashed afresh, on the hot path.
+const keysByTable = new WeakMap<TableInfo, Map<number, Map<string, Keys>>>();
+const CLAIMS: readonly Claim[] = ['none', 'claim', 'shared'];
 
 /**
  * The cache keys of an update's or delete's two statements (the write, the
- * refusal), built once per shape: a key built afresh is a long string to
- * concatenate and hash on every call, on the hot path.
+ * refusal), built once per shape.
  */
 export function cacheKeys(
   info: TableInfo,
-  method: string,
+  method: 'update' | 'delete',
   same: SameFence,
   shapeKey: string,
   returning: Returning,
-  claim: 'none' | 'claim' | 'shared',
-) {
-  let byShape = keysByTable.get(info);
+  claim: Claim,
+): Keys {
+  let byVariant = keysByTable.get(info);
+  if (byVariant === undefined) {
+    byVariant = new Map();
+    keysByTable.set(info, byVariant);
+  }
+  const variant =
+    (method === 'delete' ? 12 : 0) + (same === 'allow' ? 6 : 0) + (returning === 'row' ? 3 : 0) + CLAIMS.indexOf(claim);
+  let byShape = byVariant.get(variant);
   if (byShape === undefined) {
     byShape = new Map();
-    keysByTable.set(info, byShape);
+    byVariant.set(variant, byShape);
   }
-  const short = `${method}|${same}|${returning}|${claim}|${shapeKey}`;
-  let keys = byShape.get(short);
+  let keys = byShape.get(shapeKey);
   if (keys === undefined) {
     const base = `${tableShape(info)}|${method}|${same}|${shapeKey}`;
     keys = { write: `${base}|${returning}${claim === 'none' ? '' : `|${claim}`}`, refusal: `${base}|refusal` };
-    byShape.set(short, keys);
+    byShape.set(shapeKey, keys);
   }
   return keys;
 }

@@ -175,7 +175,7 @@ const returningRow = sql.raw(` returning *, true as ${APPLIED}`);
  */
 function fencedWrite(
   info: TableInfo,
-  method: string,
+  method: 'update' | 'delete',
   key: Entries,
   set: (info: TableInfo) => SQL[],
   shapeKey: string | undefined,

@@ -4,7 +4,7 @@
  * what a valid key or patch looks like. The generic "any table" types stop
  * here (drizzle issues #4207, #4367): everything above sees `FencedTable`.
  */
-import { getTableColumns, is, SQL } from 'drizzle-orm';
+import { and, eq, getTableColumns, is, SQL } from 'drizzle-orm';
 import { getTableConfig, type PgColumn, type PgTable } from 'drizzle-orm/pg-core';
 import type { RawRow } from '../driver.js';
 import { InvalidArgumentError } from '../errors.js';
@@ -82,10 +82,11 @@ export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
   if (key === null || typeof key !== 'object' || Array.isArray(key)) {
     throw new InvalidArgumentError(`key for ${info.label} must be an object of its primary-key columns`);
   }
-  const given = Object.keys(key);
-  const extra = given.filter((k) => !info.keyNames.includes(k));
-  if (extra.length > 0) {
-    throw new InvalidArgumentError(`key for ${info.label} has non-key columns: ${extra.join(', ')}`);
+  for (const name in key) {
+    if (Object.hasOwn(key, name) && !info.keyNames.includes(name)) {
+      const extra = Object.keys(key).filter((k) => !info.keyNames.includes(k));
+      throw new InvalidArgumentError(`key for ${info.label} has non-key columns: ${extra.join(', ')}`);
+    }
   }
   return info.keyNames.map((name) => {
     const value = (key as Record<string, unknown>)[name];
@@ -104,11 +105,18 @@ export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
  * `allowKey` (an upsert must name its key).
  */
 export function patchEntries(info: TableInfo, patch: unknown, allowKey: boolean): [string, unknown][] {
-  if (patch === null || typeof patch !== 'object' || Array.isArray(patch) || isSql(patch)) {
+  if (patch === null || typeof patch !== 'object' || Array.isArray(patch)) {
+    throw new InvalidArgumentError(`patch for ${info.label} must be an object of column values`);
+  }
+  // A plain object literal is never SQL; anything else is asked (drizzle's is() walks its prototypes).
+  if (Object.getPrototypeOf(patch) !== Object.prototype && isSql(patch)) {
     throw new InvalidArgumentError(`patch for ${info.label} must be an object of column values`);
   }
   const entries: [string, unknown][] = [];
-  for (const [name, value] of Object.entries(patch)) {
+  // Own enumerable string keys, as Object.entries gives them, without its array of pairs.
+  for (const name in patch) {
+    if (!Object.hasOwn(patch, name)) continue;
+    const value = (patch as Record<string, unknown>)[name];
     if (FENCE_KEYS.has(name)) {
       throw new InvalidArgumentError(`patch for ${info.label} may not set ${name}: palisade writes the fence columns`);
     }
@@ -130,4 +138,9 @@ export function mapRow(info: TableInfo, raw: RawRow): Record<string, unknown> {
     row[key] = value === null || value === undefined ? null : column.mapFromDriverValue(value);
   }
   return row;
+}
+
+/** `key` (entries from {@link keyEntries}) as a condition with inline parameters, for reads off the hot path. */
+export function keyWhere(info: TableInfo, key: readonly (readonly [string, unknown])[]): SQL {
+  return and(...key.map(([name, value]) => eq(info.columns[name] as PgColumn, value))) as SQL;
 }

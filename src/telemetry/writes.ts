@@ -14,17 +14,30 @@ interface WriteOutcome {
  * the outcome; a refused write (`stale`, `duplicate`, `missing`) is counted.
  * Never a row value, a key or a query parameter.
  */
-export async function observeWrite<R extends WriteOutcome>(
+export function observeWrite<R extends WriteOutcome>(
   table: string,
   method: string,
   operation: 'UPDATE' | 'INSERT',
   fence: bigint,
   run: () => Promise<R>,
 ): Promise<R> {
+  // Not async: where nothing records, the write's own promise is returned as it is.
   const otel = api();
   if (!otel) return run();
   const t = getTracer();
   if (!t && !meter()) return run(); // nothing would record: not even a refusal count
+  return recordWrite(otel, t, table, method, operation, fence, run);
+}
+
+async function recordWrite<R extends WriteOutcome>(
+  otel: NonNullable<ReturnType<typeof api>>,
+  t: ReturnType<typeof getTracer>,
+  table: string,
+  method: string,
+  operation: 'UPDATE' | 'INSERT',
+  fence: bigint,
+  run: () => Promise<R>,
+): Promise<R> {
   const summary = `${operation} ${table}`;
   const attributes: Attributes | undefined = t && {
     [ATTR.dbSystem]: 'postgresql',
