@@ -84,8 +84,33 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
   try {
     return await db.transaction((tx) => fn(tx as unknown as Database));
   } catch (err) {
-    throw translateError(err);
+    throw err instanceof CallerThrew ? err : translateError(err);
   }
+}
+
+// What the caller's own code threw inside palisade's transactions, boxed so that it passes through
+// each of them (nested ones too) untranslated, and comes out where palisade returns to the caller.
+class CallerThrew {
+  constructor(readonly error: unknown) {}
+}
+
+/**
+ * @internal Runs the caller's own code (a `modify` function, a fenced
+ * transaction's function) inside palisade's transactions: what it throws
+ * rolls them back and passes through {@link transaction} untranslated, until
+ * {@link asThrown} gives it back as it was thrown.
+ */
+export async function callerCode<T>(fn: () => T | Promise<T>): Promise<T> {
+  try {
+    return await fn();
+  } catch (error) {
+    throw new CallerThrew(error);
+  }
+}
+
+/** @internal Where palisade returns to the caller: the caller's own error as it was thrown; any other as it is. */
+export function asThrown(err: unknown): unknown {
+  return err instanceof CallerThrew ? err.error : err;
 }
 
 /** How many rows a statement wrote: postgres.js `count`, node-postgres `rowCount`, PGlite `affectedRows`. */

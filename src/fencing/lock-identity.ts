@@ -42,8 +42,9 @@ export function checkLockIdentity(value: unknown): LockIdentity {
   const known = checked.get(value);
   if (known !== undefined) return known;
   const v = value as Record<string, unknown>;
-  for (const part of ['kind', 'source', 'namespace', 'name'] as const) {
-    const s = v[part];
+  // Each part is read once: what is checked is what is kept (a getter may answer differently twice).
+  const parts = { kind: v.kind, source: v.source, namespace: v.namespace, name: v.name };
+  for (const [part, s] of Object.entries(parts)) {
     if (typeof s !== 'string' || (part !== 'namespace' && s.length === 0) || s.includes('\u0000')) {
       throw new InvalidArgumentError(`lock.${part} must be a non-empty string without NUL`);
     }
@@ -51,12 +52,7 @@ export function checkLockIdentity(value: unknown): LockIdentity {
       throw new InvalidArgumentError(`lock.${part} must be at most ${PART_BYTES} UTF-8 bytes`);
     }
   }
-  const identity: LockIdentity = Object.freeze({
-    kind: v.kind as string,
-    source: v.source as string,
-    namespace: v.namespace as string,
-    name: v.name as string,
-  });
+  const identity = Object.freeze(parts) as LockIdentity;
   // Only a frozen value can be remembered: an open one may change before the next call.
   if (Object.isFrozen(value)) checked.set(value, identity);
   checked.set(identity, identity);

@@ -4,7 +4,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, type Database, int8, transaction } from '../driver.js';
+import { assertSupportedDriver, asThrown, callerCode, type Database, int8, transaction } from '../driver.js';
 import {
   FenceNotIssuedError,
   InvalidArgumentError,
@@ -95,7 +95,7 @@ export async function fencedTransaction<R>(
         }
       }
       const refusals: Refusal[] = [];
-      const value = await joining(db, tx, refusals, () => fn(tx));
+      const value = await joining(db, tx, refusals, () => callerCode(() => fn(tx)));
       const [refused] = refusals;
       if (refused) refuse(refused);
       for (const lease of list) if (lease.holder.signal.aborted) throw lostError(lease.holder, lease.fence);
@@ -103,7 +103,7 @@ export async function fencedTransaction<R>(
     });
   } catch (err) {
     if (refusal !== undefined) return { status: refusal.status, refusal };
-    throw err;
+    throw asThrown(err);
   }
 }
 

@@ -5,6 +5,8 @@
 import { and, isNull, sql } from 'drizzle-orm';
 import {
   assertSupportedDriver,
+  asThrown,
+  callerCode,
   count,
   type Database,
   execute,
@@ -195,14 +197,13 @@ export function fencedRepository<T extends FencedTable>(
       const fence = assertFence(fenceIn);
       const key = keyEntries(info, keyIn);
       if (typeof fn !== 'function') throw new InvalidArgumentError('modify needs a function that returns the patch');
-      if (scope === undefined) return modify(on(db), key, keyIn, fence, fn);
-      return inClaim(
-        on(db),
-        scope,
-        fence,
-        (tx) => modify(tx, key, keyIn, fence, fn),
-        (registered) => lockRefusal(key, fence, registered),
-      );
+      const run = (tx: Database) => modify(tx, key, keyIn, fence, fn);
+      try {
+        if (scope === undefined) return await run(on(db));
+        return await inClaim(on(db), scope, fence, run, (registered) => lockRefusal(key, fence, registered));
+      } catch (err) {
+        throw asThrown(err);
+      }
     },
 
     async updateWhere(where, fenceIn, patchIn, opts = {}, scope = undefined) {
@@ -235,17 +236,6 @@ export function fencedRepository<T extends FencedTable>(
     fence: Fence,
     fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
   ): Promise<WriteResult<RowOf<T>>> {
-    // The caller's own error (say, "insufficient funds") rolls back and comes out as it was thrown,
-    // not dressed as a DatabaseError by the transaction's error translation.
-    let thrown: { error: unknown } | undefined;
-    const call = async (row: RowOf<T>, tx: Database) => {
-      try {
-        return await fn(row, tx);
-      } catch (error) {
-        thrown = { error };
-        throw error;
-      }
-    };
     return transaction(on, async (tx) => {
       const [row] = await tx.select().from(t).where(keyWhere(info, key)).for('update');
       const locked = row as (RowOf<T> & { lastFence: bigint; deletedAt: Date | null }) | undefined;
@@ -255,10 +245,10 @@ export function fencedRepository<T extends FencedTable>(
       if (refused) return report(refused, key, fence);
       // Inside fn, this repository (and any other on the same db) reads and writes through the
       // transaction: on PGlite, or a pool of one, the outer db would wait behind it forever.
-      const patch = await joining(db, tx, undefined, () => call(locked, tx));
+      // The caller's own error (say, "insufficient funds") rolls back every transaction around it
+      // and comes out of modify as it was thrown, not dressed as a DatabaseError.
+      const patch = await joining(db, tx, undefined, () => callerCode(() => fn(locked, tx)));
       return update(tx, keyIn, fence, patch, 'row');
-    }).catch((err: unknown) => {
-      throw thrown ? thrown.error : err;
     });
   }
 

@@ -9,6 +9,7 @@ import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { afterEach, describe, expect, it } from 'vitest';
 import { FenceNotIssuedError, LockScopeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import type { Fence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
@@ -330,6 +331,42 @@ describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, ()
       await current.release();
     } finally {
       await locks.close();
+      await test.close();
+    }
+  });
+});
+
+describe("the caller's own error, thrown inside palisade's transactions", () => {
+  // Regression (outside review): the transaction a lock-scoped modify or a fenced transaction
+  // claims in turned the function's error into a DatabaseError naming no cause.
+  it('comes out of a lock-scoped modify and of fencedTransaction as it was thrown, and nothing is written', async () => {
+    const test = await pgliteDatabase();
+    try {
+      await migrate(test.db);
+      await test.db.execute(
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await test.db.execute(sql`insert into resource (id, value) values (1, 'initial')`);
+      const repo = fencedRepository(test.db, resource, { scope: 'lock' });
+      const holder = {
+        fence: 7n as Fence,
+        lock: Object.freeze({ kind: 'test', source: 'caller-error', namespace: '', name: 'L' }),
+        signal: new AbortController().signal,
+      };
+      class InsufficientFunds extends Error {}
+      for (const thrown of [new InsufficientFunds('balance too low'), 'a plain string']) {
+        const modified = repo.with(holder).modify({ id: 1 }, () => {
+          throw thrown;
+        });
+        await expect(modified).rejects.toBe(thrown);
+        const transacted = fencedTransaction(test.db, holder, async (tx) => {
+          await fencedRepository(tx, resource).update({ id: 1 }, holder.fence, { value: 'written, then rolled back' });
+          throw thrown;
+        });
+        await expect(transacted).rejects.toBe(thrown);
+      }
+      expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+    } finally {
       await test.close();
     }
   });

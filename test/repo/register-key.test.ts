@@ -14,7 +14,7 @@ import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
-import type { LockIdentity } from '../../src/fencing/lock-identity.js';
+import { checkLockIdentity, type LockIdentity } from '../../src/fencing/lock-identity.js';
 import { migrate } from '../../src/migrate.js';
 import { registerKey } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
@@ -61,6 +61,23 @@ describe('the register key', () => {
 
   propTest.prop([identityArb], { numRuns: 200 })('is the one palisade.lock_key stores (PGlite)', async (lock) => {
     await sameKeyEverywhere(pglite.db, lock);
+  });
+
+  it('is taken from what checkLockIdentity checked: a getter that answers differently later changes nothing', () => {
+    let reads = 0;
+    const sly = Object.freeze({
+      kind: 'k',
+      source: 's',
+      namespace: '',
+      get name() {
+        reads += 1;
+        return reads === 1 ? 'first' : '\u0000bad';
+      },
+    });
+    const checked = checkLockIdentity(sly);
+    expect(checked.name).toBe('first');
+    expect(checkLockIdentity(sly)).toBe(checked);
+    expect(registerKey(checked)).toBe(registerKey({ kind: 'k', source: 's', namespace: '', name: 'first' }));
   });
 
   it('tells apart locks whose parts only split differently', () => {
