@@ -27,6 +27,12 @@ export interface MeasureOptions {
   readonly rounds: number;
   /** Time per case per round (ms): one block. */
   readonly timeMs: number;
+  /**
+   * A full collection between rounds (with `--expose-gc`), so that no case
+   * pays for another's garbage. Default true; false measures each case
+   * with only the collections its own blocks set off (a diagnostic).
+   */
+  readonly forcedGc?: boolean;
 }
 
 /** Medians over rounds. Latencies in ms. */
@@ -59,7 +65,7 @@ export async function compare(cases: readonly Case[], opts: MeasureOptions): Pro
   for (let round = 0; round < opts.rounds; round++) {
     // The garbage of the last round is collected between rounds, not on a case's time
     // (`npm run bench` runs node with --expose-gc).
-    (globalThis as { gc?: () => void }).gc?.();
+    if (opts.forcedGc !== false) (globalThis as { gc?: () => void }).gc?.();
     for (let k = 0; k < cases.length; k++) {
       const i = (k + round) % cases.length;
       const c = cases[i] as Case;
