@@ -26,18 +26,6 @@ export function observeWrite<R extends WriteOutcome>(
   if (!otel) return run();
   const t = getTracer();
   if (!t && !meter()) return run(); // nothing would record: not even a refusal count
-  return recordWrite(otel, t, table, method, operation, fence, run);
-}
-
-async function recordWrite<R extends WriteOutcome>(
-  otel: NonNullable<ReturnType<typeof api>>,
-  t: ReturnType<typeof getTracer>,
-  table: string,
-  method: string,
-  operation: 'UPDATE' | 'INSERT',
-  fence: bigint,
-  run: () => Promise<R>,
-): Promise<R> {
   const summary = `${operation} ${table}`;
   const attributes: Attributes | undefined = t && {
     [ATTR.dbSystem]: 'postgresql',
