@@ -94,23 +94,23 @@ type Run = (values: Record<string, unknown>) => Promise<unknown>;
 
 function compile(session: PgSession, compiled: { sql: string; params: unknown[] }, name: string | undefined): Prepared {
   const run = directRun(session, compiled, name) ?? drizzleRun(session, compiled, name);
+  // One `then` per call, not an async frame (its promise and the await's): on every write.
+  const sent = <R>(values: Record<string, unknown>, read: (result: unknown) => R): Promise<R> => {
+    try {
+      return run(values).then(read, translated);
+    } catch (err) {
+      return Promise.reject(translateError(err));
+    }
+  };
   return {
-    async rows(values) {
-      try {
-        return rowsOf(await run(values));
-      } catch (err) {
-        throw translateError(err);
-      }
-    },
-    async count(values) {
-      try {
-        return affectedOf(await run(values));
-      } catch (err) {
-        throw translateError(err);
-      }
-    },
+    rows: (values) => sent(values, rowsOf),
+    count: (values) => sent(values, affectedOf),
   };
 }
+
+const translated = (err: unknown): never => {
+  throw translateError(err);
+};
 
 function drizzleRun(session: PgSession, compiled: { sql: string; params: unknown[] }, name: string | undefined): Run {
   const query = session.prepareQuery(compiled as never, undefined, name, false) as PgPreparedQuery<never>;

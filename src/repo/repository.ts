@@ -95,8 +95,8 @@ export function fencedRepository<T extends FencedTable>(
 
   // The success path: the plain write, and nothing else when it applied (for `status` the statement
   // returns nothing and its row count tells). Otherwise the refusal statement tries the write again
-  // (it applies if the row became writable in between) and explains. One async frame on the way:
-  // each one more costs a promise and a turn of the microtask queue on every write.
+  // (it applies if the row became writable in between) and explains. One promise on the way: each
+  // async frame more costs a promise and a turn of the microtask queue on every write.
   function write(
     on: Database,
     method: 'update' | 'delete',
@@ -107,15 +107,7 @@ export function fencedRepository<T extends FencedTable>(
     scope: LockScope | undefined,
     claim: Claim | undefined,
   ): Promise<WriteResult<RowOf<T>>> {
-    const attempt = async (): Promise<WriteResult<RowOf<T>>> => {
-      const s = statements.write;
-      const statement = prepared(on, s.key, s.build);
-      if (returning === 'row') {
-        const [row] = await statement.rows(s.values);
-        if (row !== undefined) return appliedAt(row, returning, claim, fence);
-      } else if ((await statement.count(s.values)) > 0) {
-        return appliedAt(NO_ROW, returning, claim, fence);
-      }
+    const refusalPath = (): Promise<WriteResult<RowOf<T>>> => {
       const refuse = async (tx: Database) => {
         const raw = (await run(tx, statements.refusal))[0] ?? {};
         if (raw[APPLIED] === true) return applied(raw, returning);
@@ -125,6 +117,18 @@ export function fencedRepository<T extends FencedTable>(
       // stays locked until it is done (or names the higher fence that claimed the lock).
       if (scope === undefined) return refuse(on);
       return inClaim(on, scope, fence, refuse, (registered) => lockRefusal(key, fence, registered));
+    };
+    const attempt = (): Promise<WriteResult<RowOf<T>>> => {
+      const s = statements.write;
+      const statement = prepared(on, s.key, s.build);
+      if (returning === 'row') {
+        return statement
+          .rows(s.values)
+          .then(([row]) => (row === undefined ? refusalPath() : appliedAt(row, returning, claim, fence)));
+      }
+      return statement
+        .count(s.values)
+        .then((n) => (n > 0 ? appliedAt(NO_ROW, returning, claim, fence) : refusalPath()));
     };
     return observeWrite(info.label, method, 'UPDATE', fence, attempt);
   }
