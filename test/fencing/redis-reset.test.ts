@@ -287,7 +287,9 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager 
 
     const replicated = await grants(oldPrimary, 'job', 3);
     const counter = await onPrimary.hget(fenceKey, 'counter');
-    for (let i = 0; i < 250 && (await onReplica.hget(fenceKey, 'counter')) !== counter; i++) {
+    // The replica's first sync forks the primary for a snapshot: on a loaded 2-core machine that has
+    // taken over 5 s (a full `npm test` run), so the wait is bounded at 15 s.
+    for (let i = 0; i < 750 && (await onReplica.hget(fenceKey, 'counter')) !== counter; i++) {
       await new Promise((r) => setTimeout(r, 20));
     }
     expect(await onReplica.hget(fenceKey, 'counter')).toBe(counter);
