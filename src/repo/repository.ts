@@ -107,30 +107,48 @@ export function fencedRepository<T extends FencedTable>(
     scope: LockScope | undefined,
     claim: Claim | undefined,
   ): Promise<WriteResult<RowOf<T>>> {
-    const refusalPath = (): Promise<WriteResult<RowOf<T>>> => {
-      const refuse = async (tx: Database) => {
-        const raw = (await run(tx, statements.refusal))[0] ?? {};
-        if (raw[APPLIED] === true) return applied(raw, returning);
-        return explain(tx, method, raw, key, fence);
-      };
-      // Lock scope: the refusal statement runs only under a claim of the register, which then
-      // stays locked until it is done (or names the higher fence that claimed the lock).
-      if (scope === undefined) return refuse(on);
-      return inClaim(on, scope, fence, refuse, (registered) => lockRefusal(key, fence, registered));
-    };
     const attempt = (): Promise<WriteResult<RowOf<T>>> => {
       const s = statements.write;
       const statement = prepared(on, s.key, s.build);
       if (returning === 'row') {
         return statement
           .rows(s.values)
-          .then(([row]) => (row === undefined ? refusalPath() : appliedAt(row, returning, claim, fence)));
+          .then(([row]) =>
+            row === undefined
+              ? refusalPath(on, method, key, fence, statements, returning, scope)
+              : appliedAt(row, returning, claim, fence),
+          );
       }
       return statement
         .count(s.values)
-        .then((n) => (n > 0 ? appliedAt(NO_ROW, returning, claim, fence) : refusalPath()));
+        .then((n) =>
+          n > 0
+            ? appliedAt(NO_ROW, returning, claim, fence)
+            : refusalPath(on, method, key, fence, statements, returning, scope),
+        );
     };
     return observeWrite(info.label, method, 'UPDATE', fence, attempt);
+  }
+
+  // Off the success path: the refusal statement tries the write again and explains. Lock scope: it
+  // runs only under a claim of the register, which then stays locked until it is done (or names
+  // the higher fence that claimed the lock).
+  function refusalPath(
+    on: Database,
+    method: 'update' | 'delete',
+    key: [string, unknown][],
+    fence: Fence,
+    statements: FencedWrite,
+    returning: Returning,
+    scope: LockScope | undefined,
+  ): Promise<WriteResult<RowOf<T>>> {
+    const refuse = async (tx: Database) => {
+      const raw = (await run(tx, statements.refusal))[0] ?? {};
+      if (raw[APPLIED] === true) return applied(raw, returning);
+      return explain(tx, method, raw, key, fence);
+    };
+    if (scope === undefined) return refuse(on);
+    return inClaim(on, scope, fence, refuse, (registered) => lockRefusal(key, fence, registered));
   }
 
   // Applied, so a lock-scoped write's lock is claimed at this fence: later writes of it share the

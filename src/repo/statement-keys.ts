@@ -23,12 +23,13 @@ export function tableShape(info: TableInfo): string {
 }
 
 type Keys = { readonly write: string; readonly refusal: string };
-type Claim = 'none' | 'claim' | 'shared';
+/** How a write's statement claims a lock register (see `Claim` in statements.ts): part of its text. */
+export type ClaimMode = 'none' | 'claim' | 'shared';
 
 // By table, then by the write's variant (a small number), then by the patch's shape: no key is
 // concatenated, and hashed afresh, on the hot path.
 const keysByTable = new WeakMap<TableInfo, Map<number, Map<string, Keys>>>();
-const CLAIMS: readonly Claim[] = ['none', 'claim', 'shared'];
+const CLAIM_MODES: readonly ClaimMode[] = ['none', 'claim', 'shared'];
 
 /**
  * The cache keys of an update's or delete's two statements (the write, the
@@ -40,7 +41,7 @@ export function cacheKeys(
   same: SameFence,
   shapeKey: string,
   returning: Returning,
-  claim: Claim,
+  claim: ClaimMode,
 ): Keys {
   let byVariant = keysByTable.get(info);
   if (byVariant === undefined) {
@@ -48,7 +49,10 @@ export function cacheKeys(
     keysByTable.set(info, byVariant);
   }
   const variant =
-    (method === 'delete' ? 12 : 0) + (same === 'allow' ? 6 : 0) + (returning === 'row' ? 3 : 0) + CLAIMS.indexOf(claim);
+    (method === 'delete' ? 12 : 0) +
+    (same === 'allow' ? 6 : 0) +
+    (returning === 'row' ? 3 : 0) +
+    CLAIM_MODES.indexOf(claim);
   let byShape = byVariant.get(variant);
   if (byShape === undefined) {
     byShape = new Map();

@@ -29,7 +29,7 @@ import type { PgColumn } from 'drizzle-orm/pg-core';
 import type { LockIdentity } from '../fencing/lock-identity.js';
 import { type ExpressionTemplate, templateOf } from './expressions.js';
 import { registerKey } from './register-key.js';
-import { cacheKeys, shape } from './statement-keys.js';
+import { type ClaimMode, cacheKeys, shape } from './statement-keys.js';
 import { isSql, type TableInfo } from './table.js';
 
 /** `reject`: a fence writes a row at most once (`<`). `allow`: `<=`, for several writes per grant. */
@@ -198,7 +198,7 @@ function fencedWrite(
   where ${liveAndBelow(info, where, same)}${guard}${tail}`,
     };
   };
-  const mode = claim === undefined ? 'none' : claim.shared ? 'shared' : 'claim';
+  const mode: ClaimMode = claim === undefined ? 'none' : claim.shared ? 'shared' : 'claim';
   const keys = shapeKey === undefined ? undefined : cacheKeys(info, method, same, shapeKey, returning, mode);
   if (claim) claimValues(values, claim);
   fillKey(values, key);
