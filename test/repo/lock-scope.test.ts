@@ -364,6 +364,13 @@ describe("the caller's own error, thrown inside palisade's transactions", () => 
           throw thrown;
         });
         await expect(transacted).rejects.toBe(thrown);
+        // Through both at once: a lock-scoped modify inside a fenced transaction.
+        const nested = fencedTransaction(test.db, holder, () =>
+          repo.with(holder).modify({ id: 1 }, () => {
+            throw thrown;
+          }),
+        );
+        await expect(nested).rejects.toBe(thrown);
       }
       expect((await repo.get({ id: 1 }))?.value).toBe('initial');
     } finally {

@@ -16,6 +16,7 @@ import { type Database, execute } from '../../src/driver.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../../src/fencing/lock-identity.js';
 import { migrate } from '../../src/migrate.js';
+import { claimLockRegister } from '../../src/repo/lock-scope.js';
 import { registerKey } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
@@ -174,6 +175,30 @@ describe.runIf(needs('DATABASE_URL'))('the two claim paths on Postgres', () => {
       sql`select fence::text as fence from palisade.lock_registers where lock_key = ${registerKey(lock)}::uuid`,
     );
     expect(register?.fence).toBe('41');
+  });
+
+  it('a lock given as a fresh object literal on every call always takes the full claim', async () => {
+    const repo = fencedRepository(db, resource);
+    const lock = lockNamed('open-literal');
+    const open = () => ({ fence: toFence(41n) as Fence, lock: { ...lock }, signal: AbortSignal.timeout(60_000) });
+    const paths = [];
+    for (const value of ['a1', 'a2', 'a3']) {
+      const { result, path } = await pathOf(() => repo.with(open()).update(row(), { value }));
+      paths.push([result.status, path]);
+    }
+    expect(paths).toEqual([
+      ['applied', 'claim'],
+      ['applied', 'claim'],
+      ['applied', 'claim'],
+    ]);
+  });
+
+  it("an eager claim (claimLockRegister) puts the lease's first write on the shared path", async () => {
+    const repo = fencedRepository(db, resource);
+    const a = lease(41n, lockNamed('eager'));
+    expect(await claimLockRegister(db, a)).toEqual({ status: 'claimed' });
+    const first = await pathOf(() => repo.with(a).update(row(), { value: 'a1' }));
+    expect([first.result.status, first.path]).toEqual(['applied', 'shared']);
   });
 
   it('one lock identity object at another fence takes the full claim', async () => {
