@@ -9,9 +9,10 @@ import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeErr
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
+import type { Claim } from './claim-guard.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
-import type { Claim, Returning } from './statements.js';
+import type { Returning } from './statements.js';
 import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 
 const p = (name: string) => sql.placeholder(name);

@@ -14,7 +14,7 @@ import { recordRefusal } from './joined.js';
 import type { StaleWriteEvent } from './repository-api.js';
 import { rememberContext, type WriteResult } from './result.js';
 import { FLOOR, PREV_DELETED, PREV_FENCE, type SameFence } from './statements.js';
-import { keyWhere, type TableInfo } from './table.js';
+import { type KeyEntries, keyWhere, type TableInfo } from './table.js';
 
 /** @internal The refusal logic of one repository: its table, its fence comparison, its observer. */
 export function refusals<Row>(
@@ -24,7 +24,7 @@ export function refusals<Row>(
 ) {
   const t = info.table;
 
-  async function explain(on: Database, method: string, raw: RawRow, key: [string, unknown][], fence: Fence) {
+  async function explain(on: Database, method: string, raw: RawRow, key: KeyEntries, fence: Fence) {
     let result = classify(method, raw, fence);
     if (result === 'race') result = await reclassify(on, method, key, fence);
     return report(result, key, fence);
@@ -64,7 +64,7 @@ export function refusals<Row>(
     return undefined;
   }
 
-  async function reclassify(on: Database, method: string, key: [string, unknown][], fence: Fence) {
+  async function reclassify(on: Database, method: string, key: KeyEntries, fence: Fence) {
     const [row] = await execute(
       on,
       sql`select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${keyWhere(info, key)}`,
@@ -88,7 +88,7 @@ export function refusals<Row>(
     throw new RetryableWriteError('race', undefined);
   }
 
-  function report(result: WriteResult<Row>, key: [string, unknown][], fence: Fence) {
+  function report(result: WriteResult<Row>, key: KeyEntries, fence: Fence) {
     const keyObject = Object.fromEntries(key);
     rememberContext(result, { table: info.label, key: keyObject, fence });
     if (result.status === 'stale' || result.status === 'duplicate') {
@@ -106,7 +106,7 @@ export function refusals<Row>(
     return result;
   }
 
-  const lockRefusal = (key: [string, unknown][], fence: Fence, currentFence: Fence) =>
+  const lockRefusal = (key: KeyEntries, fence: Fence, currentFence: Fence) =>
     report({ status: 'stale', currentFence }, key, fence);
 
   return { explain, refusal, report, lockRefusal };

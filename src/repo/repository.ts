@@ -44,7 +44,6 @@ export type {
 import { rejecting, type WriteResult } from './result.js';
 import {
   APPLIED,
-  type Claim,
   deleteStatements,
   type FencedWrite,
   type Returning,
@@ -97,63 +96,37 @@ export function fencedRepository<T extends FencedTable>(
   // returns nothing and its row count tells). Otherwise the refusal statement tries the write again
   // (it applies if the row became writable in between) and explains. One promise on the way: each
   // async frame more costs a promise and a turn of the microtask queue on every write.
-  function write(
-    on: Database,
-    method: 'update' | 'delete',
-    key: [string, unknown][],
-    fence: Fence,
-    statements: FencedWrite,
-    returning: Returning,
-    scope: LockScope | undefined,
-    claim: Claim | undefined,
-  ): Promise<WriteResult<RowOf<T>>> {
+  function write(on: Database, w: FencedWrite, fence: Fence, scope: LockScope | undefined) {
     const attempt = (): Promise<WriteResult<RowOf<T>>> => {
-      const s = statements.write;
-      const statement = prepared(on, s.key, s.build);
-      if (returning === 'row') {
+      const statement = prepared(on, w.write.key, w.write.build);
+      if (w.returning === 'row') {
         return statement
-          .rows(s.values)
-          .then(([row]) =>
-            row === undefined
-              ? refusalPath(on, method, key, fence, statements, returning, scope)
-              : appliedAt(row, returning, claim, fence),
-          );
+          .rows(w.write.values)
+          .then(([row]) => (row === undefined ? refusalPath(on, w, fence, scope) : appliedAt(row, w, fence)));
       }
       return statement
-        .count(s.values)
-        .then((n) =>
-          n > 0
-            ? appliedAt(NO_ROW, returning, claim, fence)
-            : refusalPath(on, method, key, fence, statements, returning, scope),
-        );
+        .count(w.write.values)
+        .then((n) => (n > 0 ? appliedAt(NO_ROW, w, fence) : refusalPath(on, w, fence, scope)));
     };
-    return observeWrite(info.label, method, 'UPDATE', fence, attempt);
+    return observeWrite(info.label, w.method, 'UPDATE', fence, attempt);
   }
 
   // Off the success path: the refusal statement tries the write again and explains. Lock scope: it
   // runs only under a claim of the register, which then stays locked until it is done (or names
   // the higher fence that claimed the lock).
-  function refusalPath(
-    on: Database,
-    method: 'update' | 'delete',
-    key: [string, unknown][],
-    fence: Fence,
-    statements: FencedWrite,
-    returning: Returning,
-    scope: LockScope | undefined,
-  ): Promise<WriteResult<RowOf<T>>> {
-    const refuse = async (tx: Database) => {
-      const raw = (await run(tx, statements.refusal))[0] ?? {};
-      if (raw[APPLIED] === true) return applied(raw, returning);
-      return explain(tx, method, raw, key, fence);
+  function refusalPath(on: Database, w: FencedWrite, fence: Fence, scope: LockScope | undefined) {
+    const refuse = async (tx: Database): Promise<WriteResult<RowOf<T>>> => {
+      const raw = (await run(tx, w.refusal))[0] ?? {};
+      if (raw[APPLIED] === true) return applied(raw, w.returning);
+      return explain(tx, w.method, raw, w.key, fence);
     };
     if (scope === undefined) return refuse(on);
-    return inClaim(on, scope, fence, refuse, (registered) => lockRefusal(key, fence, registered));
+    return inClaim(on, scope, fence, refuse, (registered) => lockRefusal(w.key, fence, registered));
   }
 
   // Applied, so a lock-scoped write's lock is claimed at this fence: later writes of it share the
   // register by its key.
-  function appliedAt(raw: RawRow, returning: Returning, claim: Claim | undefined, fence: Fence) {
+  function appliedAt(raw: RawRow, { claim, returning }: FencedWrite, fence: Fence) {
     if (claim !== undefined && !claim.shared) noteClaim(claim.lock, fence, fence);
     return applied(raw, returning);
   }
@@ -186,8 +159,7 @@ export function fencedRepository<T extends FencedTable>(
     const key = keyEntries(info, keyIn);
     const patch = patchEntries(info, patchIn, false);
     const claim = claimOf(scope, fence);
-    const statements = updateStatements(info, key, patch, fence, same, returning, claim);
-    return write(on, 'update', key, fence, statements, returning, scope, claim);
+    return write(on, updateStatements(info, key, patch, fence, same, returning, claim), fence, scope);
   }
 
   // Row scope is closed on a `scope: 'lock'` repository: a bare fence would bypass the register.
@@ -212,7 +184,7 @@ export function fencedRepository<T extends FencedTable>(
       const fence = assertFence(fenceIn);
       const key = keyEntries(info, keyIn);
       const claim = claimOf(scope, fence);
-      return write(on(db), 'delete', key, fence, deleteStatements(info, key, fence, same, claim), 'row', scope, claim);
+      return write(on(db), deleteStatements(info, key, fence, same, claim), fence, scope);
     },
 
     async modify(keyIn, fenceIn, fn, scope) {

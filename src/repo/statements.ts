@@ -26,9 +26,8 @@
  */
 import { type DriverValueEncoder, Param, type SQL, sql } from 'drizzle-orm';
 import type { PgColumn } from 'drizzle-orm/pg-core';
-import type { LockIdentity } from '../fencing/lock-identity.js';
+import { type Claim, claimGuard, claimValues } from './claim-guard.js';
 import { type ExpressionTemplate, templateOf } from './expressions.js';
-import { registerKey } from './register-key.js';
 import { type ClaimMode, cacheKeys, shape } from './statement-keys.js';
 import { isSql, type TableInfo } from './table.js';
 
@@ -37,19 +36,6 @@ export type SameFence = 'reject' | 'allow';
 
 /** What an applied write sends back: the row as written, or only that it applied (the row count). */
 export type Returning = 'row' | 'status';
-
-/**
- * How a lock-scoped write claims its lock's register in its own statement:
- * `claim` shares a register already at its fence, else raises it (or names
- * the higher fence) through `palisade.claim_lock`; `shared` only shares a
- * register already at its fence, found by its key — one parameter instead of
- * four — and writes nothing otherwise (the refusal path then claims). `shared`
- * is for a lock this process has seen claimed at this fence.
- */
-export interface Claim {
-  readonly lock: LockIdentity;
-  readonly shared: boolean;
-}
 
 /** A statement ready to compile, with the values for its placeholders. */
 export interface Statement {
@@ -60,7 +46,8 @@ export interface Statement {
 }
 
 /**
- * A fenced write of one row as two statements over the same values.
+ * A fenced write of one row (what it is: method, key, returning, claim) as
+ * two statements over the same values.
  * `write` is the plain conditional write: one result row when it applied,
  * none when it did not (with `returning: 'status'`, no result rows: a row
  * count of 1 or 0). `refusal` runs only then: it attempts the very same
@@ -70,6 +57,11 @@ export interface Statement {
  * transaction that claimed the register first.
  */
 export interface FencedWrite {
+  readonly method: 'update' | 'delete';
+  readonly key: Entries;
+  readonly returning: Returning;
+  /** How `write` claims the lock's register; `undefined` for a row-scoped write. */
+  readonly claim: Claim | undefined;
   readonly write: Statement;
   readonly refusal: Statement;
 }
@@ -191,7 +183,7 @@ function fencedWrite(
     // Lock scope: the register is claimed by the row that is about to be written, as the last
     // condition (the function's COST puts it after the key and fence checks), so a write that
     // lands has claimed its lock in the same statement.
-    const guard = guarded && claim ? sql` and ${claimGuard(info, claim.shared)}` : sql``;
+    const guard = guarded && claim ? sql` and ${claimGuard(fenceParam(info), claim.shared)}` : sql``;
     return {
       where,
       sql: sql`update ${t} set ${sql.join(assignments, sql`, `)}
@@ -203,6 +195,10 @@ function fencedWrite(
   if (claim) claimValues(values, claim);
   fillKey(values, key);
   return {
+    method,
+    key,
+    returning,
+    claim,
     write: {
       key: keys?.write,
       // Status only: no RETURNING at all, the row count says whether it applied.
@@ -250,41 +246,6 @@ export function deleteStatements(
   const values: Record<string, unknown> = { fence };
   const set = (i: TableInfo) => [sql`${bare(i.table.deletedAt)} = now()`];
   return fencedWrite(info, 'delete', key, set, '', values, same, 'row', claim);
-}
-
-/**
- * True when the lock is claimed for the statement's fence. Where the
- * register already holds this fence (the grant claimed it, or an earlier
- * write did), a sub-select shares its row (`FOR SHARE`: a raise waits for
- * this transaction) without a function call. After waiting for a raise in
- * progress, the sub-select re-checks the newest row version and finds it no
- * longer at this fence. `shared`: that sub-select alone, by the register's
- * key (`lkey`). Otherwise (by `lk`…`lname`) `palisade.claim_lock` (migration
- * 0005) decides what the sub-select did not: it raises the register, or
- * names the higher fence that refuses.
- */
-function claimGuard(info: TableInfo, shared: boolean): SQL {
-  if (shared) {
-    return sql`exists (select 1 from palisade.lock_registers palisade_register
-    where palisade_register.lock_key = ${sql.placeholder('lkey')}::uuid and palisade_register.fence = ${fenceParam(info)} for share)`;
-  }
-  const text = (name: string) => sql`${sql.placeholder(name)}::text`;
-  const [lk, ls, ln, lname, fence] = [text('lk'), text('ls'), text('ln'), text('lname'), fenceParam(info)];
-  return sql`(exists (select 1 from palisade.lock_registers palisade_register
-    where palisade_register.kind = ${lk} and palisade_register.source = ${ls} and palisade_register.namespace = ${ln}
-      and palisade_register.name = ${lname} and palisade_register.fence = ${fence} for share)
-    or palisade.claim_lock(${lk}, ${ls}, ${ln}, ${lname}, ${fence}) = ${fence})`;
-}
-
-function claimValues(values: Record<string, unknown>, { lock, shared }: Claim): void {
-  if (shared) {
-    values.lkey = registerKey(lock);
-    return;
-  }
-  values.lk = lock.kind;
-  values.ls = lock.source;
-  values.ln = lock.namespace;
-  values.lname = lock.name;
 }
 
 /**

@@ -74,6 +74,9 @@ export function describeTable(table: FencedTable): TableInfo {
   return { table, label, columns, keyNames };
 }
 
+/** A primary key as checked entries (TypeScript column key, value), in key order. */
+export type KeyEntries = readonly (readonly [string, unknown])[];
+
 /**
  * Checks that `key` names exactly the primary-key columns, each with a
  * non-null plain value, and returns its entries in key order.
@@ -141,6 +144,6 @@ export function mapRow(info: TableInfo, raw: RawRow): Record<string, unknown> {
 }
 
 /** `key` (entries from {@link keyEntries}) as a condition with inline parameters, for reads off the hot path. */
-export function keyWhere(info: TableInfo, key: readonly (readonly [string, unknown])[]): SQL {
+export function keyWhere(info: TableInfo, key: KeyEntries): SQL {
   return and(...key.map(([name, value]) => eq(info.columns[name] as PgColumn, value))) as SQL;
 }
