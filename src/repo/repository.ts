@@ -41,7 +41,7 @@ export type {
   StaleWriteEvent,
 } from './repository-api.js';
 
-import { rejecting, type WriteResult } from './result.js';
+import type { WriteResult } from './result.js';
 import {
   APPLIED,
   deleteStatements,
@@ -100,9 +100,10 @@ export function fencedRepository<T extends FencedTable>(
     const attempt = (): Promise<WriteResult<RowOf<T>>> => {
       const statement = prepared(on, w.write.key, w.write.build);
       if (w.returning === 'row') {
-        return statement
-          .rows(w.write.values)
-          .then(([row]) => (row === undefined ? refusalPath(on, w, fence, scope) : appliedAt(row, w, fence)));
+        return statement.rows(w.write.values).then((rows) => {
+          const row = rows[0];
+          return row === undefined ? refusalPath(on, w, fence, scope) : appliedAt(row, w, fence);
+        });
       }
       return statement
         .count(w.write.values)
@@ -278,9 +279,14 @@ export function fencedRepository<T extends FencedTable>(
     },
 
     // Bad input rejects the promise, like every other method, rather than throwing.
-    update: rejecting((key: KeyOf<T>, fence: Fence, patch: PatchOf<T>, opts?: unknown) =>
-      rowScoped().update(key, fence, patch, returningOf(opts), undefined),
-    ) as FencedRepository<T>['update'],
+    // Four named parameters, not a rest array: this runs on every write.
+    update: ((key: KeyOf<T>, fence: Fence, patch: PatchOf<T>, opts?: unknown) => {
+      try {
+        return rowScoped().update(key, fence, patch, returningOf(opts), undefined);
+      } catch (err) {
+        return Promise.reject(err);
+      }
+    }) as FencedRepository<T>['update'],
     upsert: async (values, fence) => rowScoped().upsert(values, fence, undefined),
     delete: async (key, fence) => rowScoped().delete(key, fence, undefined),
     modify: async (key, fence, fn) => rowScoped().modify(key, fence, fn, undefined),

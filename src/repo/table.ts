@@ -45,6 +45,10 @@ export interface TableInfo {
   readonly columns: Readonly<Record<string, PgColumn>>;
   /** TypeScript keys of the primary key, in declaration order. */
   readonly keyNames: readonly string[];
+  /** Every column's TypeScript key, in declaration order: a row returned by a write is mapped by these two. */
+  readonly columnKeys: readonly string[];
+  /** Every column, in the order of {@link columnKeys}. */
+  readonly columnList: readonly PgColumn[];
 }
 
 // By TypeScript key and by database name: neither spelling may be patched.
@@ -71,7 +75,7 @@ export function describeTable(table: FencedTable): TableInfo {
     if (!name) throw new InvalidArgumentError(`table ${label}: primary-key column ${c.name} not found`);
     return name;
   });
-  return { table, label, columns, keyNames };
+  return { table, label, columns, keyNames, columnKeys: Object.keys(columns), columnList: Object.values(columns) };
 }
 
 /** A primary key as checked entries (TypeScript column key, value), in key order. */
@@ -136,9 +140,11 @@ export function patchEntries(info: TableInfo, patch: unknown, allowKey: boolean)
 /** Turns a driver row (database column names, raw values) into a drizzle row. */
 export function mapRow(info: TableInfo, raw: RawRow): Record<string, unknown> {
   const row: Record<string, unknown> = {};
-  for (const [key, column] of Object.entries(info.columns)) {
+  const { columnKeys, columnList } = info;
+  for (let i = 0; i < columnList.length; i++) {
+    const column = columnList[i] as PgColumn;
     const value = raw[column.name];
-    row[key] = value === null || value === undefined ? null : column.mapFromDriverValue(value);
+    row[columnKeys[i] as string] = value === null || value === undefined ? null : column.mapFromDriverValue(value);
   }
   return row;
 }
