@@ -3,7 +3,7 @@
  * scopes of fencing"). The SQL of the register is in migration 0005.
  */
 import { performance } from 'node:perf_hooks';
-import { type SQL, sql } from 'drizzle-orm';
+import { sql } from 'drizzle-orm';
 import { assertSupportedDriver, type Database, int8, transaction } from '../driver.js';
 import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
@@ -11,9 +11,9 @@ import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.j
 import { prepared } from '../prepared.js';
 import type { Claim } from './claim-guard.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
-import type { BatchResult, WriteResult } from './result.js';
+import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Returning } from './statements.js';
-import type { FencedTable, KeyOf, PatchOf, RowOf, ValuesOf } from './table.js';
+import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 
 const p = (name: string) => sql.placeholder(name);
 const claimSql = () =>
@@ -125,14 +125,43 @@ export interface WriteCore<T extends FencedTable> {
 }
 
 /**
+ * `repo.with` of one repository. A holder given again with the same fence,
+ * signal and lock (a lease, on every write) gets the view it got before;
+ * one whose fence, signal or lock changed — or whose lock is not frozen,
+ * and so may have changed inside — gets a new one.
+ */
+export function leasedViews<T extends FencedTable>(
+  core: WriteCore<T>,
+  scope: 'row' | 'lock',
+): (holder: FenceHolder) => LeasedRepository<T> {
+  const views = new WeakMap<object, { fence: unknown; signal: unknown; lock: unknown; view: LeasedRepository<T> }>();
+  return (holder) => {
+    if (holder === null || typeof holder !== 'object') return leasedRepository(core, holder, scope);
+    // Each read once: a getter may answer differently twice.
+    const { fence, signal, lock } = holder;
+    const seen = views.get(holder);
+    if (seen && seen.fence === fence && seen.signal === signal && seen.lock === lock && frozenOrNone(lock)) {
+      return seen.view;
+    }
+    const view = leasedRepository(core, { fence, signal, lock }, scope, holder);
+    views.set(holder, { fence, signal, lock, view });
+    return view;
+  };
+}
+
+const frozenOrNone = (lock: unknown) => lock === undefined || lock === null || Object.isFrozen(lock);
+
+/**
  * The view `repo.with(holder)` returns: lock-scoped when `holder.lock` is
  * set, row-scoped otherwise (refused with {@link LockScopeError} on a
- * `scope: 'lock'` repository).
+ * `scope: 'lock'` repository). `lease` is where the signal and the expiry
+ * estimate are read at each write (the holder itself, by default).
  */
 export function leasedRepository<T extends FencedTable>(
   core: WriteCore<T>,
   holder: FenceHolder,
   scope: 'row' | 'lock',
+  lease: FenceHolder = holder,
 ): LeasedRepository<T> {
   const fence = assertFence(holder?.fence, 'lease fence');
   if (!(holder.signal instanceof AbortSignal)) throw new InvalidArgumentError('lease signal must be an AbortSignal');
@@ -140,68 +169,29 @@ export function leasedRepository<T extends FencedTable>(
   if (lock === undefined && scope === 'lock') {
     throw new LockScopeError("this repository is lock-scoped (scope: 'lock'): with() needs a holder with a lock");
   }
-  return new LeasedView(core, holder, fence, lock);
-}
-
-// `repo.with(lease)` is called for every write: one object, its methods on the prototype (a view of
-// closures cost seven functions per call). It is its own LockScope when it has a lock.
-class LeasedView<T extends FencedTable> implements LeasedRepository<T> {
-  readonly #scope: LockScope | undefined;
-
-  constructor(
-    private readonly core: WriteCore<T>,
-    private readonly holder: FenceHolder,
-    readonly fence: Fence,
-    readonly lock: LockIdentity | undefined,
-  ) {
-    // With a lock, the view is the scope itself: `lock` is set and idleMs() below.
-    this.#scope = lock === undefined ? undefined : (this as { readonly lock: LockIdentity; idleMs(): number });
-  }
-
-  // The idle bound is asked per claim: the TTL left shrinks.
-  idleMs(): number {
-    return idleBound(this.holder as { expiresAt?: unknown });
-  }
-
   // The fence, unless the lease is already known lost: then refuse before any query.
-  #live(): Fence {
-    const { signal } = this.holder;
-    if (signal.aborted) {
-      const reason: unknown = signal.reason;
-      throw reason instanceof PalisadeError
-        ? reason
-        : new LeaseLostError('(lease)', this.fence, 'its signal was aborted');
+  const live = (): Fence => {
+    if (lease.signal.aborted) {
+      const reason: unknown = lease.signal.reason;
+      throw reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
     }
-    return this.fence;
-  }
-
-  update(key: KeyOf<T>, patch: PatchOf<T>, options?: { returning?: 'row' | 'status' }): Promise<never> {
-    // Bad input rejects the promise, like every other method, rather than throwing.
-    try {
-      return this.core.update(key, this.#live(), patch, returningOf(options), this.#scope) as Promise<never>;
-    } catch (err) {
-      return Promise.reject(err);
-    }
-  }
-
-  async upsert(values: ValuesOf<T>): Promise<WriteResult<RowOf<T>>> {
-    return this.core.upsert(values, this.#live(), this.#scope);
-  }
-
-  async delete(key: KeyOf<T>): Promise<WriteResult<RowOf<T>>> {
-    return this.core.delete(key, this.#live(), this.#scope);
-  }
-
-  async modify(
-    key: KeyOf<T>,
-    fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
-  ): Promise<WriteResult<RowOf<T>>> {
-    return this.core.modify(key, this.#live(), fn, this.#scope);
-  }
-
-  async updateWhere(where: SQL, patch: PatchOf<T>, options?: { allOrNothing?: boolean }): Promise<BatchResult> {
-    return this.core.updateWhere(where, this.#live(), patch, options, this.#scope);
-  }
+    return fence;
+  };
+  // The idle bound is asked per claim: the TTL left shrinks.
+  const scoped: LockScope | undefined = lock && { lock, idleMs: () => idleBound(lease as { expiresAt?: unknown }) };
+  // Frozen: `with()` gives the same view to a holder given again, so nobody may change it.
+  const view: LeasedRepository<T> = {
+    fence,
+    lock,
+    update: rejecting((key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning?: unknown }) =>
+      core.update(key, live(), patch, returningOf(opts), scoped),
+    ) as LeasedRepository<T>['update'],
+    upsert: async (values) => core.upsert(values, live(), scoped),
+    delete: async (key) => core.delete(key, live(), scoped),
+    modify: async (key, fn) => core.modify(key, live(), fn, scoped),
+    updateWhere: async (where, patch, opts) => core.updateWhere(where, live(), patch, opts, scoped),
+  };
+  return Object.freeze(view);
 }
 
 /** `update`'s `returning` option, checked. */

@@ -62,3 +62,18 @@ export function mustApply<Row>(result: WriteResult<Row>): Row {
       throw new RowMissingError(context.table);
   }
 }
+
+/**
+ * @internal `fn`, with a throw turned into a rejected promise: bad input
+ * rejects, as every write's outcome arrives, without the extra promise and
+ * turns of the microtask queue an `async` wrapper costs on every call.
+ */
+export function rejecting<A extends unknown[], R>(fn: (...args: A) => Promise<R>): (...args: A) => Promise<R> {
+  return (...args) => {
+    try {
+      return fn(...args);
+    } catch (err) {
+      return Promise.reject(err);
+    }
+  };
+}
