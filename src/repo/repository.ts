@@ -34,6 +34,7 @@ export type {
 } from './repository-api.js';
 
 import type { WriteResult } from './result.js';
+import type { ClaimMode } from './statement-keys.js';
 import {
   APPLIED,
   deleteStatements,
@@ -57,6 +58,7 @@ import {
   type RowOf,
   type ValuesOf,
 } from './table.js';
+import { findPlan, learnPlan, PlannedWrite } from './update-plan.js';
 
 const NO_ROW: RawRow = Object.freeze({});
 
@@ -152,6 +154,21 @@ export function fencedRepository<T extends FencedTable>(
     const key = keyEntries(info, keyIn);
     const patch = patchEntries(info, patchIn, false);
     const claim = claimOf(scope, fence);
+    const mode: ClaimMode = claim === undefined ? 'none' : claim.shared ? 'shared' : 'claim';
+    // A shape of plain values written before: its plan, and only this write's values.
+    const plan = findPlan(info, same, returning, mode, patch);
+    if (typeof plan === 'object') {
+      return write(on, new PlannedWrite(info, plan, same, key, patch, fence, returning, claim), fence, scope);
+    }
+    if (plan === 'unplanned') {
+      learnPlan(
+        info,
+        same,
+        returning,
+        mode,
+        patch.map(([name]) => name),
+      );
+    }
     return write(on, updateStatements(info, key, patch, fence, same, returning, claim), fence, scope);
   }
 

@@ -74,6 +74,16 @@ export const PREV_FENCE = 'palisade_prev_fence';
 export const PREV_DELETED = 'palisade_prev_deleted';
 export const FLOOR = 'palisade_floor';
 
+// Placeholder names of key (`k{i}`) and patch (`v{i}`) values, made once: a write of a planned shape
+// (update-plan.ts) fills its values by these names without building a string.
+const placeholderNames = (prefix: string) => Array.from({ length: 64 }, (_, i) => `${prefix}${i}`);
+const KEY_NAMES = placeholderNames('k');
+const VALUE_NAMES = placeholderNames('v');
+/** @internal The placeholder of the `i`-th key value. */
+export const keyPlaceholder = (i: number): string => KEY_NAMES[i] ?? `k${i}`;
+/** @internal The placeholder of the `i`-th patch value (not inside an SQL expression). */
+export const valuePlaceholder = (i: number): string => VALUE_NAMES[i] ?? `v${i}`;
+
 const fenceParam = (info: TableInfo) => new Param(sql.placeholder('fence'), info.table.lastFence);
 const cmp = (same: SameFence) => sql.raw(same === 'allow' ? '<=' : '<');
 const bare = (column: PgColumn) => sql.identifier(column.name);
@@ -95,7 +105,7 @@ function keyCondition(info: TableInfo, key: Entries, values: Record<string, unkn
   return sql.join(
     key.map(([name, value], i) => {
       const column = info.columns[name] as PgColumn;
-      return sql`${column} = ${bind(values, `k${i}`, value, column)}`;
+      return sql`${column} = ${bind(values, keyPlaceholder(i), value, column)}`;
     }),
     sql` and `,
   );
@@ -121,7 +131,7 @@ function patchPlan(info: TableInfo, patch: Entries, values: Record<string, unkno
       templates[i] = template;
       key = key === undefined || template === undefined ? undefined : `${key}${name}=(${template.shape}),`;
     } else {
-      values[`v${i}`] = value;
+      values[valuePlaceholder(i)] = value;
       if (key !== undefined) key = `${key}${name},`;
     }
   });
@@ -133,7 +143,7 @@ function patchPlan(info: TableInfo, patch: Entries, values: Record<string, unkno
         ? template.sql()
         : isSql(value)
           ? value
-          : new Param(sql.placeholder(`v${i}`), nullable(column));
+          : new Param(sql.placeholder(valuePlaceholder(i)), nullable(column));
       return sql`${bare(column)} = ${set}`;
     });
   return { assignments, key };
@@ -175,6 +185,7 @@ function fencedWrite(
   same: SameFence,
   returning: Returning,
   claim: Claim | undefined,
+  mode: ClaimMode = claim === undefined ? 'none' : claim.shared ? 'shared' : 'claim',
 ): FencedWrite {
   const t = info.table;
   const update = (tail: SQL, guarded = false) => {
@@ -183,14 +194,13 @@ function fencedWrite(
     // Lock scope: the register is claimed by the row that is about to be written, as the last
     // condition (the function's COST puts it after the key and fence checks), so a write that
     // lands has claimed its lock in the same statement.
-    const guard = guarded && claim ? sql` and ${claimGuard(fenceParam(info), claim.shared)}` : sql``;
+    const guard = guarded && mode !== 'none' ? sql` and ${claimGuard(fenceParam(info), mode === 'shared')}` : sql``;
     return {
       where,
       sql: sql`update ${t} set ${sql.join(assignments, sql`, `)}
   where ${liveAndBelow(info, where, same)}${guard}${tail}`,
     };
   };
-  const mode: ClaimMode = claim === undefined ? 'none' : claim.shared ? 'shared' : 'claim';
   const keys = shapeKey === undefined ? undefined : cacheKeys(info, method, same, shapeKey, returning, mode);
   if (claim) claimValues(values, claim);
   fillKey(values, key);
@@ -235,6 +245,33 @@ export function updateStatements(
   return fencedWrite(info, 'update', key, plan.assignments, plan.key, values, same, returning, claim);
 }
 
+/**
+ * The plain write of an update that sets the columns `patch` (their keys,
+ * in order) to plain values: its cache key and its text, for the plan of
+ * that shape (update-plan.ts), which fills the placeholders on each call —
+ * `fence`, the key's `k{i}`, the patch's `v{i}` and, lock-scoped, the
+ * claim's. The same key and text as {@link updateStatements} gives a write
+ * of that shape.
+ */
+export function plainUpdateStatement(
+  info: TableInfo,
+  patch: readonly string[],
+  same: SameFence,
+  returning: Returning,
+  mode: ClaimMode,
+): { readonly key: string | undefined; readonly build: () => SQL } {
+  // Placeholders only: the builder records values here, none of them is ever sent.
+  const values: Record<string, unknown> = {};
+  const key = info.keyNames.map((name) => [name, null] as const);
+  const plan = patchPlan(
+    info,
+    patch.map((name) => [name, null] as const),
+    values,
+  );
+  const w = fencedWrite(info, 'update', key, plan.assignments, plan.key, values, same, returning, undefined, mode);
+  return { key: w.write.key, build: w.write.build };
+}
+
 /** Marks a live row deleted: a tombstone that keeps the fence. A tombstone is not live: nothing is written. */
 export function deleteStatements(
   info: TableInfo,
@@ -274,7 +311,9 @@ export function upsertStatement(
   const build = () => {
     const where = keyCondition(info, key, values);
     const columns = row.map(([name]) => info.columns[name] as PgColumn);
-    const inserted = row.map(([name, value], i) => bind(values, `v${i}`, value, info.columns[name] as PgColumn));
+    const inserted = row.map(([name, value], i) =>
+      bind(values, valuePlaceholder(i), value, info.columns[name] as PgColumn),
+    );
     const keyColumns = info.keyNames.map((name) => bare(info.columns[name] as PgColumn));
     const updates = columns
       .filter((c) => !info.keyNames.some((k) => info.columns[k] === c))
@@ -303,7 +342,7 @@ from (select 1) as palisade_one left join w on true`;
   };
   fillKey(values, key);
   row.forEach(([, value], i) => {
-    if (!isSql(value)) values[`v${i}`] = value;
+    if (!isSql(value)) values[valuePlaceholder(i)] = value;
   });
   return { key: shape('upsert', info, same, row), build, values };
 }
@@ -352,6 +391,6 @@ select (select count(*) from w) as applied, ${stale} as stale`;
 // `build` (which records them) does not run.
 function fillKey(values: Record<string, unknown>, key: Entries): void {
   key.forEach(([, value], i) => {
-    values[`k${i}`] = value;
+    values[keyPlaceholder(i)] = value;
   });
 }
