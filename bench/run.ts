@@ -17,7 +17,7 @@
  * a database of the run's own is created and dropped), a `redis-server`
  * binary (a server of the run's own is started on a free loopback port;
  * without one, REDIS_URL with a key prefix), SYNCGUARD_PATH (optional: a
- * syncguard build, see the results file for how to make one).
+ * local build of syncguard's public source, loaded from there).
  */
 import { spawnSync } from 'node:child_process';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
