@@ -125,43 +125,14 @@ export interface WriteCore<T extends FencedTable> {
 }
 
 /**
- * `repo.with` of one repository. A holder given again with the same fence,
- * signal and lock (a lease, on every write) gets the view it got before;
- * one whose fence, signal or lock changed — or whose lock is not frozen,
- * and so may have changed inside — gets a new one.
- */
-export function leasedViews<T extends FencedTable>(
-  core: WriteCore<T>,
-  scope: 'row' | 'lock',
-): (holder: FenceHolder) => LeasedRepository<T> {
-  const views = new WeakMap<object, { fence: unknown; signal: unknown; lock: unknown; view: LeasedRepository<T> }>();
-  return (holder) => {
-    if (holder === null || typeof holder !== 'object') return leasedRepository(core, holder, scope);
-    // Each read once: a getter may answer differently twice.
-    const { fence, signal, lock } = holder;
-    const seen = views.get(holder);
-    if (seen && seen.fence === fence && seen.signal === signal && seen.lock === lock && frozenOrNone(lock)) {
-      return seen.view;
-    }
-    const view = leasedRepository(core, { fence, signal, lock }, scope, holder);
-    views.set(holder, { fence, signal, lock, view });
-    return view;
-  };
-}
-
-const frozenOrNone = (lock: unknown) => lock === undefined || lock === null || Object.isFrozen(lock);
-
-/**
  * The view `repo.with(holder)` returns: lock-scoped when `holder.lock` is
  * set, row-scoped otherwise (refused with {@link LockScopeError} on a
- * `scope: 'lock'` repository). `lease` is where the signal and the expiry
- * estimate are read at each write (the holder itself, by default).
+ * `scope: 'lock'` repository).
  */
 export function leasedRepository<T extends FencedTable>(
   core: WriteCore<T>,
   holder: FenceHolder,
   scope: 'row' | 'lock',
-  lease: FenceHolder = holder,
 ): LeasedRepository<T> {
   const fence = assertFence(holder?.fence, 'lease fence');
   if (!(holder.signal instanceof AbortSignal)) throw new InvalidArgumentError('lease signal must be an AbortSignal');
@@ -171,16 +142,15 @@ export function leasedRepository<T extends FencedTable>(
   }
   // The fence, unless the lease is already known lost: then refuse before any query.
   const live = (): Fence => {
-    if (lease.signal.aborted) {
-      const reason: unknown = lease.signal.reason;
+    if (holder.signal.aborted) {
+      const reason: unknown = holder.signal.reason;
       throw reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
     }
     return fence;
   };
   // The idle bound is asked per claim: the TTL left shrinks.
-  const scoped: LockScope | undefined = lock && { lock, idleMs: () => idleBound(lease as { expiresAt?: unknown }) };
-  // Frozen: `with()` gives the same view to a holder given again, so nobody may change it.
-  const view: LeasedRepository<T> = {
+  const scoped: LockScope | undefined = lock && { lock, idleMs: () => idleBound(holder as { expiresAt?: unknown }) };
+  return {
     fence,
     lock,
     update: rejecting((key: KeyOf<T>, patch: PatchOf<T>, opts?: { returning?: unknown }) =>
@@ -191,7 +161,6 @@ export function leasedRepository<T extends FencedTable>(
     modify: async (key, fn) => core.modify(key, live(), fn, scoped),
     updateWhere: async (where, patch, opts) => core.updateWhere(where, live(), patch, opts, scoped),
   };
-  return Object.freeze(view);
 }
 
 /** `update`'s `returning` option, checked. */

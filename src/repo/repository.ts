@@ -20,7 +20,15 @@ import { prepared } from '../prepared.js';
 import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
 import { joining, on } from './joined.js';
-import { claimOf, inClaim, type LockScope, leasedViews, noteClaim, returningOf, type WriteCore } from './lock-scope.js';
+import {
+  claimOf,
+  inClaim,
+  type LockScope,
+  leasedRepository,
+  noteClaim,
+  returningOf,
+  type WriteCore,
+} from './lock-scope.js';
 import { purgeStatement } from './purge.js';
 import { refusals } from './refusals.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
@@ -256,8 +264,6 @@ export function fencedRepository<T extends FencedTable>(
     });
   }
 
-  const views = leasedViews(core, scope);
-
   const repo: FencedRepository<T> = {
     table,
 
@@ -309,7 +315,7 @@ export function fencedRepository<T extends FencedTable>(
     },
 
     with(holder) {
-      return views(holder);
+      return leasedRepository(core, holder, scope);
     },
   };
   return repo;

@@ -4,8 +4,7 @@
  * read the caller's key and patch once, refuse what every write refuses,
  * and decide as any other write. Each case here was a divergence found by
  * attacking the planned path (test/property/update-plan.prop.test.ts
- * searches for more). Also: `with(lease)` gives a lease given again its
- * view of before, and a holder that changed a new one.
+ * searches for more).
  */
 import { sql } from 'drizzle-orm';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -18,7 +17,6 @@ import { drivers, type TestDatabase } from '../support/databases.js';
 import { createAccounts } from './fixtures.js';
 
 const f = (n: number): Fence => toFence(n);
-const signal = new AbortController().signal;
 
 describe.each(drivers)('planned writes on $name', ({ open }) => {
   let test: TestDatabase;
@@ -99,26 +97,5 @@ describe.each(drivers)('planned writes on $name', ({ open }) => {
       await expect(repo.update({ id: 'a' }, f(2), patch as never)).rejects.toThrow(message);
     }
     expect((await owners()).a).toBe('ann@0');
-  });
-
-  it('with(lease) of a lease given again is its view of before; a holder whose fence changed gets a new one', async () => {
-    const t = await createAccounts(db);
-    await db.execute(sql`insert into ${t} (id) values ('a'), ('b')`);
-    const repo = fencedRepository(db, t);
-    const holder = { fence: f(3), signal };
-    const view = repo.with(holder);
-    expect(repo.with(holder)).toBe(view);
-    // A view's methods stand alone, and a view cannot be changed.
-    const { update } = view;
-    expect((await update({ id: 'a' }, { owner: 'x' })).status).toBe('applied');
-    expect(() => {
-      (view as { fence: Fence }).fence = f(99);
-    }).toThrow(TypeError);
-    holder.fence = f(4);
-    const next = repo.with(holder);
-    expect(next).not.toBe(view);
-    expect(next.fence).toBe(4n);
-    expect((await next.update({ id: 'b' }, { owner: 'y' })).status).toBe('applied');
-    expect((await repo.get({ id: 'b' }))?.lastFence).toBe(4n);
   });
 });
