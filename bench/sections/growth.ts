@@ -9,7 +9,7 @@
  *    dead tuples, HOT updates, sizes, autovacuum runs, and the cycle rate;
  * d. purging 1,000,000 tombstones in bounded batches while writers update
  *    live rows of the same table: writer throughput and p99 during the
- *    purge vs before it.
+ *    purge vs before it, back to back and paced, 5 alternating rounds each.
  */
 import { randomBytes } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
@@ -394,40 +394,65 @@ async function purgeRun(ctx: BenchContext, pace: number): Promise<PurgeRun> {
   };
 }
 
+/** Rounds of each purge mode; the order of the modes alternates between rounds. */
+const PURGE_ROUNDS = 5;
+
 export async function tombstonePurge(ctx: BenchContext): Promise<void> {
   const { report, scale } = ctx;
   const pace = 5;
-  const runs = [await purgeRun(ctx, 0), await purgeRun(ctx, pace)];
+  const modes = [0, pace];
+  const runs: PurgeRun[][] = modes.map(() => []);
+  for (let round = 0; round < PURGE_ROUNDS; round++) {
+    const order = round % 2 === 0 ? modes.entries() : [...modes.entries()].reverse();
+    for (const [i, mode] of order) runs[i]?.push(await purgeRun(ctx, mode));
+  }
   const t = report.table(
     '7. Growth',
-    `d. purging ${scale.tombstones.toLocaleString('en-US')} tombstones (batches of ${scale.purgeBatch.toLocaleString('en-US')}) while 4 writers update live rows`,
-    ['measure', 'back to back', `paced (pause ${pace}× each batch)`],
+    `d. purging ${scale.tombstones.toLocaleString('en-US')} tombstones (batches of ${scale.purgeBatch.toLocaleString('en-US')}) while 4 writers update live rows, ${PURGE_ROUNDS} rounds of each`,
+    ['measure (median of the rounds; min–max)', 'back to back', `paced (pause ${pace}× each batch)`],
   );
-  const row = (label: string, f: (r: PurgeRun) => string) => t.rows.push([label, ...runs.map(f)]);
-  row('tombstones purged', (r) => r.purged.toLocaleString('en-US'));
-  row('batches', (r) => String(r.batches.length));
-  row('purge time', (r) => `${r.purgeSecs.toFixed(1)} s (${ops(r.purged / r.purgeSecs)} rows/s)`);
-  row('batch duration p50 / max', (r) => `${ms(median(r.batches))} / ${ms(Math.max(...r.batches))} ms`);
+  const spread = (xs: number[], f: (x: number) => string) =>
+    `${f(median(xs))} (${f(Math.min(...xs))}–${f(Math.max(...xs))})`;
+  const row = (label: string, f: (rs: PurgeRun[]) => string) => t.rows.push([label, ...runs.map(f)]);
+  const writerRatios = (rs: PurgeRun[]) => rs.map((r) => r.duringRate / r.baseRate);
+  row('tombstones purged per round', (rs) => rs.map((r) => r.purged.toLocaleString('en-US')).join(', '));
+  row('batches per round', (rs) => String(median(rs.map((r) => r.batches.length))));
+  row('purge rate, rows/s', (rs) =>
+    spread(
+      rs.map((r) => r.purged / r.purgeSecs),
+      ops,
+    ),
+  );
+  row('batch duration p50 / max (all rounds)', (rs) => {
+    const all = rs.flatMap((r) => r.batches);
+    return `${ms(median(all))} / ${ms(Math.max(...all))} ms`;
+  });
   row(
     'first 5 / last 5 batches, median',
-    (r) => `${ms(median(r.batches.slice(0, 5)))} / ${ms(median(r.batches.slice(-6, -1)))} ms`,
+    (rs) =>
+      `${ms(median(rs.flatMap((r) => r.batches.slice(0, 5))))} / ${ms(median(rs.flatMap((r) => r.batches.slice(-6, -1))))} ms`,
   );
   row(
     'writer ops/s before / during',
-    (r) => `${ops(r.baseRate)} / ${ops(r.duringRate)} (${ratio(r.duringRate / r.baseRate)})`,
+    (rs) => `${ops(median(rs.map((r) => r.baseRate)))} / ${ops(median(rs.map((r) => r.duringRate)))}`,
   );
-  row('writer p99 before / during', (r) => `${ms(r.baseP99)} / ${ms(r.duringP99)} ms`);
+  row('writers during ÷ before, per round', (rs) => spread(writerRatios(rs), ratio));
+  row(
+    'writer p99 before / during',
+    (rs) => `${ms(median(rs.map((r) => r.baseP99)))} / ${ms(median(rs.map((r) => r.duringP99)))} ms`,
+  );
   t.notes.push(
     'purgeTombstones deletes by ctid from a LIMITed scan (deleted_at has no index). Writers update other rows and are never blocked by a lock; the purge competes with them for CPU and WAL on a 2-core machine, so back to back it costs writers throughput, paced it costs much less.',
+    `Each round purges a fresh table, its writers measured alone just before; the modes alternate which goes first. A goal is decided by the median of the ${PURGE_ROUNDS} per-round ratios.`,
   );
   printTable(t);
-  for (const [i, r] of runs.entries()) {
-    const x = r.duringRate / r.baseRate;
+  for (const [i, rs] of runs.entries()) {
+    const xs = writerRatios(rs);
     report.goal({
       section: '7d',
       goal: `writers during the tombstone purge ≥ 0.9× before (${i === 0 ? 'back to back' : `paced ${pace}×`})`,
-      measured: ratio(x),
-      met: x >= 0.9,
+      measured: spread(xs, ratio),
+      met: median(xs) >= 0.9,
     });
   }
   report.raw.tombstonePurge = runs;
