@@ -12,7 +12,8 @@
 import { entityKind, type SQL } from 'drizzle-orm';
 import type { PgDatabase, PgDialect, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
-import { describeServerError, sqlStateOf } from './server-error.js';
+import { guardedTransaction } from './lost-connection.js';
+import { describeServerError, originalError, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
 // biome-ignore lint/suspicious/noExplicitAny: any schema, any driver result — narrowed in this module.
@@ -82,7 +83,15 @@ export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
 /** Runs `fn` in a transaction (a savepoint when `db` already is one). */
 export async function transaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
   try {
-    return await db.transaction((tx) => fn(tx as unknown as Database));
+    if (driverOf(db) !== 'postgres-js') return await db.transaction((tx) => fn(tx as unknown as Database));
+    // postgres.js ends the process when a statement goes out on a closed transaction: see lost-connection.ts.
+    const sessionOf = (d: Database) => internals(d).session as unknown as { client: unknown };
+    return await guardedTransaction(
+      sessionOf(db).client,
+      (callback: (tx: Database) => Promise<T>) => db.transaction((tx) => callback(tx as unknown as Database)),
+      sessionOf,
+      fn,
+    );
   } catch (err) {
     throw err instanceof CallerThrew ? err : translateError(err);
   }
@@ -152,6 +161,9 @@ export function count(value: unknown): number {
  */
 export function translateError(err: unknown): Error {
   if (err instanceof PalisadeError) return err;
+  // palisade's own, under drizzle's wrapper (a statement src/lost-connection.ts refused to send).
+  const original = originalError(err);
+  if (original instanceof PalisadeError) return original;
   const state = sqlStateOf(err);
   if (state === '40001' || state === '40P01') {
     return new RetryableWriteError(

@@ -279,6 +279,16 @@ export class DatabaseError extends PalisadeError {
     this.dataType = safe.fields.dataType;
     this.constraint = safe.fields.constraint;
   }
+
+  /**
+   * @internal A statement refused before it was sent: the server had closed
+   * its transaction's connection (src/lost-connection.ts). Reads like the
+   * driver's own error for a connection that closed under a query.
+   */
+  static connectionClosed(): DatabaseError {
+    const cause = Object.assign(new Error("the transaction's connection was closed"), { code: 'CONNECTION_CLOSED' });
+    return new DatabaseError(undefined, cause);
+  }
 }
 
 /** A Redis command or Postgres statement did not answer within `commandTimeoutMs`. */

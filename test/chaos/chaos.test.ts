@@ -39,6 +39,9 @@ async function bounded(backend: ChaosBackend, extra: Partial<ChaosOptions> = {})
   expect(result.report.staleWrites.rejected, `the faults did not bite${context}`).toBeGreaterThan(0);
   expect(result.report.overlappingHolds, context).toBeGreaterThan(0);
   expect(result.ok, context).toBe(true);
+  // A worker that died on its own is no safety anomaly, but a bug all the same (the driver's crash on a
+  // transaction whose connection the server closed was one: test/repo/lost-connection.test.ts).
+  expect(result.crashes, `a worker died on its own${context}`).toEqual([]);
   // Kept on failure (the history is the evidence); removed after a passing run.
   rmSync(result.outDir, { recursive: true, force: true });
   return result;

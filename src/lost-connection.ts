@@ -1,0 +1,108 @@
+/**
+ * Transactions whose connection the server closed, on postgres.js.
+ *
+ * postgres.js 3.4.9 throws an uncatchable `TypeError` (`reading 'write'`,
+ * from a `setImmediate`) and so ends the process when a statement is sent on
+ * a transaction's connection after the server closed it
+ * (porsager/postgres#1208) — and the driver itself sends one, `ROLLBACK` or
+ * `COMMIT`, as soon as the transaction's function settles. palisade's fenced
+ * work sets `idle_in_transaction_session_timeout`, so a holder paused inside
+ * a transaction has its connection closed by design; `pg_terminate_backend`
+ * does the same. So once a transaction's connection is gone nothing more is
+ * sent on it: every statement on the transaction (palisade's and the
+ * caller's own, through drizzle) rejects before it is sent, and the function
+ * palisade gave the driver never settles (the driver's promise for the
+ * transaction already rejected with the close, which is what the caller
+ * gets). The server rolled the transaction back when it closed the
+ * connection.
+ */
+import { DatabaseError } from './errors.js';
+
+interface Connection {
+  lost: boolean;
+}
+
+/** The part of a postgres.js transaction's (or savepoint's) `sql` that drizzle and palisade call. */
+interface ScopedSql {
+  unsafe(...args: unknown[]): unknown;
+  savepoint(...args: unknown[]): Promise<unknown>;
+}
+
+// Settles never. A fresh one each time: what waits on it is collected with it (one shared promise
+// would keep every abandoned transaction's continuation reachable).
+const never = () => new Promise<never>(() => {});
+
+// Guarded clients, each with the connection it runs on (a transaction's savepoints share its entry).
+const connections = new WeakMap<object, Connection>();
+
+function rejected(): Promise<never> {
+  const p = Promise.reject(DatabaseError.connectionClosed());
+  p.catch(() => {}); // rejects for whoever awaits it; no unhandled rejection for the ones nobody does
+  return p;
+}
+
+// What `unsafe` returns in place of a postgres.js query once the connection is lost: it rejects however it is read.
+function lostQuery(): Promise<never> {
+  return Object.assign(rejected(), { values: rejected, raw: rejected, execute: rejected, describe: rejected });
+}
+
+/** `client` with every statement refused, before it is sent, once `connection` is lost. */
+function guarded(client: ScopedSql, connection: Connection): ScopedSql {
+  if (connections.has(client)) return client;
+  const unsafe = (...args: unknown[]) => (connection.lost ? lostQuery() : client.unsafe(...args));
+  const savepoint = (...args: unknown[]) => {
+    if (connection.lost) return rejected();
+    // A savepoint's function gets an `sql` of its own: guarded too (drizzle's nested transactions).
+    const fn = args.pop() as (sql: ScopedSql) => unknown;
+    return client.savepoint(...args, (sql: ScopedSql) => fn(guarded(sql, connection)));
+  };
+  const proxy = new Proxy(client, {
+    get: (target, key) => (key === 'unsafe' ? unsafe : key === 'savepoint' ? savepoint : Reflect.get(target, key)),
+    apply: (target, self, args) => (connection.lost ? lostQuery() : Reflect.apply(target as never, self, args)),
+  });
+  connections.set(proxy, connection);
+  return proxy;
+}
+
+/**
+ * Runs the driver's transaction call `begin(callback)` so that nothing more
+ * is sent once the connection closed under it. `parent`: the `sql` client
+ * of `db` (a guarded one when `db` is a transaction palisade began).
+ * `sessionOf` gives the drizzle session of the transaction object the
+ * driver passes to the callback, whose client is guarded before `fn` runs.
+ */
+export function guardedTransaction<Tx, T>(
+  parent: unknown,
+  begin: (callback: (tx: Tx) => Promise<T>) => Promise<T>,
+  sessionOf: (tx: Tx) => { client: unknown },
+  fn: (tx: Tx) => Promise<T>,
+): Promise<T> {
+  const outer =
+    typeof parent === 'object' || typeof parent === 'function' ? connections.get(parent as object) : undefined;
+  const connection = outer ?? { lost: false };
+  let pending = false;
+  const run = begin(async (tx) => {
+    pending = true;
+    const session = sessionOf(tx);
+    session.client = guarded(session.client as ScopedSql, connection);
+    try {
+      const value = await fn(tx);
+      return connection.lost ? never() : value;
+    } catch (err) {
+      // The close may be what made `fn` throw, its news still in this turn's queue: wait one turn.
+      if (!connection.lost) await new Promise((resolve) => setImmediate(resolve));
+      if (connection.lost) return never();
+      throw err;
+    } finally {
+      pending = false;
+    }
+  });
+  // postgres.js races the outermost transaction's function with its connection's close: settled
+  // while the function still runs, it was the close.
+  if (outer === undefined) {
+    run.then(undefined, () => {
+      if (pending) connection.lost = true;
+    });
+  }
+  return run;
+}
