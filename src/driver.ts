@@ -12,7 +12,7 @@
 import { entityKind, type SQL } from 'drizzle-orm';
 import type { PgDatabase, PgDialect, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
-import { guardedTransaction } from './lost-connection.js';
+import { guardedTransaction, heardTransaction } from './lost-connection.js';
 import { describeServerError, originalError, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
@@ -83,15 +83,14 @@ export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
 /** Runs `fn` in a transaction (a savepoint when `db` already is one). */
 export async function transaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
   try {
-    if (driverOf(db) !== 'postgres-js') return await db.transaction((tx) => fn(tx as unknown as Database));
-    // postgres.js ends the process when a statement goes out on a closed transaction: see lost-connection.ts.
+    // A connection the server closes inside the transaction must not end the process: see lost-connection.ts.
     const sessionOf = (d: Database) => internals(d).session as unknown as { client: unknown };
-    return await guardedTransaction(
-      sessionOf(db).client,
-      (callback: (tx: Database) => Promise<T>) => db.transaction((tx) => callback(tx as unknown as Database)),
-      sessionOf,
-      fn,
-    );
+    const begin = (callback: (tx: Database) => Promise<T>) =>
+      db.transaction((tx) => callback(tx as unknown as Database));
+    const driver = driverOf(db);
+    if (driver === 'postgres-js') return await guardedTransaction(sessionOf(db).client, begin, sessionOf, fn);
+    if (driver === 'node-postgres') return await heardTransaction(begin, sessionOf, fn);
+    return await begin(fn);
   } catch (err) {
     throw err instanceof CallerThrew ? err : translateError(err);
   }

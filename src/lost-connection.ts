@@ -1,20 +1,27 @@
 /**
- * Transactions whose connection the server closed, on postgres.js.
+ * Transactions whose connection the server closed: the process must live on.
  *
- * postgres.js 3.4.9 throws an uncatchable `TypeError` (`reading 'write'`,
- * from a `setImmediate`) and so ends the process when a statement is sent on
- * a transaction's connection after the server closed it
- * (porsager/postgres#1208) — and the driver itself sends one, `ROLLBACK` or
- * `COMMIT`, as soon as the transaction's function settles. palisade's fenced
- * work sets `idle_in_transaction_session_timeout`, so a holder paused inside
- * a transaction has its connection closed by design; `pg_terminate_backend`
- * does the same. So once a transaction's connection is gone nothing more is
- * sent on it: every statement on the transaction (palisade's and the
- * caller's own, through drizzle) rejects before it is sent, and the function
- * palisade gave the driver never settles (the driver's promise for the
- * transaction already rejected with the close, which is what the caller
- * gets). The server rolled the transaction back when it closed the
- * connection.
+ * palisade's fenced work sets `idle_in_transaction_session_timeout`, so a
+ * holder paused inside a transaction has its connection closed by design;
+ * `pg_terminate_backend` does the same. Both drivers would end the process
+ * there:
+ *
+ * - postgres.js 3.4.9 throws an uncatchable `TypeError` (`reading 'write'`,
+ *   from a `setImmediate`) when a statement is sent on a transaction's
+ *   connection after the server closed it (porsager/postgres#1208) — and the
+ *   driver itself sends one, `ROLLBACK` or `COMMIT`, as soon as the
+ *   transaction's function settles. So once the connection is gone nothing
+ *   more is sent on it: every statement on the transaction (palisade's and
+ *   the caller's own, through drizzle) rejects before it is sent, and the
+ *   function palisade gave the driver never settles (the driver's promise
+ *   for the transaction already rejected with the close, which is what the
+ *   caller gets).
+ * - node-postgres emits `error` on a checked-out client whose connection
+ *   closes while no query runs on it, and its pool listens only to idle
+ *   clients: unheard, the event ends the process. So palisade listens while
+ *   its transaction holds the client; what follows on that client rejects.
+ *
+ * The server rolled the transaction back when it closed the connection.
  */
 import { DatabaseError } from './errors.js';
 
@@ -105,4 +112,36 @@ export function guardedTransaction<Tx, T>(
     });
   }
   return run;
+}
+
+/** The part of a node-postgres client that emits its connection's errors. */
+interface EventClient {
+  on(event: 'error', listener: (err: unknown) => void): unknown;
+  removeListener(event: 'error', listener: (err: unknown) => void): unknown;
+}
+
+// Heard, and nothing more to do: the statements that follow on the client reject (it is not queryable).
+const heard = () => {};
+
+/**
+ * node-postgres: runs the driver's transaction call `begin(callback)` with
+ * an `error` listener on the transaction's client while `fn` runs.
+ * `sessionOf` gives the drizzle session (its client) of the transaction
+ * object the driver passes to the callback.
+ */
+export function heardTransaction<Tx, T>(
+  begin: (callback: (tx: Tx) => Promise<T>) => Promise<T>,
+  sessionOf: (tx: Tx) => { client: unknown },
+  fn: (tx: Tx) => Promise<T>,
+): Promise<T> {
+  return begin(async (tx) => {
+    const client = sessionOf(tx).client as EventClient;
+    client.on('error', heard);
+    try {
+      return await fn(tx);
+    } finally {
+      // The commit or rollback that follows is a query: an error then is its own, not an event.
+      client.removeListener('error', heard);
+    }
+  });
 }

@@ -1,30 +1,32 @@
 /**
  * A transaction whose connection the server closed (README, "When the
- * connection closes inside a transaction"): on postgres.js, sending anything
- * more on it would end the process (an uncatchable error of the driver), so
- * palisade sends nothing: the call rejects with the close, the function's
- * later writes through palisade reject without a query, and nothing the
- * transaction wrote is visible. The function is held at a gate until the
- * call has rejected, so the close is processed before it goes on — in every
- * run, not by luck of timing.
+ * connection closes inside a transaction"): both drivers would end the
+ * process there — postgres.js when anything more is sent on the connection,
+ * node-postgres when the checked-out client's `error` goes unheard — so the
+ * call rejects with a `DatabaseError`, later statements on the transaction
+ * reject, nothing it wrote is visible and the process lives on. The
+ * function is held at a gate until the driver has seen the close (on
+ * postgres.js the call has rejected, on node-postgres the client has
+ * ended), so the close is processed before it goes on — in every run, not by
+ * luck of timing.
  */
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { describe, expect, it } from 'vitest';
-import { execute } from '../../src/driver.js';
+import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError, PalisadeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { LeasedRepository } from '../../src/repo/repository-api.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { nodePostgresDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
-
-type Database = Awaited<ReturnType<typeof scenarioDatabase>>['db'];
 
 function gate() {
   let open = () => {};
@@ -34,10 +36,50 @@ function gate() {
   return { open, opened };
 }
 
+/** A fresh database on `open`'s driver: palisade migrated, rows 1 and 2 of `resource` at 'initial'. */
+async function scenario(open: () => Promise<TestDatabase>): Promise<TestDatabase> {
+  const t = await open();
+  await migrate(t.db);
+  await execute(
+    t.db,
+    sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+  );
+  await execute(t.db, sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
+  return t;
+}
+
+// How the test knows the driver has seen the close. postgres.js races a transaction with its connection's
+// close: the call rejects. node-postgres lets the transaction's function go on: its client has ended.
+const drivers = [
+  { name: 'postgres.js', open: postgresDatabase, seen: (call: Promise<unknown>) => call },
+  {
+    name: 'node-postgres',
+    open: nodePostgresDatabase,
+    seen: (_call: Promise<unknown>, tx: Database) =>
+      new Promise((resolve) =>
+        (tx as unknown as { session: { client: { once(e: 'end', l: () => void): void } } }).session.client.once(
+          'end',
+          () => resolve(undefined),
+        ),
+      ),
+  },
+] as const;
+
 /** Ends one backend from another session, as an operator or a failover would. */
 async function terminate(db: Database, pid: number) {
   await execute(db, sql`select pg_terminate_backend(${pid})`);
 }
+
+async function backendPid(tx: Database): Promise<number> {
+  const [row] = await execute(tx, sql`select pg_backend_pid() as pid`);
+  return Number(row?.pid);
+}
+
+const settled = (call: Promise<unknown>) =>
+  call.then(
+    () => 'resolved',
+    (err: unknown) => err,
+  );
 
 // What the function does once its connection is gone.
 const afterClose: Record<string, (leased: LeasedRepository<typeof resource>, tx: Database) => Promise<string>> = {
@@ -59,122 +101,118 @@ const afterClose: Record<string, (leased: LeasedRepository<typeof resource>, tx:
   returns: async () => 'done',
 };
 
-describe.runIf(needs('DATABASE_URL'))('a transaction whose connection the server closed (postgres.js)', () => {
-  for (const [what, act] of Object.entries(afterClose)) {
-    it(`fencedTransaction: closed by pg_terminate_backend, then the function ${what}: the call rejects, the process lives, nothing is visible`, async () => {
-      const scenario = await scenarioDatabase();
+for (const { name, open, seen } of drivers) {
+  describe.runIf(needs('DATABASE_URL'))(`${name}: a transaction whose connection the server closed`, () => {
+    for (const [what, act] of Object.entries(afterClose)) {
+      it(`fencedTransaction: closed by pg_terminate_backend, then the function ${what}: the call rejects, the process lives, nothing is visible`, async () => {
+        const t = await scenario(open);
+        try {
+          const { db } = t;
+          const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('lost') });
+          const lease = await locks.acquire('L', { ttlMs: 60_000 });
+          const repo = fencedRepository(db, resource);
+          const inside = gate();
+          const resume = gate();
+          let pid = 0;
+          let closed: Promise<unknown> = Promise.resolve();
+          const call = fencedTransaction(db, lease, async (tx) => {
+            expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
+            pid = await backendPid(tx);
+            closed = seen(outcome, tx);
+            inside.open();
+            await resume.opened;
+            return act(repo.with(lease), tx);
+          });
+          const outcome = settled(call);
+          await inside.opened;
+          await terminate(db, pid);
+          await closed;
+          resume.open();
+          const err = await outcome;
+          expect(err).toBeInstanceOf(DatabaseError);
+          // Had the driver been left to end the process, it would have within these turns of the event loop.
+          for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
+          expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+          expect((await repo.get({ id: 2 }))?.value).toBe('initial');
+          // The pool has connections to give again, and the lock's next grant goes through.
+          await lease.release();
+          const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
+          expect((await repo.with(next).update({ id: 1 }, { value: 'next' })).status).toBe('applied');
+          await next.release();
+        } finally {
+          await t.close();
+        }
+      });
+    }
+
+    it("modify: a statement through palisade after the close rejects with a PalisadeError, and the function's patch is not written", async () => {
+      const t = await scenario(open);
       try {
-        const { db } = scenario;
-        await execute(db, sql`insert into resource (id, value) values (2, 'initial')`);
-        const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('lost') });
-        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        const { db } = t;
         const repo = fencedRepository(db, resource);
         const inside = gate();
         const resume = gate();
         let pid = 0;
-        const call = fencedTransaction(db, lease, async (tx) => {
-          const written = await repo.with(lease).update({ id: 1 }, { value: 'written' });
-          expect(written.status).toBe('applied');
-          const [row] = await execute(tx, sql`select pg_backend_pid() as pid`);
-          pid = Number(row?.pid);
+        let closed: Promise<unknown> = Promise.resolve();
+        let late: unknown;
+        const call = repo.modify({ id: 1 }, toFence(5n), async (_row, tx) => {
+          pid = await backendPid(tx);
+          closed = seen(outcome, tx);
           inside.open();
           await resume.opened;
-          return act(repo.with(lease), tx);
+          late = await settled(execute(tx, sql`select 1`));
+          return { value: 'modified' };
         });
-        const outcome = call.then(
-          () => undefined,
-          (err: unknown) => err,
-        );
+        const outcome = settled(call);
         await inside.opened;
         await terminate(db, pid);
-        const err = await outcome;
-        expect(err).toBeInstanceOf(DatabaseError);
-        expect((err as DatabaseError).message).toMatch(/CONNECTION_CLOSED/);
+        await closed;
         resume.open();
-        // Had anything been sent on the closed connection, the driver's error would end this process
-        // within these turns of the event loop.
-        for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+        for (let i = 0; i < 50 && late === undefined; i++) await new Promise((r) => setTimeout(r, 10));
+        expect(late).toBeInstanceOf(PalisadeError);
+        expect((late as PalisadeError).code).toBe('database');
         expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-        expect((await repo.get({ id: 2 }))?.value).toBe('initial');
-        // The pool has connections to give again, and the lock's next grant goes through.
-        await lease.release();
-        const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
-        expect((await repo.with(next).update({ id: 1 }, { value: 'next' })).status).toBe('applied');
-        await next.release();
       } finally {
-        await scenario.close();
+        await t.close();
       }
     });
-  }
 
-  it('a write through palisade after the close rejects with a PalisadeError and sends nothing', async () => {
-    const scenario = await scenarioDatabase();
-    try {
-      const { db } = scenario;
-      const repo = fencedRepository(db, resource);
-      const inside = gate();
-      const resume = gate();
-      let pid = 0;
-      let late: unknown;
-      const call = repo.modify({ id: 1 }, toFence(5n), async (_row, tx) => {
-        const [row] = await execute(tx, sql`select pg_backend_pid() as pid`);
-        pid = Number(row?.pid);
-        inside.open();
-        await resume.opened;
-        late = await execute(tx, sql`select 1`).then(
-          () => 'sent',
-          (err: unknown) => err,
+    it('fencedTransaction: the idle timeout closes a transaction left idle, and the holder process lives on', async () => {
+      const t = await scenario(open);
+      try {
+        const { db } = t;
+        const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('idle') });
+        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        const repo = fencedRepository(db, resource);
+        const inside = gate();
+        const resume = gate();
+        let closed: Promise<unknown> = Promise.resolve();
+        const call = fencedTransaction(
+          db,
+          lease,
+          async (tx) => {
+            await repo.with(lease).update({ id: 1 }, { value: 'written' });
+            closed = seen(outcome, tx);
+            inside.open();
+            await resume.opened;
+            await repo.with(lease).update({ id: 1 }, { value: 'again' });
+            return 'done';
+          },
+          { idleTimeoutMs: 50 },
         );
-        return { value: 'modified' };
-      });
-      const outcome = call.then(
-        () => undefined,
-        (err: unknown) => err,
-      );
-      await inside.opened;
-      await terminate(db, pid);
-      expect(await outcome).toBeInstanceOf(DatabaseError);
-      resume.open();
-      for (let i = 0; i < 50 && late === undefined; i++) await new Promise((r) => setTimeout(r, 10));
-      expect(late).toBeInstanceOf(PalisadeError);
-      expect((late as PalisadeError).code).toBe('database');
-      expect((late as Error).message).toMatch(/connection was closed/);
-      expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-    } finally {
-      await scenario.close();
-    }
+        const outcome = settled(call);
+        // The server ends the session 50 ms after the function went idle; the test waits for the driver to see it.
+        await inside.opened;
+        await closed;
+        resume.open();
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+        for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
+        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+        await lease.release();
+      } finally {
+        await t.close();
+      }
+    });
   });
-
-  it('fencedTransaction: the idle timeout closes a transaction left idle, and the holder process lives on', async () => {
-    const scenario = await scenarioDatabase();
-    try {
-      const { db } = scenario;
-      const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('idle') });
-      const lease = await locks.acquire('L', { ttlMs: 60_000 });
-      const repo = fencedRepository(db, resource);
-      const resume = gate();
-      const call = fencedTransaction(
-        db,
-        lease,
-        async () => {
-          await repo.with(lease).update({ id: 1 }, { value: 'written' });
-          await resume.opened;
-          await repo.with(lease).update({ id: 1 }, { value: 'again' });
-          return 'done';
-        },
-        { idleTimeoutMs: 50 },
-      );
-      const err = await call.then(
-        () => undefined,
-        (e: unknown) => e,
-      );
-      expect(err).toBeInstanceOf(DatabaseError);
-      resume.open();
-      for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
-      expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-      await lease.release();
-    } finally {
-      await scenario.close();
-    }
-  });
-});
+}
