@@ -217,32 +217,71 @@ function nodePostgresListener(client: { query: unknown; connect: unknown }): Lis
   const isPool = typeof (client as { totalCount?: unknown }).totalCount === 'number';
   return {
     async listen(channel, onPayload) {
-      const connection = (isPool ? await (client as NodePostgresClient).connect() : client) as NodePostgresClient & {
-        release?: (destroy?: boolean) => void;
-      };
+      const quoted = `"${channel.replaceAll('"', '""')}"`;
       const onNotification = (message: { channel: string; payload?: string }) => {
         if (message.channel === channel) onPayload(message.payload ?? '');
       };
-      connection.on('notification', onNotification);
-      const quoted = `"${channel.replaceAll('"', '""')}"`;
-      try {
-        await connection.query(`listen ${quoted}`);
-      } catch (err) {
-        connection.removeListener('notification', onNotification);
-        connection.release?.(true);
-        throw err;
-      }
-      return async () => {
-        connection.removeListener('notification', onNotification);
+      let current: { connection: ListeningClient; release: () => void } | undefined;
+      let stopped = false;
+      let retry: ReturnType<typeof setTimeout> | undefined;
+      const open = async () => {
+        const connection = (isPool ? await (client as NodePostgresClient).connect() : client) as ListeningClient;
+        let released = false;
+        const release = () => {
+          connection.removeListener('notification', onNotification);
+          if (current?.connection === connection) current = undefined;
+          if (released) return;
+          released = true;
+          connection.release?.(true); // a second release of a pool's client throws
+        };
+        connection.on('notification', onNotification);
+        // The server closed it (a restart, pg_terminate_backend, a failover): on a client checked out
+        // of a pool an unheard 'error' ends the process. Notifications are hints: until a new LISTEN is
+        // open, waits fall back to their timeouts. (A client of the caller's own is the caller's to hear.)
+        if (isPool) {
+          connection.on('error', () => {
+            release();
+            if (!stopped) again();
+          });
+        }
         try {
-          await connection.query(`unlisten ${quoted}`);
+          await connection.query(`listen ${quoted}`);
+        } catch (err) {
+          release();
+          throw err;
+        }
+        if (stopped) release();
+        else current = { connection, release };
+      };
+      const again = () => {
+        clearTimeout(retry);
+        retry = setTimeout(() => open().catch(again), RELISTEN_MS);
+        retry.unref?.();
+      };
+      await open();
+      return async () => {
+        stopped = true;
+        clearTimeout(retry);
+        const open = current;
+        if (!open) return;
+        open.connection.removeListener('notification', onNotification);
+        try {
+          await open.connection.query(`unlisten ${quoted}`);
         } finally {
-          connection.release?.(true);
+          open.release();
         }
       };
     },
   };
 }
+
+/** How long a node-postgres LISTEN whose connection was lost waits before it opens a new one. */
+const RELISTEN_MS = 1_000;
+
+type ListeningClient = NodePostgresClient & {
+  release?: (destroy?: boolean) => void;
+  on(event: 'error', listener: (err: unknown) => void): unknown;
+};
 
 /** True for a postgres.js `Sql` or a PGlite instance (anything with a `listen` method). */
 export function isListenClient(value: unknown): value is ListenClient {

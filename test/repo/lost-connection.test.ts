@@ -8,7 +8,8 @@
  * function is held at a gate until the driver has seen the close (on
  * postgres.js the call has rejected, on node-postgres the client has
  * ended), so the close is processed before it goes on — in every run, not by
- * luck of timing.
+ * luck of timing. Last, the LISTEN connection a lock manager checks out of a
+ * node-postgres pool, closed by the server.
  */
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
@@ -216,3 +217,45 @@ for (const { name, open, seen } of drivers) {
     });
   });
 }
+
+describe.runIf(needs('DATABASE_URL'))("node-postgres: the lock manager's LISTEN connection, closed by the server", () => {
+  const listening = async (db: Database, except: number[]) =>
+    (
+      await execute(
+        db,
+        sql`select pid from pg_stat_activity where datname = current_database() and query like 'listen %' and pid <> pg_backend_pid()`,
+      )
+    )
+      .map((r) => Number(r.pid))
+      .filter((pid) => !except.includes(pid));
+
+  it('the process lives, a waiter still gets the lock, and a new LISTEN opens', async () => {
+    const t = await scenario(nodePostgresDatabase);
+    try {
+      const { db } = t;
+      const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('listen') });
+      const held = await locks.acquire('L', { ttlMs: 60_000 });
+      const waiter = locks.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
+      let first: number[] = [];
+      for (let i = 0; i < 500 && first.length === 0; i++) {
+        first = await listening(db, []);
+        if (first.length === 0) await new Promise((r) => setTimeout(r, 20));
+      }
+      expect(first).toHaveLength(1);
+      await terminate(db, first[0] as number);
+      let again: number[] = [];
+      for (let i = 0; i < 500 && again.length === 0; i++) {
+        again = await listening(db, first);
+        if (again.length === 0) await new Promise((r) => setTimeout(r, 20));
+      }
+      expect(again).toHaveLength(1);
+      await held.release();
+      const next = await waiter;
+      expect(next.fence).toBeGreaterThan(held.fence);
+      await next.release();
+      await locks.close();
+    } finally {
+      await t.close();
+    }
+  });
+});
