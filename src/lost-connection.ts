@@ -9,19 +9,20 @@
  * - postgres.js 3.4.9 throws an uncatchable `TypeError` (`reading 'write'`,
  *   from a `setImmediate`) when a statement is sent on a transaction's
  *   connection after the server closed it (porsager/postgres#1208) — and the
- *   driver itself sends one, `ROLLBACK` or `COMMIT`, as soon as the
- *   transaction's function settles. So once the connection is gone nothing
- *   more is sent on it: every statement on the transaction (palisade's and
- *   the caller's own, through drizzle) rejects before it is sent, and the
- *   function palisade gave the driver never settles (the driver's promise
- *   for the transaction already rejected with the close, which is what the
- *   caller gets).
+ *   driver itself sends one (`ROLLBACK`, `ROLLBACK TO`, `COMMIT`) as soon as
+ *   a transaction's or savepoint's function settles. So once the connection
+ *   is gone nothing more is sent on it: every statement on the transaction
+ *   (palisade's and the caller's own, through drizzle) rejects before it is
+ *   sent, and the functions palisade gave the driver never settle; the
+ *   callers get the close instead (the driver's promise for the transaction
+ *   rejects with it; a savepoint's call rejects here).
  * - node-postgres emits `error` on a checked-out client whose connection
  *   closes while no query runs on it, and its pool listens only to idle
  *   clients: unheard, the event ends the process. So palisade listens while
  *   its transaction holds the client; what follows on that client rejects.
  *
- * The server rolled the transaction back when it closed the connection.
+ * The server rolled the transaction back when it closed the connection,
+ * unless the close came while COMMIT was under way (then it is unknown).
  */
 import { DatabaseError } from './errors.js';
 
@@ -59,9 +60,20 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
   const unsafe = (...args: unknown[]) => (connection.lost ? lostQuery() : client.unsafe(...args));
   const savepoint = (...args: unknown[]) => {
     if (connection.lost) return rejected();
-    // A savepoint's function gets an `sql` of its own: guarded too (drizzle's nested transactions).
-    const fn = args.pop() as (sql: ScopedSql) => unknown;
-    return client.savepoint(...args, (sql: ScopedSql) => fn(guarded(sql, connection)));
+    // A savepoint's function gets an `sql` of its own: guarded too (drizzle's nested transactions,
+    // palisade's). Once the connection is lost, postgres.js would answer the function's settling with
+    // `ROLLBACK TO` (even a success, when a statement in it failed): so the function never settles, and
+    // the call rejects here instead.
+    const fn = args.pop() as (sql: ScopedSql) => Promise<unknown>;
+    return new Promise((resolve, reject) => {
+      const run = async (sql: ScopedSql) => {
+        const value = await unlessLost(() => fn(guarded(sql, connection)), connection);
+        if (value !== LOST) return value;
+        reject(DatabaseError.connectionClosed());
+        return never();
+      };
+      client.savepoint(...args, run).then(resolve, reject);
+    });
   };
   const proxy = new Proxy(client, {
     get: (target, key) => (key === 'unsafe' ? unsafe : key === 'savepoint' ? savepoint : Reflect.get(target, key)),
@@ -71,12 +83,29 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
   return proxy;
 }
 
+// In place of a transaction's or savepoint's outcome once the connection is lost.
+const LOST = Symbol('the connection was lost');
+
+/** `run()`'s outcome, or {@link LOST} in its place once the connection is lost. */
+async function unlessLost<T>(run: () => Promise<T>, connection: Connection): Promise<T | typeof LOST> {
+  try {
+    const value = await run();
+    return connection.lost ? LOST : value;
+  } catch (err) {
+    // The close may be what made `run` throw, its news still in this turn's queue: wait one turn.
+    if (!connection.lost) await new Promise((resolve) => setImmediate(resolve));
+    if (connection.lost) return LOST;
+    throw err;
+  }
+}
+
 /**
  * Runs the driver's transaction call `begin(callback)` so that nothing more
  * is sent once the connection closed under it. `parent`: the `sql` client
- * of `db` (a guarded one when `db` is a transaction palisade began).
- * `sessionOf` gives the drizzle session of the transaction object the
- * driver passes to the callback, whose client is guarded before `fn` runs.
+ * of `db` (a guarded one when `db` is a transaction palisade began: then
+ * `begin` opens a savepoint through it). `sessionOf` gives the drizzle
+ * session of the transaction object the driver passes to the callback,
+ * whose client is guarded before `fn` runs.
  */
 export function guardedTransaction<Tx, T>(
   parent: unknown,
@@ -87,30 +116,34 @@ export function guardedTransaction<Tx, T>(
   const outer =
     typeof parent === 'object' || typeof parent === 'function' ? connections.get(parent as object) : undefined;
   const connection = outer ?? { lost: false };
+  const guard = (tx: Tx) => {
+    const session = sessionOf(tx);
+    session.client = guarded(session.client as ScopedSql, connection);
+  };
+  // A savepoint: the guarded client's `savepoint` ends it safely.
+  if (outer !== undefined) {
+    return begin((tx) => {
+      guard(tx);
+      return fn(tx);
+    });
+  }
   let pending = false;
   const run = begin(async (tx) => {
     pending = true;
-    const session = sessionOf(tx);
-    session.client = guarded(session.client as ScopedSql, connection);
+    guard(tx);
     try {
-      const value = await fn(tx);
-      return connection.lost ? never() : value;
-    } catch (err) {
-      // The close may be what made `fn` throw, its news still in this turn's queue: wait one turn.
-      if (!connection.lost) await new Promise((resolve) => setImmediate(resolve));
-      if (connection.lost) return never();
-      throw err;
+      const value = await unlessLost(() => fn(tx), connection);
+      // Whichever way it settled, postgres.js would send COMMIT or ROLLBACK: it does not settle.
+      return value === LOST ? never() : value;
     } finally {
       pending = false;
     }
   });
   // postgres.js races the outermost transaction's function with its connection's close: settled
   // while the function still runs, it was the close.
-  if (outer === undefined) {
-    run.then(undefined, () => {
-      if (pending) connection.lost = true;
-    });
-  }
+  run.then(undefined, () => {
+    if (pending) connection.lost = true;
+  });
   return run;
 }
 

@@ -76,6 +76,19 @@ async function backendPid(tx: Database): Promise<number> {
   return Number(row?.pid);
 }
 
+/** Until backend `pid()` waits on `event` (a statement in flight there); bounded. */
+async function untilWaiting(db: Database, pid: () => number, event: string) {
+  for (let i = 0; i < 500; i++) {
+    const [row] = await execute(
+      db,
+      sql`select count(*)::int as n from pg_stat_activity where pid = ${pid()} and wait_event = ${event}`,
+    );
+    if (row?.n === 1) return;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  throw new Error(`backend never waited on ${event}`);
+}
+
 const settled = (call: Promise<unknown>) =>
   call.then(
     () => 'resolved',
@@ -179,6 +192,77 @@ for (const { name, open, seen } of drivers) {
       }
     });
 
+    it("a statement in flight in the caller's own drizzle savepoint when the connection is killed: the call rejects, the process lives", async () => {
+      const t = await scenario(open);
+      try {
+        const { db } = t;
+        const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('sp') });
+        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        let pid = 0;
+        const call = fencedTransaction(db, lease, async (tx) => {
+          pid = await backendPid(tx);
+          await tx.execute(sql`update resource set value = 'outer' where id = 1`);
+          return tx.transaction(async (inner) => {
+            await inner.execute(sql`update resource set value = 'inner' where id = 2`);
+            await inner.execute(sql`select pg_sleep(30)`);
+          });
+        });
+        const outcome = settled(call);
+        await untilWaiting(db, () => pid, 'PgSleep');
+        await terminate(db, pid);
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+        for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
+        expect((await fencedRepository(db, resource).get({ id: 1 }))?.value).toBe('initial');
+        expect((await fencedRepository(db, resource).get({ id: 2 }))?.value).toBe('initial');
+      } finally {
+        await t.close();
+      }
+    });
+
+    for (const nested of ['modify', 'upsert', 'updateWhere'] as const) {
+      it(`a palisade ${nested} nested in fencedTransaction, in flight when the connection is killed, rejects too: the function's own code goes on`, async () => {
+        const t = await scenario(open);
+        try {
+          const { db } = t;
+          // Row 2's writes wait in a trigger, so the nested call is in flight when the kill comes.
+          await execute(
+            db,
+            sql.raw(`create function slow() returns trigger language plpgsql as $$
+              begin if new.id = 2 then perform pg_sleep(30); end if; return new; end $$;
+              create trigger slow before update or insert on resource for each row execute function slow()`),
+          );
+          const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('nested') });
+          const lease = await locks.acquire('L', { ttlMs: 60_000 });
+          const repo = fencedRepository(db, resource);
+          const leased = repo.with(lease);
+          let pid = 0;
+          let inner: unknown;
+          const call = fencedTransaction(db, lease, async (tx) => {
+            pid = await backendPid(tx);
+            await leased.update({ id: 1 }, { value: 'written' });
+            const write =
+              nested === 'modify'
+                ? repo.modify({ id: 2 }, lease.fence, async () => ({ value: 'nested' }))
+                : nested === 'upsert'
+                  ? leased.upsert({ id: 2, value: 'nested' })
+                  : leased.updateWhere(sql`id = 2`, { value: 'nested' }, { allOrNothing: true });
+            inner = await settled(write);
+            return 'done';
+          });
+          const outcome = settled(call);
+          await untilWaiting(db, () => pid, 'PgSleep');
+          await terminate(db, pid);
+          expect(await outcome).toBeInstanceOf(DatabaseError);
+          for (let i = 0; i < 100 && inner === undefined; i++) await new Promise((r) => setTimeout(r, 10));
+          expect(inner).toBeInstanceOf(DatabaseError);
+          expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+          expect((await repo.get({ id: 2 }))?.value).toBe('initial');
+        } finally {
+          await t.close();
+        }
+      });
+    }
+
     it('fencedTransaction: the idle timeout closes a transaction left idle, and the holder process lives on', async () => {
       const t = await scenario(open);
       try {
@@ -218,44 +302,47 @@ for (const { name, open, seen } of drivers) {
   });
 }
 
-describe.runIf(needs('DATABASE_URL'))("node-postgres: the lock manager's LISTEN connection, closed by the server", () => {
-  const listening = async (db: Database, except: number[]) =>
-    (
-      await execute(
-        db,
-        sql`select pid from pg_stat_activity where datname = current_database() and query like 'listen %' and pid <> pg_backend_pid()`,
+describe.runIf(needs('DATABASE_URL'))(
+  "node-postgres: the lock manager's LISTEN connection, closed by the server",
+  () => {
+    const listening = async (db: Database, except: number[]) =>
+      (
+        await execute(
+          db,
+          sql`select pid from pg_stat_activity where datname = current_database() and query like 'listen %' and pid <> pg_backend_pid()`,
+        )
       )
-    )
-      .map((r) => Number(r.pid))
-      .filter((pid) => !except.includes(pid));
+        .map((r) => Number(r.pid))
+        .filter((pid) => !except.includes(pid));
 
-  it('the process lives, a waiter still gets the lock, and a new LISTEN opens', async () => {
-    const t = await scenario(nodePostgresDatabase);
-    try {
-      const { db } = t;
-      const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('listen') });
-      const held = await locks.acquire('L', { ttlMs: 60_000 });
-      const waiter = locks.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
-      let first: number[] = [];
-      for (let i = 0; i < 500 && first.length === 0; i++) {
-        first = await listening(db, []);
-        if (first.length === 0) await new Promise((r) => setTimeout(r, 20));
+    it('the process lives, a waiter still gets the lock, and a new LISTEN opens', async () => {
+      const t = await scenario(nodePostgresDatabase);
+      try {
+        const { db } = t;
+        const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('listen') });
+        const held = await locks.acquire('L', { ttlMs: 60_000 });
+        const waiter = locks.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
+        let first: number[] = [];
+        for (let i = 0; i < 500 && first.length === 0; i++) {
+          first = await listening(db, []);
+          if (first.length === 0) await new Promise((r) => setTimeout(r, 20));
+        }
+        expect(first).toHaveLength(1);
+        await terminate(db, first[0] as number);
+        let again: number[] = [];
+        for (let i = 0; i < 500 && again.length === 0; i++) {
+          again = await listening(db, first);
+          if (again.length === 0) await new Promise((r) => setTimeout(r, 20));
+        }
+        expect(again).toHaveLength(1);
+        await held.release();
+        const next = await waiter;
+        expect(next.fence).toBeGreaterThan(held.fence);
+        await next.release();
+        await locks.close();
+      } finally {
+        await t.close();
       }
-      expect(first).toHaveLength(1);
-      await terminate(db, first[0] as number);
-      let again: number[] = [];
-      for (let i = 0; i < 500 && again.length === 0; i++) {
-        again = await listening(db, first);
-        if (again.length === 0) await new Promise((r) => setTimeout(r, 20));
-      }
-      expect(again).toHaveLength(1);
-      await held.release();
-      const next = await waiter;
-      expect(next.fence).toBeGreaterThan(held.fence);
-      await next.release();
-      await locks.close();
-    } finally {
-      await t.close();
-    }
-  });
-});
+    });
+  },
+);
