@@ -12,7 +12,7 @@
 import { entityKind, type SQL } from 'drizzle-orm';
 import type { PgDatabase, PgDialect, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
-import { guardedTransaction, heardTransaction } from './lost-connection.js';
+import { type EventClient, guardedTransaction, heardTransaction } from './lost-connection.js';
 import { describeServerError, originalError, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
@@ -278,10 +278,7 @@ function nodePostgresListener(client: { query: unknown; connect: unknown }): Lis
 /** How long a node-postgres LISTEN whose connection was lost waits before it opens a new one. */
 const RELISTEN_MS = 1_000;
 
-type ListeningClient = NodePostgresClient & {
-  release?: (destroy?: boolean) => void;
-  on(event: 'error', listener: (err: unknown) => void): unknown;
-};
+type ListeningClient = NodePostgresClient & EventClient & { release?: (destroy?: boolean) => void };
 
 /** True for a postgres.js `Sql` or a PGlite instance (anything with a `listen` method). */
 export function isListenClient(value: unknown): value is ListenClient {

@@ -102,10 +102,9 @@ async function unlessLost<T>(run: () => Promise<T>, connection: Connection): Pro
 /**
  * Runs the driver's transaction call `begin(callback)` so that nothing more
  * is sent once the connection closed under it. `parent`: the `sql` client
- * of `db` (a guarded one when `db` is a transaction palisade began: then
- * `begin` opens a savepoint through it). `sessionOf` gives the drizzle
- * session of the transaction object the driver passes to the callback,
- * whose client is guarded before `fn` runs.
+ * of `db` (a guarded one when `db` is a transaction palisade began).
+ * `sessionOf` gives the drizzle session of the transaction object the
+ * driver passes to the callback, whose client is guarded before `fn` runs.
  */
 export function guardedTransaction<Tx, T>(
   parent: unknown,
@@ -113,24 +112,15 @@ export function guardedTransaction<Tx, T>(
   sessionOf: (tx: Tx) => { client: unknown },
   fn: (tx: Tx) => Promise<T>,
 ): Promise<T> {
-  const outer =
-    typeof parent === 'object' || typeof parent === 'function' ? connections.get(parent as object) : undefined;
-  const connection = outer ?? { lost: false };
-  const guard = (tx: Tx) => {
-    const session = sessionOf(tx);
-    session.client = guarded(session.client as ScopedSql, connection);
-  };
-  // A savepoint: the guarded client's `savepoint` ends it safely.
-  if (outer !== undefined) {
-    return begin((tx) => {
-      guard(tx);
-      return fn(tx);
-    });
-  }
+  // A savepoint of a transaction palisade began: the driver opens it through the guarded client's
+  // `savepoint`, which guards the savepoint's client and ends it safely.
+  if (connections.has(parent as object)) return begin(fn);
+  const connection: Connection = { lost: false };
   let pending = false;
   const run = begin(async (tx) => {
     pending = true;
-    guard(tx);
+    const session = sessionOf(tx);
+    session.client = guarded(session.client as ScopedSql, connection);
     try {
       const value = await unlessLost(() => fn(tx), connection);
       // Whichever way it settled, postgres.js would send COMMIT or ROLLBACK: it does not settle.
@@ -148,7 +138,7 @@ export function guardedTransaction<Tx, T>(
 }
 
 /** The part of a node-postgres client that emits its connection's errors. */
-interface EventClient {
+export interface EventClient {
   on(event: 'error', listener: (err: unknown) => void): unknown;
   removeListener(event: 'error', listener: (err: unknown) => void): unknown;
 }

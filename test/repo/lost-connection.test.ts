@@ -8,26 +8,33 @@
  * function is held at a gate until the driver has seen the close (on
  * postgres.js the call has rejected, on node-postgres the client has
  * ended), so the close is processed before it goes on — in every run, not by
- * luck of timing. Last, the LISTEN connection a lock manager checks out of a
+ * luck of timing. A property searches where the close comes in a function of
+ * palisade writes, the caller's own statements and savepoints nested in
+ * each other. Last, the LISTEN connection a lock manager checks out of a
  * node-postgres pool, closed by the server.
  */
+import { fc } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
-import { describe, expect, it } from 'vitest';
+import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError, PalisadeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
+import type { Lease } from '../../src/fencing/lease.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { LeasedRepository } from '../../src/repo/repository-api.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { propertyParams, propertyRuns } from '../property/support.js';
 import { nodePostgresDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+const ROWS = 8;
 
 function gate() {
   let open = () => {};
@@ -37,17 +44,19 @@ function gate() {
   return { open, opened };
 }
 
-/** A fresh database on `open`'s driver: palisade migrated, rows 1 and 2 of `resource` at 'initial'. */
-async function scenario(open: () => Promise<TestDatabase>): Promise<TestDatabase> {
-  const t = await open();
-  await migrate(t.db);
-  await execute(
-    t.db,
-    sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
-  );
-  await execute(t.db, sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
-  return t;
+/** Bounded: until `done()` holds, or 5 s. */
+async function until(done: () => boolean | Promise<boolean>) {
+  for (let i = 0; i < 250 && !(await done()); i++) await sleep(20);
 }
+
+/** A few turns of the event loop: had the driver been left to end the process, it would have by then. */
+const turns = () => sleep(50);
+
+const settled = (call: Promise<unknown>) =>
+  call.then(
+    () => 'resolved',
+    (err: unknown) => err,
+  );
 
 // How the test knows the driver has seen the close. postgres.js races a transaction with its connection's
 // close: the call rejects. node-postgres lets the transaction's function go on: its client has ended.
@@ -76,228 +85,322 @@ async function backendPid(tx: Database): Promise<number> {
   return Number(row?.pid);
 }
 
-/** Until backend `pid()` waits on `event` (a statement in flight there); bounded. */
+type Seen = (call: Promise<unknown>, tx: Database) => Promise<unknown>;
+
+/**
+ * A close at a gate: the function calls `stop(tx)`, where it waits; `close(db)` ends that backend from
+ * another session and, once the driver has seen the close (`seen`), lets the function go on. `watch(call)`
+ * is the call's outcome (settled, never rejected). With `idle`, the server's idle timeout does the closing.
+ */
+function closeAtGate(seen: Seen) {
+  const inside = gate();
+  const resume = gate();
+  let pid = 0;
+  let closed: Promise<unknown> = Promise.resolve();
+  let outcome: Promise<unknown> = Promise.resolve();
+  return {
+    watch(call: Promise<unknown>) {
+      outcome = settled(call);
+      return outcome;
+    },
+    async stop(tx: Database) {
+      pid = await backendPid(tx);
+      closed = seen(outcome, tx);
+      inside.open();
+      await resume.opened;
+    },
+    async close(db: Database, { idle = false } = {}) {
+      await inside.opened;
+      if (!idle) await terminate(db, pid);
+      await closed;
+      resume.open();
+    },
+  };
+}
+
+/** Until backend `pid()` waits on `event` (a statement in flight there). */
 async function untilWaiting(db: Database, pid: () => number, event: string) {
-  for (let i = 0; i < 500; i++) {
+  await until(async () => {
     const [row] = await execute(
       db,
       sql`select count(*)::int as n from pg_stat_activity where pid = ${pid()} and wait_event = ${event}`,
     );
-    if (row?.n === 1) return;
-    await new Promise((r) => setTimeout(r, 20));
-  }
-  throw new Error(`backend never waited on ${event}`);
+    return row?.n === 1;
+  });
 }
 
-const settled = (call: Promise<unknown>) =>
-  call.then(
-    () => 'resolved',
-    (err: unknown) => err,
+/** A fresh database on `open`'s driver: palisade migrated, `resource` rows 1..ROWS at 'initial'. */
+async function scenario(open: () => Promise<TestDatabase>): Promise<TestDatabase> {
+  const t = await open();
+  await migrate(t.db);
+  await execute(
+    t.db,
+    sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
   );
+  await execute(t.db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${ROWS}) g`);
+  return t;
+}
 
-// What the function does once its connection is gone.
-const afterClose: Record<string, (leased: LeasedRepository<typeof resource>, tx: Database) => Promise<string>> = {
-  'writes through palisade': async (leased) => {
-    await leased.update({ id: 2 }, { value: 'late' });
-    return 'wrote';
+/**
+ * What each test starts from: `resource` at 'initial' and a lease of a lock no other test uses. A database
+ * of its own per test, closed after it — after kills with a statement in flight, a later query of the same
+ * postgres.js pool has failed with 57P01 (README, "When the connection closes inside a transaction") — or, `shared`, one
+ * for the describe, reset between calls (for kills at a gate only).
+ */
+function testDatabases(open: () => Promise<TestDatabase>, { shared = false } = {}) {
+  const opened: TestDatabase[] = [];
+  const closeAll = async () => {
+    await Promise.all(opened.splice(0).map((t) => t.close()));
+  };
+  if (shared) afterAll(closeAll);
+  else afterEach(closeAll);
+  return async () => {
+    let t = shared ? opened[0] : undefined;
+    if (t) await execute(t.db, sql`update resource set value = 'initial', last_fence = 0`);
+    else {
+      t = await scenario(open);
+      opened.push(t);
+    }
+    const { db } = t;
+    const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('lost') });
+    const lease = await locks.acquire('L', { ttlMs: 60_000 });
+    return { db, locks, lease, repo: fencedRepository(db, resource) };
+  };
+}
+
+async function values(db: Database): Promise<string[]> {
+  return (await execute(db, sql`select value from resource order by id`)).map((r) => String(r.value));
+}
+const untouched = Array.from({ length: ROWS }, () => 'initial');
+
+// What the function does once its connection is gone, and what that must come to.
+const afterClose: Record<
+  string,
+  { act: (leased: LeasedRepository<typeof resource>, tx: Database) => Promise<unknown>; refused: boolean }
+> = {
+  'writes through palisade': { act: (leased) => leased.update({ id: 2 }, { value: 'late' }), refused: true },
+  'writes through drizzle itself': {
+    act: (_leased, tx) => tx.execute(sql`update resource set value = 'late' where id = 2`),
+    refused: true,
   },
-  'writes through drizzle itself': async (_leased, tx) => {
-    await tx.execute(sql`update resource set value = 'late' where id = 2`);
-    return 'wrote';
+  'opens a savepoint through drizzle': {
+    act: (_leased, tx) =>
+      tx.transaction(async (inner) => inner.execute(sql`update resource set value = 'late' where id = 2`)),
+    refused: true,
   },
-  'opens a savepoint through drizzle': async (_leased, tx) => {
-    await tx.transaction(async (inner) => inner.execute(sql`update resource set value = 'late' where id = 2`));
-    return 'wrote';
+  throws: {
+    act: async () => {
+      throw new Error('the function gave up');
+    },
+    refused: false,
   },
-  throws: async () => {
-    throw new Error('the function gave up');
-  },
-  returns: async () => 'done',
+  returns: { act: async () => 'done', refused: false },
 };
 
 for (const { name, open, seen } of drivers) {
   describe.runIf(needs('DATABASE_URL'))(`${name}: a transaction whose connection the server closed`, () => {
-    for (const [what, act] of Object.entries(afterClose)) {
+    const fresh = testDatabases(open);
+
+    for (const [what, { act, refused }] of Object.entries(afterClose)) {
       it(`fencedTransaction: closed by pg_terminate_backend, then the function ${what}: the call rejects, the process lives, nothing is visible`, async () => {
-        const t = await scenario(open);
-        try {
-          const { db } = t;
-          const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('lost') });
-          const lease = await locks.acquire('L', { ttlMs: 60_000 });
-          const repo = fencedRepository(db, resource);
-          const inside = gate();
-          const resume = gate();
-          let pid = 0;
-          let closed: Promise<unknown> = Promise.resolve();
-          const call = fencedTransaction(db, lease, async (tx) => {
+        const { db, locks, lease, repo } = await fresh();
+        const at = closeAtGate(seen);
+        let late: unknown;
+        const outcome = at.watch(
+          fencedTransaction(db, lease, async (tx) => {
             expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
-            pid = await backendPid(tx);
-            closed = seen(outcome, tx);
-            inside.open();
-            await resume.opened;
-            return act(repo.with(lease), tx);
-          });
-          const outcome = settled(call);
-          await inside.opened;
-          await terminate(db, pid);
-          await closed;
-          resume.open();
-          const err = await outcome;
-          expect(err).toBeInstanceOf(DatabaseError);
-          // Had the driver been left to end the process, it would have within these turns of the event loop.
-          for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
-          expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-          expect((await repo.get({ id: 2 }))?.value).toBe('initial');
-          // The pool has connections to give again, and the lock's next grant goes through.
-          await lease.release();
-          const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
-          expect((await repo.with(next).update({ id: 1 }, { value: 'next' })).status).toBe('applied');
-          await next.release();
-        } finally {
-          await t.close();
-        }
+            await at.stop(tx);
+            late = await settled(act(repo.with(lease), tx));
+            return 'done';
+          }),
+        );
+        await at.close(db);
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+        await until(() => late !== undefined);
+        // A statement after the close is refused (a write through palisade with a PalisadeError).
+        if (refused) expect(late).toBeInstanceOf(what === 'writes through palisade' ? PalisadeError : Error);
+        await turns();
+        expect(await values(db)).toEqual(untouched);
+        // The pool has connections to give again, and the lock's next grant goes through.
+        await lease.release();
+        const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
+        expect((await repo.with(next).update({ id: 1 }, { value: 'next' })).status).toBe('applied');
+        await next.release();
       });
     }
 
     it("modify: a statement through palisade after the close rejects with a PalisadeError, and the function's patch is not written", async () => {
-      const t = await scenario(open);
-      try {
-        const { db } = t;
-        const repo = fencedRepository(db, resource);
-        const inside = gate();
-        const resume = gate();
-        let pid = 0;
-        let closed: Promise<unknown> = Promise.resolve();
-        let late: unknown;
-        const call = repo.modify({ id: 1 }, toFence(5n), async (_row, tx) => {
-          pid = await backendPid(tx);
-          closed = seen(outcome, tx);
-          inside.open();
-          await resume.opened;
+      const { db, repo } = await fresh();
+      const at = closeAtGate(seen);
+      let late: unknown;
+      const outcome = at.watch(
+        repo.modify({ id: 1 }, toFence(5n), async (_row, tx) => {
+          await at.stop(tx);
           late = await settled(execute(tx, sql`select 1`));
           return { value: 'modified' };
-        });
-        const outcome = settled(call);
-        await inside.opened;
-        await terminate(db, pid);
-        await closed;
-        resume.open();
-        expect(await outcome).toBeInstanceOf(DatabaseError);
-        for (let i = 0; i < 50 && late === undefined; i++) await new Promise((r) => setTimeout(r, 10));
-        expect(late).toBeInstanceOf(PalisadeError);
-        expect((late as PalisadeError).code).toBe('database');
-        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-      } finally {
-        await t.close();
-      }
+        }),
+      );
+      await at.close(db);
+      expect(await outcome).toBeInstanceOf(DatabaseError);
+      await until(() => late !== undefined);
+      expect(late).toBeInstanceOf(PalisadeError);
+      expect((late as PalisadeError).code).toBe('database');
+      // On postgres.js the statement was refused unsent, and says so (not "an error from the driver").
+      if (name === 'postgres.js') expect((late as Error).message).toMatch(/connection was closed/);
+      expect(await values(db)).toEqual(untouched);
     });
 
     it("a statement in flight in the caller's own drizzle savepoint when the connection is killed: the call rejects, the process lives", async () => {
-      const t = await scenario(open);
-      try {
-        const { db } = t;
-        const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('sp') });
-        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      const { db, lease } = await fresh();
+      let pid = 0;
+      const call = fencedTransaction(db, lease, async (tx) => {
+        pid = await backendPid(tx);
+        await tx.execute(sql`update resource set value = 'outer' where id = 1`);
+        return tx.transaction(async (inner) => {
+          await inner.execute(sql`update resource set value = 'inner' where id = 2`);
+          await inner.execute(sql`select pg_sleep(30)`);
+        });
+      });
+      const outcome = settled(call);
+      await untilWaiting(db, () => pid, 'PgSleep');
+      await terminate(db, pid);
+      expect(await outcome).toBeInstanceOf(DatabaseError);
+      await turns();
+      expect(await values(db)).toEqual(untouched);
+    });
+
+    for (const nested of ['modify', 'upsert', 'updateWhere'] as const) {
+      it(`a palisade ${nested} nested in fencedTransaction, in flight when the connection is killed, rejects too: the function's own code goes on`, async () => {
+        const { db, lease, repo } = await fresh();
+        // Row 2's writes wait in a trigger, so the nested call is in flight when the kill comes.
+        await execute(
+          db,
+          sql.raw(`create function slow() returns trigger language plpgsql as $$
+            begin if new.id = 2 then perform pg_sleep(30); end if; return new; end $$;
+            create trigger slow before update or insert on resource for each row execute function slow()`),
+        );
+        const leased = repo.with(lease);
         let pid = 0;
+        let inner: unknown;
         const call = fencedTransaction(db, lease, async (tx) => {
           pid = await backendPid(tx);
-          await tx.execute(sql`update resource set value = 'outer' where id = 1`);
-          return tx.transaction(async (inner) => {
-            await inner.execute(sql`update resource set value = 'inner' where id = 2`);
-            await inner.execute(sql`select pg_sleep(30)`);
-          });
+          await leased.update({ id: 1 }, { value: 'written' });
+          const write =
+            nested === 'modify'
+              ? repo.modify({ id: 2 }, lease.fence, async () => ({ value: 'nested' }))
+              : nested === 'upsert'
+                ? leased.upsert({ id: 2, value: 'nested' })
+                : leased.updateWhere(sql`id = 2`, { value: 'nested' }, { allOrNothing: true });
+          inner = await settled(write);
+          return 'done';
         });
         const outcome = settled(call);
         await untilWaiting(db, () => pid, 'PgSleep');
         await terminate(db, pid);
         expect(await outcome).toBeInstanceOf(DatabaseError);
-        for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
-        expect((await fencedRepository(db, resource).get({ id: 1 }))?.value).toBe('initial');
-        expect((await fencedRepository(db, resource).get({ id: 2 }))?.value).toBe('initial');
-      } finally {
-        await t.close();
-      }
-    });
-
-    for (const nested of ['modify', 'upsert', 'updateWhere'] as const) {
-      it(`a palisade ${nested} nested in fencedTransaction, in flight when the connection is killed, rejects too: the function's own code goes on`, async () => {
-        const t = await scenario(open);
-        try {
-          const { db } = t;
-          // Row 2's writes wait in a trigger, so the nested call is in flight when the kill comes.
-          await execute(
-            db,
-            sql.raw(`create function slow() returns trigger language plpgsql as $$
-              begin if new.id = 2 then perform pg_sleep(30); end if; return new; end $$;
-              create trigger slow before update or insert on resource for each row execute function slow()`),
-          );
-          const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('nested') });
-          const lease = await locks.acquire('L', { ttlMs: 60_000 });
-          const repo = fencedRepository(db, resource);
-          const leased = repo.with(lease);
-          let pid = 0;
-          let inner: unknown;
-          const call = fencedTransaction(db, lease, async (tx) => {
-            pid = await backendPid(tx);
-            await leased.update({ id: 1 }, { value: 'written' });
-            const write =
-              nested === 'modify'
-                ? repo.modify({ id: 2 }, lease.fence, async () => ({ value: 'nested' }))
-                : nested === 'upsert'
-                  ? leased.upsert({ id: 2, value: 'nested' })
-                  : leased.updateWhere(sql`id = 2`, { value: 'nested' }, { allOrNothing: true });
-            inner = await settled(write);
-            return 'done';
-          });
-          const outcome = settled(call);
-          await untilWaiting(db, () => pid, 'PgSleep');
-          await terminate(db, pid);
-          expect(await outcome).toBeInstanceOf(DatabaseError);
-          for (let i = 0; i < 100 && inner === undefined; i++) await new Promise((r) => setTimeout(r, 10));
-          expect(inner).toBeInstanceOf(DatabaseError);
-          expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-          expect((await repo.get({ id: 2 }))?.value).toBe('initial');
-        } finally {
-          await t.close();
-        }
+        await until(() => inner !== undefined);
+        expect(inner).toBeInstanceOf(DatabaseError);
+        expect(await values(db)).toEqual(untouched);
       });
     }
 
     it('fencedTransaction: the idle timeout closes a transaction left idle, and the holder process lives on', async () => {
-      const t = await scenario(open);
-      try {
-        const { db } = t;
-        const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('idle') });
-        const lease = await locks.acquire('L', { ttlMs: 60_000 });
-        const repo = fencedRepository(db, resource);
-        const inside = gate();
-        const resume = gate();
-        let closed: Promise<unknown> = Promise.resolve();
-        const call = fencedTransaction(
+      const { db, lease, repo } = await fresh();
+      const at = closeAtGate(seen);
+      const outcome = at.watch(
+        fencedTransaction(
           db,
           lease,
           async (tx) => {
             await repo.with(lease).update({ id: 1 }, { value: 'written' });
-            closed = seen(outcome, tx);
-            inside.open();
-            await resume.opened;
+            await at.stop(tx);
             await repo.with(lease).update({ id: 1 }, { value: 'again' });
             return 'done';
           },
           { idleTimeoutMs: 50 },
-        );
-        const outcome = settled(call);
-        // The server ends the session 50 ms after the function went idle; the test waits for the driver to see it.
-        await inside.opened;
-        await closed;
-        resume.open();
-        expect(await outcome).toBeInstanceOf(DatabaseError);
-        for (let i = 0; i < 5; i++) await new Promise((r) => setTimeout(r, 10));
-        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-        await lease.release();
-      } finally {
-        await t.close();
-      }
+        ),
+      );
+      // The server ends the session 50 ms after the function went idle; the test waits for the driver to see it.
+      await at.close(db, { idle: true });
+      expect(await outcome).toBeInstanceOf(DatabaseError);
+      await turns();
+      expect(await values(db)).toEqual(untouched);
+    });
+  });
+  describe.runIf(needs('DATABASE_URL'))(`${name}: where the connection closes, searched`, () => {
+    const shared = testDatabases(open, { shared: true });
+
+    // A step of the function: a write through palisade (joined to the transaction), one of the caller's own
+    // through drizzle, a palisade modify (its own savepoint), or a drizzle savepoint around more steps.
+    type Step = { kind: 'palisade' | 'drizzle' | 'modify' } | { kind: 'savepoint'; steps: Step[] };
+    const leaf = fc.constantFrom<Step>({ kind: 'palisade' }, { kind: 'drizzle' }, { kind: 'modify' });
+    const step: fc.Arbitrary<Step> = fc.oneof(
+      { weight: 3, arbitrary: leaf },
+      {
+        weight: 1,
+        arbitrary: fc
+          .array(leaf, { minLength: 1, maxLength: 3 })
+          .map((steps) => ({ kind: 'savepoint', steps }) as Step),
+      },
+    );
+    const leaves = (steps: Step[]): number =>
+      steps.reduce((n, s) => n + (s.kind === 'savepoint' ? leaves(s.steps) : 1), 0);
+    const program = fc
+      .array(step, { minLength: 1, maxLength: 4 })
+      .filter((steps) => leaves(steps) <= ROWS)
+      .chain((steps) => fc.record({ steps: fc.constant(steps), killAt: fc.integer({ min: 0, max: leaves(steps) }) }));
+
+    const runs = propertyRuns(25);
+    it('property: wherever the close comes among nested writes and savepoints, the call rejects, every later statement is refused, nothing is visible; without a close every write lands', {
+      timeout: Math.max(120_000, runs * 4_000),
+    }, async () => {
+      await fc.assert(
+        fc.asyncProperty(program, async ({ steps, killAt }) => {
+          const { db, lease, repo } = await shared();
+          const leased = repo.with(lease);
+          const total = leaves(steps);
+          const at = closeAtGate(seen);
+          let n = 0;
+          let refused: unknown;
+          // Before leaf `killAt` the function stops at the gate and the test closes its connection.
+          const run = async (tx: Database, list: Step[]): Promise<void> => {
+            for (const s of list) {
+              if (s.kind === 'savepoint') {
+                await tx.transaction((inner) => run(inner as unknown as Database, s.steps));
+                continue;
+              }
+              const row = ++n;
+              if (row - 1 === killAt) await at.stop(tx);
+              const value = `v${row}`;
+              const write =
+                s.kind === 'palisade'
+                  ? leased.update({ id: row }, { value })
+                  : s.kind === 'drizzle'
+                    ? tx.execute(sql`update resource set value = ${value} where id = ${row}`)
+                    : repo.modify({ id: row }, lease.fence, async () => ({ value }));
+              await write.catch((err: unknown) => {
+                refused ??= err;
+                throw err;
+              });
+            }
+          };
+          const outcome = at.watch(fencedTransaction(db, lease, (tx) => run(tx, steps)));
+          if (killAt < total) {
+            await at.close(db);
+            expect(await outcome).toBeInstanceOf(DatabaseError);
+            await until(() => refused !== undefined);
+            expect(refused).toBeInstanceOf(Error);
+            await turns();
+            expect(await values(db)).toEqual(untouched);
+          } else {
+            expect(await outcome).toBe('resolved');
+            const written = Array.from({ length: ROWS }, (_, i) => (i < total ? `v${i + 1}` : 'initial'));
+            expect(await values(db)).toEqual(written);
+          }
+          await lease.release();
+        }),
+        propertyParams({ numRuns: runs }),
+      );
     });
   });
 }
@@ -305,6 +408,7 @@ for (const { name, open, seen } of drivers) {
 describe.runIf(needs('DATABASE_URL'))(
   "node-postgres: the lock manager's LISTEN connection, closed by the server",
   () => {
+    const fresh = testDatabases(nodePostgresDatabase);
     const listening = async (db: Database, except: number[]) =>
       (
         await execute(
@@ -316,33 +420,26 @@ describe.runIf(needs('DATABASE_URL'))(
         .filter((pid) => !except.includes(pid));
 
     it('the process lives, a waiter still gets the lock, and a new LISTEN opens', async () => {
-      const t = await scenario(nodePostgresDatabase);
-      try {
-        const { db } = t;
-        const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('listen') });
-        const held = await locks.acquire('L', { ttlMs: 60_000 });
-        const waiter = locks.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
-        let first: number[] = [];
-        for (let i = 0; i < 500 && first.length === 0; i++) {
-          first = await listening(db, []);
-          if (first.length === 0) await new Promise((r) => setTimeout(r, 20));
-        }
-        expect(first).toHaveLength(1);
-        await terminate(db, first[0] as number);
-        let again: number[] = [];
-        for (let i = 0; i < 500 && again.length === 0; i++) {
-          again = await listening(db, first);
-          if (again.length === 0) await new Promise((r) => setTimeout(r, 20));
-        }
-        expect(again).toHaveLength(1);
-        await held.release();
-        const next = await waiter;
-        expect(next.fence).toBeGreaterThan(held.fence);
-        await next.release();
-        await locks.close();
-      } finally {
-        await t.close();
-      }
+      const { db, locks, lease: held } = await fresh();
+      const waiter = locks.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
+      let first: number[] = [];
+      await until(async () => {
+        first = await listening(db, []);
+        return first.length > 0;
+      });
+      expect(first).toHaveLength(1);
+      await terminate(db, first[0] as number);
+      let again: number[] = [];
+      await until(async () => {
+        again = await listening(db, first);
+        return again.length > 0;
+      });
+      expect(again).toHaveLength(1);
+      await held.release();
+      const next: Lease = await waiter;
+      expect(next.fence).toBeGreaterThan(held.fence);
+      await next.release();
+      await locks.close();
     });
   },
 );
