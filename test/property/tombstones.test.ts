@@ -27,8 +27,8 @@
  *
  * The check: some serial order of the committed operations — one that
  * respects real time (an operation that finished before another started
- * comes first), puts a blocker before every operation seen waiting for its
- * transaction to end that finished after it,
+ * comes first), puts a blocker before every operation seen waiting for it to
+ * end while it held the row at the scheduler's gate,
  * and writes in the order an audit trigger recorded (commit order) —
  * produces exactly the observed results and the final row.
  */
@@ -273,21 +273,23 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
     await new Promise((resolve) => setImmediate(resolve));
     for (let i = 0; i < 300 && inFlight.size > 0; i++) {
       const pids = [...inFlight].map((op) => h.slots[op]?.pid as number);
-      // Only a wait for another transaction's end orders the two (`transactionid`): one for a `tuple`
-      // lock is a place in the queue for the row, which a later waiter may overtake once the row frees.
-      const [rows, ends] = await Promise.all([
-        h.probe`select pid, state, wait_event_type from pg_stat_activity where pid = any(${pids})`,
-        h.probe`select w.pid, holder.pid as holder from pg_locks w
-            join pg_locks holder on holder.locktype = 'transactionid' and holder.transactionid = w.transactionid
-              and holder.granted and holder.pid <> w.pid
-            where w.locktype = 'transactionid' and not w.granted and w.pid = any(${pids})`,
-      ]);
+      // A wait orders the two only when it is for the end of a blocker parked at its gate (holding what
+      // it locked until the scheduler lets it end): a `transactionid` lock the waiter has not got. A
+      // `tuple` lock is a place in the row's queue, which a later waiter may overtake; a wait on a
+      // blocker still running was seen to end, the waiter writing, before that blocker did (cause not
+      // established).
+      const rows = await h.probe`select a.pid, a.state, a.wait_event_type, holder.pid as holder
+          from pg_stat_activity a
+          left join pg_locks w on w.pid = a.pid and w.locktype = 'transactionid' and not w.granted
+          left join pg_locks holder on holder.locktype = 'transactionid' and holder.transactionid = w.transactionid
+            and holder.granted and holder.pid <> a.pid
+          where a.pid = any(${pids})`;
       const still = [...inFlight];
       const waiting = rows.filter((r) => r.wait_event_type === 'Lock' && r.state === 'active');
-      for (const r of ends) {
+      for (const r of waiting) {
         const op = pidToOp.get(Number(r.pid));
-        const blocker = pidToOp.get(Number(r.holder));
-        if (op === undefined || !inFlight.has(op) || blocker === undefined) continue;
+        const blocker = r.holder === null ? undefined : pidToOp.get(Number(r.holder));
+        if (op === undefined || !inFlight.has(op) || blocker === undefined || inFlight.has(blocker)) continue;
         if (isBlocker(scenario.ops[blocker]?.kind as OpKind)) runs[op]?.waitedFor.add(blocker);
       }
       // Stable when each operation still running is seen waiting on a lock.
@@ -501,10 +503,7 @@ export function explain(o: Outcome, scenario: Scenario): string | undefined {
       return `${r.tag}: unexpected error ${String(r.result.error)}`;
     }
   }
-  // A wait orders the two only when the waiter finished after the blocker. Seen on Postgres 15: an
-  // upsert waiting on the transaction of a `FOR UPDATE` blocker that was itself still queued for the
-  // row (it had locked a version the row had left behind) went on and wrote while that blocker was open.
-  const before = (a: OpRun, b: OpRun) => a.end < b.start || (b.waitedFor.has(a.index) && a.end < b.end);
+  const before = (a: OpRun, b: OpRun) => a.end < b.start || b.waitedFor.has(a.index);
   const initial: ModelState = {
     state: scenario.init.state,
     fence: scenario.init.state === 'absent' ? 0n : o.base + BigInt(scenario.init.fence),
@@ -704,8 +703,8 @@ describe.runIf(needs('DATABASE_URL'))('tombstone life cycle under interleavings 
     });
 
     it('blockers queued on one row may be seen waiting on each other: the check orders only waits for an end', async () => {
-      // Blockers queued behind one that deletes at f8: the harness saw waits pointing both ways (a place
-      // in the row's queue, a lock on a version the row had left). Searched: the queue's order is Postgres's.
+      // Blockers queued behind one that deletes at f8: the harness, counting every blocking pid, saw waits
+      // pointing both ways, which no serial order satisfies. Searched: the queue's order is Postgres's.
       const scenarios: Scenario[] = [
         { init: { state: 'live', fence: 3 }, ops: [op('lock'), op('res', 5), op('del', 4), op('del', 8)] },
         { init: { state: 'live', fence: 3 }, ops: [op('res', 5), op('update', 1), op('del', 4), op('del', 8)] },
@@ -723,6 +722,8 @@ describe.runIf(needs('DATABASE_URL'))('tombstone life cycle under interleavings 
     it('an update waiting on a concurrent delete reports missing and writes nothing', async () => {
       const o = await replay({ init: { state: 'live', fence: 4 }, ops: [op('del', 6), op('update', 8)] }, [1, 2, 3, 4]);
       expect(o.waited).toBe(true);
+      // The delete held the row at its gate: the update's wait for it orders the two.
+      expect(o.runs[1]?.waitedFor.has(0)).toBe(true);
       expect(o.runs[1]?.result?.status).toBe('missing');
     });
   });
