@@ -376,6 +376,29 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(await next.release()).toBe('released');
   });
 
+  it('a grant takes its waiter out of the line, even from behind more dead places than one grant drops', async () => {
+    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
+    const client = connect(REDIS_URL);
+    const backend = redisLockBackend({ client: client, namespace, epochs: test.db });
+    onTestFinished(() => client.disconnect());
+    const lease = await manager.acquire('crowd', { ttlMs: 30_000 });
+    const me = randomBytes(16).toString('hex');
+    expect(await backend.grant('crowd', me, 30_000, null, { waiting: true })).toBeNull();
+    // 100 places ahead of ours whose waiters left no trace of a retry (one grant drops at most 64).
+    const dead = Array.from({ length: 100 }, () => randomBytes(16).toString('hex'));
+    await redis.zadd(keys.queue('crowd'), ...dead.flatMap((token, i) => [String(-100 + i), token]));
+    expect(await lease.release()).toBe('released');
+
+    expect(await backend.grant('crowd', me, 30_000, null, { waiting: true })).not.toBeNull();
+    expect(await redis.zscore(keys.queue('crowd'), me)).toBeNull();
+    expect(await redis.zscore(keys.seen('crowd'), me)).toBeNull();
+    // Had it stayed in line, its own release would hand the lock back to it.
+    expect(await backend.release('crowd', me)).toBe(true);
+    const next = await manager.tryAcquire('crowd', { ttlMs: 30_000 });
+    expect(next).not.toBeNull();
+    await next?.release();
+  });
+
   it('a release wakes the head of the line and waiters without a token, not the rest of the line', async () => {
     const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
     const client = connect(REDIS_URL);

@@ -69,6 +69,9 @@ local function wait_in_line(ms)
   redis.call('PEXPIRE', KEYS[5], ${QUEUE_TTL_MS})
   return {'BUSY'}
 end
+-- Whether this token may be in the line: only then does a grant take it out (the common,
+-- uncontended grant finds no line and spends no call on it).
+local queued = false
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
   local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter', 'handoff')
@@ -88,6 +91,8 @@ elseif current then
 elseif redis.call('ZRANGE', KEYS[4], 0, 0)[1] then
   -- Free, with a line: it goes to the head of the line, once waiters that stopped retrying are dropped.
   local ms = now()
+  -- Unknown until the line's head is found (a waiter may be anywhere in a line of more than MAX_PRUNE dead).
+  queued = waiting
   local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ms - ${REDIS_QUEUE_STALE_MS}, 'LIMIT', 0, ${MAX_PRUNE})
   for _, d in ipairs(dead) do
     redis.call('ZREM', KEYS[4], d)
@@ -95,7 +100,8 @@ elseif redis.call('ZRANGE', KEYS[4], 0, 0)[1] then
   end
   for _ = 1, ${MAX_PRUNE} do
     local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
-    if not head or head == ARGV[1] then break end
+    if not head then queued = false break end
+    if head == ARGV[1] then queued = true break end
     if redis.call('ZSCORE', KEYS[5], head) then
       if waiting then return wait_in_line(ms) end
       return {'BUSY'}
@@ -129,7 +135,7 @@ else
   redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at)
 end
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
-if waiting then
+if queued then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('ZREM', KEYS[5], ARGV[1])
 end
@@ -137,7 +143,7 @@ return {'OK', st[2], counter}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV5', lua: GRANT_LUA, numberOfKeys: 5 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV6', lua: GRANT_LUA, numberOfKeys: 5 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or
