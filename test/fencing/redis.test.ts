@@ -18,12 +18,12 @@ import {
   REDIS_COUNTER_BITS,
   REDIS_MAX_COUNTER,
   REDIS_QUEUE_STALE_MS,
-  redisLockBackend,
   splitRedisFence,
 } from '../../src/fencing/backends/redis/backend.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../../src/fencing/lease.js';
-import { connect, hashTag, namespaceKeys, pauseAfter, redisScenario, trackTimers } from '../support/redis.js';
+import { hashTag, namespaceKeys, pauseAfter, redisScenario, trackTimers } from '../support/redis.js';
+import { startPrivateRedis } from '../support/redis-server.js';
 import { needs } from '../support/services.js';
 
 const REDIS_URL = process.env.REDIS_URL ?? '';
@@ -338,13 +338,9 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   });
 
   it('a waiter that stops retrying loses its place, and one that gives up leaves the line', async () => {
-    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
-    const client = connect(REDIS_URL);
-    const backend = redisLockBackend({ client: client, namespace, epochs: test.db });
-    onTestFinished(async () => {
-      await backend.close();
-      client.disconnect();
-    });
+    const scenario = await redisScenario(REDIS_URL);
+    const { manager, redis, keys } = scenario;
+    const backend = scenario.backend();
     const lease = await manager.acquire('stuck', { ttlMs: 30_000 });
     const ghost = randomBytes(16).toString('hex');
     // A waiting grant that is never retried: a waiter killed or paused right after queueing.
@@ -376,11 +372,22 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(await next.release()).toBe('released');
   });
 
-  it('a grant takes its waiter out of the line, even from behind more dead places than one grant drops', async () => {
-    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
-    const client = connect(REDIS_URL);
-    const backend = redisLockBackend({ client: client, namespace, epochs: test.db });
-    onTestFinished(() => client.disconnect());
+  it('an uncontended grant spends no call on the line (counted on a server of its own)', async () => {
+    const server = await startPrivateRedis();
+    onTestFinished(() => server.stop());
+    const { manager, redis } = await redisScenario(server.url);
+    await (await manager.acquire('alone', { ttlMs: 30_000 })).release(); // the first grant installs an epoch
+    await redis.config('RESETSTAT');
+    for (let i = 0; i < 20; i++) await (await manager.acquire('alone', { ttlMs: 30_000 })).release();
+    const stats = await redis.info('commandstats');
+    expect(stats).toMatch(/cmdstat_evalsha:calls=40,/); // the 20 grants and 20 releases ran
+    expect(stats).not.toMatch(/cmdstat_zrem:/);
+  });
+
+  it('a waiter behind more dead places than one grant drops keeps its place until they are gone, then leaves the line with its grant', async () => {
+    const scenario = await redisScenario(REDIS_URL);
+    const { manager, redis, keys } = scenario;
+    const backend = scenario.backend();
     const lease = await manager.acquire('crowd', { ttlMs: 30_000 });
     const me = randomBytes(16).toString('hex');
     expect(await backend.grant('crowd', me, 30_000, null, { waiting: true })).toBeNull();
@@ -389,6 +396,10 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     await redis.zadd(keys.queue('crowd'), ...dead.flatMap((token, i) => [String(-100 + i), token]));
     expect(await lease.release()).toBe('released');
 
+    // The first grant drops 64 of them and keeps this waiter's place; the next drops the rest and grants.
+    expect(await backend.grant('crowd', me, 30_000, null, { waiting: true })).toBeNull();
+    expect(await redis.zcard(keys.queue('crowd'))).toBe(37);
+    expect(await redis.zscore(keys.queue('crowd'), me)).not.toBeNull();
     expect(await backend.grant('crowd', me, 30_000, null, { waiting: true })).not.toBeNull();
     expect(await redis.zscore(keys.queue('crowd'), me)).toBeNull();
     expect(await redis.zscore(keys.seen('crowd'), me)).toBeNull();
@@ -400,10 +411,9 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   });
 
   it('a release wakes the head of the line and waiters without a token, not the rest of the line', async () => {
-    const { manager, namespace, test, redis, keys } = await redisScenario(REDIS_URL);
-    const client = connect(REDIS_URL);
-    const backend = redisLockBackend({ client: client, namespace, epochs: test.db });
-    onTestFinished(() => client.disconnect());
+    const scenario = await redisScenario(REDIS_URL);
+    const { manager, redis, keys } = scenario;
+    const backend = scenario.backend();
     const lease = await manager.acquire('bell', { ttlMs: 30_000 });
     const [head, second] = [randomBytes(16).toString('hex'), randomBytes(16).toString('hex')];
     expect(await backend.grant('bell', head, 30_000, null, { waiting: true })).toBeNull();

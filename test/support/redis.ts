@@ -8,7 +8,12 @@ import { PgDialect } from 'drizzle-orm/pg-core';
 import { Redis } from 'ioredis';
 import { onTestFinished } from 'vitest';
 import type { Database } from '../../src/driver.js';
-import { type RedisLockManagerOptions, redisKeyNames } from '../../src/fencing/backends/redis/backend.js';
+import type { LockBackend } from '../../src/fencing/backend.js';
+import {
+  type RedisLockManagerOptions,
+  redisKeyNames,
+  redisLockBackend,
+} from '../../src/fencing/backends/redis/backend.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from './databases.js';
@@ -27,6 +32,8 @@ export interface RedisScenario {
   readonly manager: LockManager;
   /** Another manager on this namespace (its own Redis client), with options overridden. */
   open(options?: Partial<Omit<RedisLockManagerOptions, 'namespace'>>): LockManager;
+  /** The bare backend on this namespace (its own Redis client), for tests that drive grants token by token. */
+  backend(): LockBackend;
   /** Arguments of test/workers/lock-worker.ts for this scenario. */
   worker(lock: string, extra?: Record<string, unknown>): Record<string, unknown>;
 }
@@ -44,7 +51,8 @@ export async function redisScenario(redisUrl: string): Promise<RedisScenario> {
   const keys = redisKeyNames(namespace);
   const redis = connect(redisUrl);
   const clients: Redis[] = [redis];
-  const managers: LockManager[] = [];
+  // Managers and bare backends: each is closed when the test finishes.
+  const managers: { close(): Promise<void> }[] = [];
   const open = (options: Partial<Omit<RedisLockManagerOptions, 'namespace'>> = {}) => {
     const client = options.client ?? connect(redisUrl);
     if (!options.client) clients.push(client as Redis);
@@ -68,6 +76,13 @@ export async function redisScenario(redisUrl: string): Promise<RedisScenario> {
     redis,
     manager,
     open,
+    backend() {
+      const client = connect(redisUrl);
+      clients.push(client);
+      const backend = redisLockBackend({ client, namespace, epochs: test.db });
+      managers.push(backend);
+      return backend;
+    },
     worker: (lock, extra = {}) => ({
       kind: 'redis',
       namespace,

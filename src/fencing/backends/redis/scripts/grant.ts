@@ -69,8 +69,8 @@ local function wait_in_line(ms)
   redis.call('PEXPIRE', KEYS[5], ${QUEUE_TTL_MS})
   return {'BUSY'}
 end
--- Whether this token may be in the line: only then does a grant take it out (the common,
--- uncontended grant finds no line and spends no call on it).
+-- Whether this token is in the line: only then does a grant take it out (the common, uncontended
+-- grant finds no line and spends no call on it).
 local queued = false
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
@@ -91,23 +91,24 @@ elseif current then
 elseif redis.call('ZRANGE', KEYS[4], 0, 0)[1] then
   -- Free, with a line: it goes to the head of the line, once waiters that stopped retrying are dropped.
   local ms = now()
-  -- Unknown until the line's head is found (a waiter may be anywhere in a line of more than MAX_PRUNE dead).
-  queued = waiting
   local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ms - ${REDIS_QUEUE_STALE_MS}, 'LIMIT', 0, ${MAX_PRUNE})
   for _, d in ipairs(dead) do
     redis.call('ZREM', KEYS[4], d)
     redis.call('ZREM', KEYS[5], d)
   end
+  -- Heads whose waiter left no retry at all go too, at most MAX_PRUNE of them per grant.
+  local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
   for _ = 1, ${MAX_PRUNE} do
-    local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
-    if not head then queued = false break end
-    if head == ARGV[1] then queued = true break end
-    if redis.call('ZSCORE', KEYS[5], head) then
-      if waiting then return wait_in_line(ms) end
-      return {'BUSY'}
-    end
+    if not head or head == ARGV[1] or redis.call('ZSCORE', KEYS[5], head) then break end
     redis.call('ZREM', KEYS[4], head)
+    head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
   end
+  -- Someone else first: a live waiter, or more dead places than one grant drops (the next ones drop them).
+  if head and head ~= ARGV[1] then
+    if waiting then return wait_in_line(ms) end
+    return {'BUSY'}
+  end
+  queued = head ~= nil
 end
 local id = identity()
 if not id then return {'NOEPOCH', 'replica', ''} end
