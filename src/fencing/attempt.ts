@@ -3,8 +3,8 @@
  * (worth another attempt, or the service's answer). The README's "Lock
  * managers" and "Errors" sections are the manual.
  */
-import { performance } from 'node:perf_hooks';
 import { LockServiceError, PalisadeError } from '../errors.js';
+import { atDeadline, cancelDeadline } from './deadlines.js';
 import type { LockManagerHooks } from './lock-manager.js';
 
 /**
@@ -13,27 +13,23 @@ import type { LockManagerHooks } from './lock-manager.js';
  * (undefined if it failed) so a grant nobody waits for can be given back.
  */
 export function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T | undefined) => void): Promise<T> {
-  const left = deadline - performance.now();
-  if (!Number.isFinite(left)) return work;
-  // One promise and one timer, not a race between two promises: this runs on every waiting attempt.
+  if (!Number.isFinite(deadline)) return work;
+  // One promise and one shared deadline (./deadlines.ts), not a race between two promises: this runs on every waiting attempt.
   return new Promise<T>((resolve, reject) => {
     let cut = false;
-    const timer = setTimeout(
-      () => {
-        cut = true;
-        reject(new AttemptCutShort());
-      },
-      Math.max(0, left),
-    );
+    const timer = atDeadline(deadline, () => {
+      cut = true;
+      reject(new AttemptCutShort());
+    });
     work.then(
       (value) => {
         if (cut) return onLate(value);
-        clearTimeout(timer);
+        cancelDeadline(timer);
         resolve(value);
       },
       (err: unknown) => {
         if (cut) return onLate(undefined);
-        clearTimeout(timer);
+        cancelDeadline(timer);
         reject(err);
       },
     );

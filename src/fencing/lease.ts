@@ -3,6 +3,7 @@ import { LeaseLostError } from '../errors.js';
 import type { LostReason } from '../telemetry/catalog.js';
 import { observeExtend, observeRelease, recordLost } from '../telemetry/locks.js';
 import type { LockBackend } from './backend.js';
+import { atDeadline, cancelDeadline, type Deadline } from './deadlines.js';
 import type { Emitter, LockEvents } from './events.js';
 import type { Fence } from './fence.js';
 import type { LockIdentity } from './lock-identity.js';
@@ -89,7 +90,7 @@ export class ActiveLease implements Lease {
   #reason: string | undefined;
   #error: LeaseLostError | undefined;
   #expiresAt: number;
-  #deadlineTimer: NodeJS.Timeout | undefined;
+  #deadline: Deadline | undefined;
   #watchdog: NodeJS.Timeout | undefined;
   #released: Promise<'released' | 'lost'> | undefined;
   #onBackendLost: (() => void) | undefined;
@@ -206,13 +207,10 @@ export class ActiveLease implements Lease {
   }
 
   #armDeadline(): void {
-    clearTimeout(this.#deadlineTimer);
-    const ms = Math.max(0, this.#expiresAt - performance.now());
-    this.#deadlineTimer = setTimeout(
-      () => this.#lose('the TTL ran out without a confirmed extension', 'ttl_expired'),
-      ms,
+    cancelDeadline(this.#deadline);
+    this.#deadline = atDeadline(this.#expiresAt, () =>
+      this.#lose('the TTL ran out without a confirmed extension', 'ttl_expired'),
     );
-    this.#deadlineTimer.unref();
   }
 
   #startWatchdog(): void {
@@ -264,7 +262,7 @@ export class ActiveLease implements Lease {
   }
 
   #stopTimers(): void {
-    clearTimeout(this.#deadlineTimer);
+    cancelDeadline(this.#deadline);
     clearTimeout(this.#watchdog);
     if (this.#onBackendLost) this.#init.backendLost?.removeEventListener('abort', this.#onBackendLost);
   }

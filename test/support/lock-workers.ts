@@ -9,6 +9,7 @@ import { expect } from 'vitest';
 import { execute } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
 import type { LockBackend } from '../../src/fencing/backend.js';
+import { deadlineCounts } from '../../src/fencing/deadlines.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from './databases.js';
 import type { BackendKind } from './managers.js';
@@ -84,7 +85,10 @@ export function aborted(signal: AbortSignal, timeoutMs = 30_000): Promise<unknow
 /**
  * Records every timer created while `fn` runs by code under `src/fencing/`
  * (unref'd ones included, which `process.getActiveResourcesInfo()` does not
- * list) and returns those still pending when `fn` has finished.
+ * list) and every local deadline it scheduled (src/fencing/deadlines.ts),
+ * and returns those still pending when `fn` has finished. The one timer the
+ * deadlines share is not counted: it outlives the leases by design and
+ * stops by itself once the earliest cancelled deadline falls.
  */
 export async function pendingFencingTimers(fn: () => Promise<void>): Promise<{ created: number; pending: string[] }> {
   const live = new Map<number, string>();
@@ -96,7 +100,7 @@ export async function pendingFencingTimers(fn: () => Promise<void>): Promise<{ c
       Error.stackTraceLimit = 40;
       const stack = new Error().stack ?? '';
       Error.stackTraceLimit = limit;
-      if (!stack.includes('/src/fencing/')) return;
+      if (!stack.includes('/src/fencing/') || stack.includes('/src/fencing/deadlines.')) return;
       created++;
       live.set(id, stack.split('\n').find((line) => line.includes('/src/fencing/')) ?? '');
     },
@@ -104,6 +108,7 @@ export async function pendingFencingTimers(fn: () => Promise<void>): Promise<{ c
       live.delete(id);
     },
   });
+  const before = deadlineCounts();
   hook.enable();
   try {
     await fn();
@@ -113,7 +118,11 @@ export async function pendingFencingTimers(fn: () => Promise<void>): Promise<{ c
   } finally {
     hook.disable();
   }
-  return { created, pending: [...live.values()] };
+  const after = deadlineCounts();
+  const deadlinesLeft = after.live - before.live;
+  const pending = [...live.values()];
+  if (deadlinesLeft > 0) pending.push(`${deadlinesLeft} local deadline(s) neither fired nor cancelled`);
+  return { created: created + after.scheduled - before.scheduled, pending };
 }
 
 /** Every call must refuse with InvalidArgumentError, whether it throws or rejects. */

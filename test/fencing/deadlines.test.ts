@@ -1,0 +1,67 @@
+import { performance } from 'node:perf_hooks';
+import { fc } from '@fast-check/vitest';
+import { describe, expect, it } from 'vitest';
+import { atDeadline, cancelDeadline, type Deadline, deadlineCounts } from '../../src/fencing/deadlines.js';
+import { propertyParams } from '../property/support.js';
+
+const settle = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// Waits (bounded) until every deadline not cancelled has fired.
+async function drained(): Promise<void> {
+  for (let i = 0; i < 400 && deadlineCounts().live > 0; i++) await settle(5);
+}
+
+describe('local deadlines (one shared timer for leases and waiting attempts)', () => {
+  it('fires every deadline that was not cancelled, once, never early, earliest first — whatever the order of scheduling and cancelling', async () => {
+    await fc.assert(
+      fc.asyncProperty(
+        fc.array(fc.record({ inMs: fc.integer({ min: 0, max: 40 }), cancel: fc.boolean() }), {
+          minLength: 1,
+          maxLength: 300,
+        }),
+        async (plan) => {
+          const fired: { i: number; at: number; early: boolean }[] = [];
+          const start = performance.now();
+          const scheduled: Deadline[] = plan.map(({ inMs }, i) => {
+            const at = start + inMs;
+            return atDeadline(at, () => fired.push({ i, at, early: performance.now() < at }));
+          });
+          // Each cancelled twice: the second changes nothing.
+          for (let twice = 0; twice < 2; twice++)
+            plan.forEach(({ cancel }, i) => {
+              if (cancel) cancelDeadline(scheduled[i]);
+            });
+          await drained();
+          expect(deadlineCounts().live).toBe(0);
+          // Cancelling after the fact changes nothing either.
+          for (const d of scheduled) cancelDeadline(d);
+          expect(deadlineCounts().live).toBe(0);
+          const expected = plan.flatMap(({ cancel }, i) => (cancel ? [] : [i]));
+          expect(fired.map((f) => f.i).sort((a, b) => a - b)).toEqual(expected);
+          expect(fired.filter((f) => f.early)).toEqual([]);
+          const ats = fired.map((f) => f.at);
+          expect(ats).toEqual([...ats].sort((a, b) => a - b));
+        },
+      ),
+      propertyParams({ numRuns: 25 }),
+    );
+  });
+
+  it('a deadline earlier than every one pending fires first (the shared timer is re-armed for it)', async () => {
+    const order: string[] = [];
+    const late = atDeadline(performance.now() + 5_000, () => order.push('late'));
+    atDeadline(performance.now() + 5, () => order.push('early'));
+    for (let i = 0; i < 400 && order.length === 0; i++) await settle(5);
+    expect(order).toEqual(['early']);
+    cancelDeadline(late);
+    expect(deadlineCounts().live).toBe(0);
+  });
+
+  it('sweeps cancelled deadlines out: 10,000 leases released long before their TTL leave no entries behind', () => {
+    const far = performance.now() + 60_000;
+    for (let i = 0; i < 10_000; i++) cancelDeadline(atDeadline(far + i, () => {}));
+    expect(deadlineCounts().live).toBe(0);
+    // At most the cancelled entries since the last sweep (a sweep runs when they outnumber the live ones past 64).
+    expect(deadlineCounts().held).toBeLessThanOrEqual(65);
+  });
+});
