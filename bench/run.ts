@@ -28,7 +28,7 @@ import { type BenchContext, SCALES } from './lib/context.js';
 import { RESULTS, ROOT } from './lib/paths.js';
 import { Report } from './lib/report.js';
 import { type RunMeta, renderMarkdown, runMeta } from './lib/results.js';
-import { benchDatabase, benchRedis } from './lib/services.js';
+import { benchDatabase, benchRedis, settleDatabase } from './lib/services.js';
 import { endToEnd } from './sections/end-to-end.js';
 import { fenceIssuance } from './sections/fence-issuance.js';
 import { growth, tombstonePurge } from './sections/growth.js';
@@ -116,14 +116,22 @@ async function main(): Promise<void> {
     console.log(
       `palisade bench (${scale.name}) — database ${pg.name}, redis ${redis.url}${redis.own ? ' (own server)' : ''}`,
     );
+    const settled: string[] = [];
     for (const section of SECTIONS) {
       if (only ? !only.includes(section.id) : section.part) continue;
       if (interrupted) break;
+      const calm = await settleDatabase(pg);
+      settled.push(
+        `${section.id}: ${calm.seconds.toFixed(1)} s${calm.waitCut ? ' (autovacuum still running at the bound)' : ''}`,
+      );
       const t0 = Date.now();
       console.log(`\n=== ${section.id}. ${section.title}`);
       await section.run(ctx);
       console.log(`  (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
     }
+    report.note(
+      `Before each section the database settled (no autovacuum worker on it, at most 60 s; then VACUUM (ANALYZE) and CHECKPOINT), so no section measures what the one before left behind. Time it took, per section: ${settled.join(', ')}.`,
+    );
     const meta = await runMeta(ctx, started, new Date(), only);
     const out = RESULTS;
     mkdirSync(out, { recursive: true });

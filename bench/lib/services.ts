@@ -9,6 +9,7 @@
  *   `REDIS_URL` with a key prefix of its own (counts are then noisy).
  */
 import { execFileSync } from 'node:child_process';
+import { performance } from 'node:perf_hooks';
 import { randomBytes } from 'node:crypto';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
@@ -150,4 +151,34 @@ function assertLoopback(url: string, what: string): void {
   if (!['127.0.0.1', 'localhost', '::1', '[::1]'].includes(host)) {
     throw new Error(`${what} must point at loopback for a benchmark (got ${host})`);
   }
+}
+
+/**
+ * Lets the database settle before the next section, so a section does not
+ * measure the aftermath of the one before (section 7 leaves a purge's dead
+ * rows and a churned lease table behind; on 2 cores, an autovacuum worker or
+ * a checkpoint taking a core moved section 9's 16-client ratios by 10–20%).
+ * Waits (at most `maxWaitMs`) until no autovacuum worker runs on the bench
+ * database, then vacuums it and checkpoints. Returns how long it took, in
+ * seconds, and whether the wait hit its bound.
+ */
+export async function settleDatabase(
+  pg: BenchDatabase,
+  maxWaitMs = 60_000,
+): Promise<{ seconds: number; waitCut: boolean }> {
+  const started = performance.now();
+  let waitCut = true;
+  while (performance.now() - started < maxWaitMs) {
+    const [row] = await pg.sql<{ n: number }[]>`
+      select count(*)::int as n from pg_stat_activity
+      where backend_type = 'autovacuum worker' and datname = current_database()`;
+    if ((row?.n ?? 0) === 0) {
+      waitCut = false;
+      break;
+    }
+    await new Promise((resolve) => setTimeout(resolve, 500));
+  }
+  await pg.sql.unsafe('vacuum (analyze)');
+  await pg.sql.unsafe('checkpoint');
+  return { seconds: (performance.now() - started) / 1000, waitCut };
 }
