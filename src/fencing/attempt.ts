@@ -17,10 +17,14 @@ export function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T
   // One promise and one shared deadline (./deadlines.ts), not a race between two promises: this runs on every waiting attempt.
   return new Promise<T>((resolve, reject) => {
     let cut = false;
-    const timer = atDeadline(deadline, () => {
-      cut = true;
-      reject(new AttemptCutShort());
-    });
+    const timer = atDeadline(
+      deadline,
+      () => {
+        cut = true;
+        reject(new AttemptCutShort());
+      },
+      true,
+    );
     work.then(
       (value) => {
         if (cut) return onLate(value);

@@ -18,23 +18,31 @@ export interface Deadline {
   readonly at: number;
   /** Cleared when the deadline fires or is cancelled. */
   fire: (() => void) | undefined;
+  /** Whether it keeps the process alive until it fires or is cancelled. */
+  readonly keepAlive: boolean;
 }
 
 const heap: Deadline[] = [];
 let cancelled = 0;
 let scheduled = 0;
+// Live deadlines that keep the process alive: the shared timer is ref'd only while there are some.
+let keepingAlive = 0;
 let timer: NodeJS.Timeout | undefined;
 let armedAt = Number.POSITIVE_INFINITY;
 
 /**
  * @internal Calls `fire` once, when `performance.now()` reaches `at` —
- * unless {@link cancelDeadline} came first. Never keeps the process alive
- * (as an unref'd timer). `fire` runs from a timer callback: it must not throw.
+ * unless {@link cancelDeadline} came first. With `keepAlive` the deadline
+ * keeps the process alive until then, as a ref'd timer would (a waiting
+ * attempt: its cut-off must come even when nothing else is pending);
+ * otherwise not, as an unref'd one (a lease's expiry). `fire` runs from a
+ * timer callback: it must not throw.
  */
-export function atDeadline(at: number, fire: () => void): Deadline {
-  const deadline: Deadline = { at, fire };
+export function atDeadline(at: number, fire: () => void, keepAlive = false): Deadline {
+  const deadline: Deadline = { at, fire, keepAlive };
   scheduled++;
   push(deadline);
+  if (keepAlive && keepingAlive++ === 0) timer?.ref();
   if (at < armedAt) arm(at);
   return deadline;
 }
@@ -42,9 +50,15 @@ export function atDeadline(at: number, fire: () => void): Deadline {
 /** @internal `deadline` will not fire. Safe to call more than once, and after it fired. */
 export function cancelDeadline(deadline: Deadline | undefined): void {
   if (deadline?.fire === undefined) return;
-  deadline.fire = undefined;
+  settle(deadline);
   cancelled++;
   if (cancelled > 64 && cancelled * 2 > heap.length) sweep();
+}
+
+// Fired or cancelled: it no longer fires, nor keeps the process alive.
+function settle(deadline: Deadline): void {
+  deadline.fire = undefined;
+  if (deadline.keepAlive && --keepingAlive === 0) timer?.unref();
 }
 
 /**
@@ -61,7 +75,7 @@ function arm(at: number): void {
   armedAt = at;
   // +1: a Node timer may run a fraction of a millisecond before performance.now() reaches `at`.
   timer = setTimeout(expire, Math.max(0, at - performance.now()) + 1);
-  timer.unref();
+  if (keepingAlive === 0) timer.unref();
 }
 
 function expire(): void {
@@ -76,7 +90,7 @@ function expire(): void {
         cancelled--;
         continue;
       }
-      due.fire = undefined;
+      settle(due);
       fire();
     }
   } finally {

@@ -57,6 +57,28 @@ describe('local deadlines (one shared timer for leases and waiting attempts)', (
     expect(deadlineCounts().live).toBe(0);
   });
 
+  it("keeps the process alive only while a waiting attempt's cut-off is pending, never for a lease's expiry", () => {
+    // process.getActiveResourcesInfo() lists the timers that keep the process alive (ref'd ones).
+    const alive = () => process.getActiveResourcesInfo().filter((r) => r === 'Timeout').length;
+    const base = alive();
+    // None of these can fire before this synchronous test ends, however early they are.
+    // The earliest yet: the shared timer is armed anew for it, and does not keep the process alive.
+    const lease = atDeadline(performance.now() + 1, () => {});
+    expect(alive()).toBe(base);
+    // Later than the armed timer: that timer is kept, and now keeps the process alive.
+    const attempt = atDeadline(performance.now() + 60_000, () => {}, true);
+    expect(alive()).toBe(base + 1);
+    // Earlier still: the timer armed anew for it keeps the process alive too.
+    const second = atDeadline(performance.now() + 0.5, () => {}, true);
+    expect(alive()).toBe(base + 1);
+    cancelDeadline(attempt);
+    expect(alive()).toBe(base + 1);
+    cancelDeadline(second);
+    expect(alive()).toBe(base);
+    cancelDeadline(lease);
+    expect(deadlineCounts().live).toBe(0);
+  });
+
   it('sweeps cancelled deadlines out: 10,000 leases released long before their TTL leave no entries behind', () => {
     const far = performance.now() + 60_000;
     for (let i = 0; i < 10_000; i++) cancelDeadline(atDeadline(far + i, () => {}));
