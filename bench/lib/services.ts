@@ -9,8 +9,8 @@
  *   `REDIS_URL` with a key prefix of its own (counts are then noisy).
  */
 import { execFileSync } from 'node:child_process';
-import { performance } from 'node:perf_hooks';
 import { randomBytes } from 'node:crypto';
+import { performance } from 'node:perf_hooks';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
