@@ -10,16 +10,25 @@
  * cancelled long before they fall (a lease released within its TTL), so a
  * cancel only marks its entry; the dead entries are swept out of the heap
  * when they outnumber the live ones.
+ *
+ * Each deadline fires in the async context it was scheduled in (what its own
+ * timer would have carried): a lease's `lost` listeners and abort handlers see
+ * the request that acquired it, not whichever call last armed the shared timer.
  */
+import { AsyncResource } from 'node:async_hooks';
 import { performance } from 'node:perf_hooks';
 
 /** @internal A deadline that was scheduled: cancel it with {@link cancelDeadline}. */
 export interface Deadline {
   readonly at: number;
+  /** Order of scheduling: deadlines at the same time fire in it. */
+  readonly seq: number;
   /** Cleared when the deadline fires or is cancelled. */
   fire: (() => void) | undefined;
   /** Whether it keeps the process alive until it fires or is cancelled. */
   readonly keepAlive: boolean;
+  /** The async context it was scheduled in, which it fires in. */
+  readonly context: AsyncResource | undefined;
 }
 
 const heap: Deadline[] = [];
@@ -35,12 +44,17 @@ let armedAt = Number.POSITIVE_INFINITY;
  * unless {@link cancelDeadline} came first. With `keepAlive` the deadline
  * keeps the process alive until then, as a ref'd timer would (a waiting
  * attempt: its cut-off must come even when nothing else is pending);
- * otherwise not, as an unref'd one (a lease's expiry). `fire` runs from a
- * timer callback: it must not throw.
+ * otherwise not, as an unref'd one (a lease's expiry). `fire` runs in the
+ * async context of this call; if it throws, the error is uncaught (as from
+ * any timer) once the other deadlines due with it have fired. A deadline at
+ * +Infinity never fires.
  */
 export function atDeadline(at: number, fire: () => void, keepAlive = false): Deadline {
-  const deadline: Deadline = { at, fire, keepAlive };
-  scheduled++;
+  if (Number.isNaN(at)) throw new TypeError('a deadline must be a time, not NaN');
+  if (at === Number.POSITIVE_INFINITY) return { at, seq: -1, fire: undefined, keepAlive: false, context: undefined };
+  // An AsyncResource, not AsyncResource.bind (which also defines properties on a new function).
+  const context = new AsyncResource('palisade.deadline');
+  const deadline: Deadline = { at, seq: scheduled++, fire, keepAlive, context };
   push(deadline);
   if (keepAlive && keepingAlive++ === 0) timer?.ref();
   if (at < armedAt) arm(at);
@@ -82,22 +96,25 @@ function expire(): void {
   timer = undefined;
   armedAt = Number.POSITIVE_INFINITY;
   const now = performance.now();
-  try {
-    while (heap.length > 0 && (heap[0] as Deadline).at <= now) {
-      const due = pop();
-      const fire = due.fire;
-      if (fire === undefined) {
-        cancelled--;
-        continue;
-      }
-      settle(due);
-      fire();
+  let failed: { error: unknown } | undefined;
+  while (heap.length > 0 && (heap[0] as Deadline).at <= now) {
+    const due = pop();
+    const fire = due.fire;
+    if (fire === undefined) {
+      cancelled--;
+      continue;
     }
-  } finally {
-    // Re-armed even when a callback threw (the throw is uncaught, as from any timer).
-    dropCancelledHead();
-    if (heap.length > 0 && (heap[0] as Deadline).at < armedAt) arm((heap[0] as Deadline).at);
+    settle(due);
+    try {
+      (due.context as AsyncResource).runInAsyncScope(fire);
+    } catch (error) {
+      // The others due now still fire now; the first error is thrown after them.
+      failed ??= { error };
+    }
   }
+  dropCancelledHead();
+  if (heap.length > 0 && (heap[0] as Deadline).at < armedAt) arm((heap[0] as Deadline).at);
+  if (failed) throw failed.error;
 }
 
 function dropCancelledHead(): void {
@@ -120,13 +137,16 @@ function sweep(): void {
   }
 }
 
+// Earlier first; at the same time, scheduled first.
+const before = (a: Deadline, b: Deadline): boolean => a.at < b.at || (a.at === b.at && a.seq < b.seq);
+
 function push(d: Deadline): void {
   let i = heap.length;
   heap.push(d);
   while (i > 0) {
     const up = (i - 1) >> 1;
     const parent = heap[up] as Deadline;
-    if (parent.at <= d.at) break;
+    if (!before(d, parent)) break;
     heap[i] = parent;
     i = up;
   }
@@ -142,8 +162,8 @@ function pop(): Deadline {
     const left = 2 * i + 1;
     if (left >= heap.length) break;
     const right = left + 1;
-    const child = right < heap.length && (heap[right] as Deadline).at < (heap[left] as Deadline).at ? right : left;
-    if ((heap[child] as Deadline).at >= last.at) break;
+    const child = right < heap.length && before(heap[right] as Deadline, heap[left] as Deadline) ? right : left;
+    if (!before(heap[child] as Deadline, last)) break;
     heap[i] = heap[child] as Deadline;
     i = child;
   }

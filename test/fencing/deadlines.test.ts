@@ -1,3 +1,5 @@
+import { AsyncLocalStorage } from 'node:async_hooks';
+import { execFileSync } from 'node:child_process';
 import { performance } from 'node:perf_hooks';
 import { fc } from '@fast-check/vitest';
 import { describe, expect, it } from 'vitest';
@@ -39,8 +41,8 @@ describe('local deadlines (one shared timer for leases and waiting attempts)', (
           const expected = plan.flatMap(({ cancel }, i) => (cancel ? [] : [i]));
           expect(fired.map((f) => f.i).sort((a, b) => a - b)).toEqual(expected);
           expect(fired.filter((f) => f.early)).toEqual([]);
-          const ats = fired.map((f) => f.at);
-          expect(ats).toEqual([...ats].sort((a, b) => a - b));
+          // Earliest first; at the same time, in the order they were scheduled.
+          expect(fired.map((f) => f.i)).toEqual([...fired].sort((a, b) => a.at - b.at || a.i - b.i).map((f) => f.i));
         },
       ),
       propertyParams({ numRuns: 25 }),
@@ -77,6 +79,37 @@ describe('local deadlines (one shared timer for leases and waiting attempts)', (
     expect(alive()).toBe(base);
     cancelDeadline(lease);
     expect(deadlineCounts().live).toBe(0);
+  });
+
+  it('fires each deadline in the async context it was scheduled in, not in that of whoever armed the shared timer last', async () => {
+    const request = new AsyncLocalStorage<string>();
+    const seen: string[] = [];
+    // B's deadline is earlier than A's: the shared timer is armed anew inside B's context.
+    request.run('A', () => atDeadline(performance.now() + 30, () => seen.push(`A sees ${request.getStore()}`)));
+    request.run('B', () => atDeadline(performance.now() + 10, () => seen.push(`B sees ${request.getStore()}`)));
+    for (let i = 0; i < 400 && seen.length < 2; i++) await settle(5);
+    expect(seen).toEqual(['B sees B', 'A sees A']);
+  });
+
+  it('a callback that throws does not hold back the deadlines due with it; its error is uncaught after them', () => {
+    const out = execFileSync(process.execPath, ['--import', 'tsx', 'test/fixtures/deadline-throws.ts'], {
+      encoding: 'utf8',
+      timeout: 30_000,
+    });
+    expect(JSON.parse(out.trim().split('\n').pop() as string)).toEqual({
+      fired: ['first', 'second', 'third'],
+      uncaught: 'the first callback threw',
+    });
+  });
+
+  it('refuses a deadline that is not a time, and never fires one at +Infinity', () => {
+    expect(() => atDeadline(Number.NaN, () => {})).toThrow(TypeError);
+    const before = deadlineCounts();
+    const never = atDeadline(Number.POSITIVE_INFINITY, () => {
+      throw new Error('fired');
+    });
+    expect(never.fire).toBeUndefined();
+    expect(deadlineCounts()).toEqual(before);
   });
 
   it('sweeps cancelled deadlines out: 10,000 leases released long before their TTL leave no entries behind', () => {
