@@ -132,6 +132,8 @@ const ROOT = fileURLToPath(new URL('..', import.meta.url));
 const WORKER = join(ROOT, 'scripts', 'chaos-worker.ts');
 const LOCK = 'chaos:counter';
 const KEY = 'c';
+/** The fewest pauses of a worker holding the lock a run makes (outside the replication nemesis). */
+const MIN_HOLDER_PAUSES = 3;
 
 interface Handle {
   readonly label: string;
@@ -310,6 +312,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         : ['pause', 'pause', 'kill', 'terminate', 'terminate'];
     const started = Date.now();
     let failedOver = false;
+    // Pauses that caught a worker holding the lock: the faults that make stale writes.
+    let holderPauses = 0;
     const tell = (to: readonly Handle[], server: PrivateRedis) => {
       for (const h of to)
         if (h.state !== 'exited') h.child.stdin?.write(`${JSON.stringify({ primary: server.port })}\n`);
@@ -365,6 +369,10 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       await sleepUntil(between(200, 800));
       if (Date.now() >= deadline) break;
       let kind = kinds[Math.floor(random() * kinds.length)] as string;
+      // At least MIN_HOLDER_PAUSES pauses of a holder, spread over the run: on a loaded machine, a
+      // random draw of a few pauses that all found no holder made a run where no fault could bite.
+      const pauseDue = ((holderPauses + 1) / (MIN_HOLDER_PAUSES + 1)) * o.seconds * 1000;
+      if (!topology && holderPauses < MIN_HOLDER_PAUSES && Date.now() - started > pauseDue) kind = 'pause';
       // The run's minimum of failbacks, spread over its length.
       const due = ((replication.failbacks + 1) / (o.minFailbacks + 1)) * o.seconds * 1000;
       if (topology && replication.failbacks < o.minFailbacks && Date.now() - started > due) kind = 'failback';
@@ -401,6 +409,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         const h = (await holder(2 * o.ttlMs)) ?? handles[Math.floor(random() * handles.length)];
         if (!h || h.state === 'exited') continue;
         const ms = Math.round(between(1.2, 3) * o.ttlMs);
+        if (h.state === 'holding') holderPauses++;
         fault('pause', `${h.label} (${h.state}${h.state === 'holding' ? ` fence ${h.fence}` : ''}) for ${ms} ms`);
         h.child.kill('SIGSTOP');
         await sleep(ms);
