@@ -46,7 +46,8 @@ let armedAt = Number.POSITIVE_INFINITY;
  * attempt: its cut-off must come even when nothing else is pending);
  * otherwise not, as an unref'd one (a lease's expiry). `fire` runs in the
  * async context of this call; if it throws, the error is uncaught (as from
- * any timer) once the other deadlines due with it have fired. A deadline at
+ * a timer of its own), each error apart, once the other deadlines due with
+ * it have fired. A deadline at
  * +Infinity never fires.
  */
 export function atDeadline(at: number, fire: () => void, keepAlive = false): Deadline {
@@ -96,7 +97,6 @@ function expire(): void {
   timer = undefined;
   armedAt = Number.POSITIVE_INFINITY;
   const now = performance.now();
-  let failed: { error: unknown } | undefined;
   while (heap.length > 0 && (heap[0] as Deadline).at <= now) {
     const due = pop();
     const fire = due.fire;
@@ -108,13 +108,14 @@ function expire(): void {
     try {
       (due.context as AsyncResource).runInAsyncScope(fire);
     } catch (error) {
-      // The others due now still fire now; the first error is thrown after them.
-      failed ??= { error };
+      // Uncaught, as from a timer of its own, but after this loop: the others due now still fire now.
+      queueMicrotask(() => {
+        throw error;
+      });
     }
   }
   dropCancelledHead();
   if (heap.length > 0 && (heap[0] as Deadline).at < armedAt) arm((heap[0] as Deadline).at);
-  if (failed) throw failed.error;
 }
 
 function dropCancelledHead(): void {
