@@ -4,9 +4,9 @@
  * timer, armed for the earliest.
  *
  * Why not a `setTimeout` each: a lock cycle armed and cleared two of them,
- * and on a process busy with socket I/O that cost about 15 µs of client CPU
- * per timer, measured (a fifth of palisade's own share of a Redis cycle),
- * where a push onto a heap costs well under one. Most deadlines are
+ * and on a process busy with socket I/O a lease's timer cost about 15 µs of
+ * client CPU per cycle, measured (bench/results/latest.md, section 2's
+ * findings), where a push onto a heap costs well under one. Most deadlines are
  * cancelled long before they fall (a lease released within its TTL), so a
  * cancel only marks its entry; the dead entries are swept out of the heap
  * when they outnumber the live ones.
@@ -47,8 +47,7 @@ let armedAt = Number.POSITIVE_INFINITY;
  * otherwise not, as an unref'd one (a lease's expiry). `fire` runs in the
  * async context of this call; if it throws, the error is uncaught (as from
  * a timer of its own), each error apart, once the other deadlines due with
- * it have fired. A deadline at
- * +Infinity never fires.
+ * it have fired. A deadline at +Infinity never fires; NaN is refused.
  */
 export function atDeadline(at: number, fire: () => void, keepAlive = false): Deadline {
   if (Number.isNaN(at)) throw new TypeError('a deadline must be a time, not NaN');
