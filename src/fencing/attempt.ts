@@ -23,7 +23,7 @@ export function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T
         cut = true;
         reject(new AttemptCutShort());
       },
-      true,
+      true, // keepAlive: the cut-off must come even when nothing else keeps the process running
     );
     work.then(
       (value) => {

@@ -28,7 +28,7 @@ export interface Deadline {
   /** Whether it keeps the process alive until it fires or is cancelled. */
   readonly keepAlive: boolean;
   /** The async context it was scheduled in, which it fires in. */
-  readonly context: AsyncResource | undefined;
+  readonly context: AsyncResource;
 }
 
 const heap: Deadline[] = [];
@@ -47,11 +47,11 @@ let armedAt = Number.POSITIVE_INFINITY;
  * otherwise not, as an unref'd one (a lease's expiry). `fire` runs in the
  * async context of this call; if it throws, the error is uncaught (as from
  * a timer of its own), each error apart, once the other deadlines due with
- * it have fired. A deadline at +Infinity never fires; NaN is refused.
+ * it have fired. A deadline at +Infinity never fires (the timer is never
+ * armed for it); NaN is refused.
  */
 export function atDeadline(at: number, fire: () => void, keepAlive = false): Deadline {
   if (Number.isNaN(at)) throw new TypeError('a deadline must be a time, not NaN');
-  if (at === Number.POSITIVE_INFINITY) return { at, seq: -1, fire: undefined, keepAlive: false, context: undefined };
   // An AsyncResource, not AsyncResource.bind (which also defines properties on a new function).
   const context = new AsyncResource('palisade.deadline');
   const deadline: Deadline = { at, seq: scheduled++, fire, keepAlive, context };
@@ -76,12 +76,14 @@ function settle(deadline: Deadline): void {
 }
 
 /**
- * @internal For tests of leaks: deadlines scheduled so far (`scheduled`),
- * those neither fired nor cancelled (`live`), and the entries the heap holds
- * (`held`: live ones and cancelled ones not yet swept).
+ * @internal For tests of leaks: deadlines scheduled so far (`scheduled`);
+ * of those scheduled since the first `since` of them, the ones neither fired
+ * nor cancelled (`live`); and the entries the heap holds (`held`: live ones
+ * and cancelled ones not yet swept).
  */
-export function deadlineCounts(): { scheduled: number; live: number; held: number } {
-  return { scheduled, live: heap.length - cancelled, held: heap.length };
+export function deadlineCounts(since = 0): { scheduled: number; live: number; held: number } {
+  const live = heap.reduce((n, d) => (d.fire !== undefined && d.seq >= since ? n + 1 : n), 0);
+  return { scheduled, live, held: heap.length };
 }
 
 function arm(at: number): void {
@@ -105,7 +107,7 @@ function expire(): void {
     }
     settle(due);
     try {
-      (due.context as AsyncResource).runInAsyncScope(fire);
+      due.context.runInAsyncScope(fire);
     } catch (error) {
       // Uncaught, as from a timer of its own, but after this loop: the others due now still fire now.
       queueMicrotask(() => {

@@ -3,18 +3,17 @@
  * (test/workers/lock-worker.ts) in their own processes, message waits that
  * only look past a given point, bounded polling, and timer accounting.
  */
-import { createHook } from 'node:async_hooks';
 import { sql } from 'drizzle-orm';
 import { expect } from 'vitest';
 import { execute } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
 import type { LockBackend } from '../../src/fencing/backend.js';
-import { deadlineCounts } from '../../src/fencing/deadlines.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from './databases.js';
 import type { BackendKind } from './managers.js';
 import { type Message, startWorker, type Worker } from './processes.js';
 import { sleep } from './sleep.js';
+import { trackTimers } from './timers.js';
 
 export interface WorkerOptions {
   readonly lock: string;
@@ -84,45 +83,17 @@ export function aborted(signal: AbortSignal, timeoutMs = 30_000): Promise<unknow
 
 /**
  * Records every timer created while `fn` runs by code under `src/fencing/`
- * (unref'd ones included, which `process.getActiveResourcesInfo()` does not
- * list) and every local deadline it scheduled (src/fencing/deadlines.ts),
- * and returns those still pending when `fn` has finished. The one timer the
- * deadlines share is not counted: it outlives the leases by design and
- * stops by itself once the earliest cancelled deadline falls.
+ * and every local deadline it scheduled (./timers.ts), and returns those
+ * still pending when `fn` has finished.
  */
 export async function pendingFencingTimers(fn: () => Promise<void>): Promise<{ created: number; pending: string[] }> {
-  const live = new Map<number, string>();
-  let created = 0;
-  const limit = Error.stackTraceLimit;
-  const hook = createHook({
-    init(id, type) {
-      if (type !== 'Timeout') return;
-      Error.stackTraceLimit = 40;
-      const stack = new Error().stack ?? '';
-      Error.stackTraceLimit = limit;
-      if (!stack.includes('/src/fencing/') || stack.includes('/src/fencing/deadlines.')) return;
-      created++;
-      live.set(id, stack.split('\n').find((line) => line.includes('/src/fencing/')) ?? '');
-    },
-    destroy(id) {
-      live.delete(id);
-    },
-  });
-  const before = deadlineCounts();
-  hook.enable();
+  const timers = trackTimers('/src/fencing/');
   try {
     await fn();
-    // destroy hooks of cleared timers run asynchronously.
-    await new Promise((r) => setImmediate(r));
-    await new Promise((r) => setImmediate(r));
+    return { created: timers.created(), pending: await timers.pending() };
   } finally {
-    hook.disable();
+    timers.stop();
   }
-  const after = deadlineCounts();
-  const deadlinesLeft = after.live - before.live;
-  const pending = [...live.values()];
-  if (deadlinesLeft > 0) pending.push(`${deadlinesLeft} local deadline(s) neither fired nor cancelled`);
-  return { created: created + after.scheduled - before.scheduled, pending };
 }
 
 /** Every call must refuse with InvalidArgumentError, whether it throws or rejects. */

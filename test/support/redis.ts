@@ -3,7 +3,6 @@
  * namespace, a client and managers of the test's own, all cleaned up when
  * the test ends) and the worker configuration for child processes.
  */
-import { createHook } from 'node:async_hooks';
 import { PgDialect } from 'drizzle-orm/pg-core';
 import { Redis } from 'ioredis';
 import { onTestFinished } from 'vitest';
@@ -15,7 +14,6 @@ import {
   redisLockBackend,
 } from '../../src/fencing/backends/redis/backend.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
-import { deadlineCounts } from '../../src/fencing/deadlines.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from './databases.js';
 import { scenarioDatabase, uniqueNamespace } from './scenario.js';
@@ -122,40 +120,6 @@ export function hashTag(key: string): string {
   const close = key.indexOf('}', open + 1);
   if (close === -1 || close === open + 1) return key;
   return key.slice(open + 1, close);
-}
-
-/**
- * Follows every timer created from now on, ref'd or not (the lease's timers
- * are unref'd, so `process.getActiveResourcesInfo()` does not list them),
- * and the local deadlines of leases (src/fencing/deadlines.ts): `live()`
- * counts the timers neither fired nor cleared yet plus the deadlines
- * scheduled since and neither fired nor cancelled. The one timer those
- * deadlines share is not counted: it outlives the leases by design.
- */
-export function trackTimers(): { live(): Promise<number>; stop(): void } {
-  const live = new Set<number>();
-  const baseline = deadlineCounts().live;
-  const limit = Error.stackTraceLimit;
-  const hook = createHook({
-    init(asyncId, type) {
-      if (type !== 'Timeout') return;
-      Error.stackTraceLimit = 40;
-      const stack = new Error().stack ?? '';
-      Error.stackTraceLimit = limit;
-      if (!stack.includes('/src/fencing/deadlines.')) live.add(asyncId);
-    },
-    destroy(asyncId) {
-      live.delete(asyncId);
-    },
-  }).enable();
-  return {
-    async live() {
-      // Destroy hooks run asynchronously after a timer is cleared.
-      for (let i = 0; i < 3; i++) await new Promise((r) => setImmediate(r));
-      return live.size + Math.max(0, deadlineCounts().live - baseline);
-    },
-    stop: () => hook.disable(),
-  };
 }
 
 /**
