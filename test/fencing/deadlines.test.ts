@@ -91,6 +91,14 @@ describe('local deadlines (one shared timer for leases and waiting attempts)', (
     expect(seen).toEqual(['B sees B', 'A sees A']);
   });
 
+  it("a waiting acquire's cut-off comes even when nothing else keeps the process alive (a child process on a backend that never answers)", () => {
+    const out = execFileSync(process.execPath, ['--import', 'tsx', 'test/fixtures/acquire-never-answered.ts'], {
+      encoding: 'utf8',
+      timeout: 30_000,
+    });
+    expect(JSON.parse(out.trim())).toEqual({ outcome: 'rejected', code: 'lock_service' });
+  });
+
   it('a callback that throws does not hold back the deadlines due with it; each error is uncaught on its own, after them', () => {
     const out = execFileSync(process.execPath, ['--import', 'tsx', 'test/fixtures/deadline-throws.ts'], {
       encoding: 'utf8',

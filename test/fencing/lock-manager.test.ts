@@ -4,6 +4,7 @@
  * `waitMs` ends. Run on the Postgres lease backend over embedded PGlite, so
  * it needs no server.
  */
+import { AsyncLocalStorage } from 'node:async_hooks';
 import { PGlite } from '@electric-sql/pglite';
 import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -41,6 +42,24 @@ describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
     manager = postgresLockManager({ client: db, namespace: uniqueNamespace('lm'), listen: false });
     return manager;
   }
+
+  it("a lease's TTL running out is seen in the async context of the request that took it", async () => {
+    const locks = fresh();
+    const request = new AsyncLocalStorage<string>();
+    const seen: string[] = [];
+    locks.events.on('lost', (event) => seen.push(`lost ${event.name} in ${request.getStore()}`));
+    const take = (id: string, ttlMs: number) =>
+      request.run(id, async () => {
+        const lease = await locks.acquire(`ctx-${id}`, { ttlMs });
+        lease.signal.addEventListener('abort', () => seen.push(`abort ctx-${id} in ${request.getStore()}`));
+        return lease;
+      });
+    // B's deadline is the earlier one: the local deadlines' shared timer is armed anew inside B's request.
+    const a = await take('A', 400);
+    const b = await take('B', 150);
+    await Promise.all([aborted(a.signal), aborted(b.signal)]);
+    expect(seen.sort()).toEqual(['abort ctx-A in A', 'abort ctx-B in B', 'lost ctx-A in A', 'lost ctx-B in B']);
+  });
 
   it('reports acquired, extended, released and lost, with the lease they are about', async () => {
     const locks = fresh();
