@@ -130,7 +130,7 @@ async function main(): Promise<void> {
       console.log(`  (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
     }
     report.note(
-      `Before each section the database settled (no autovacuum worker on it, at most 60 s; then VACUUM (ANALYZE) and CHECKPOINT), so no section measures what the one before left behind. Time it took, per section: ${settled.join(', ')}.`,
+      `Before each section the database settled (no autovacuum worker on it, at most 60 s; then VACUUM (ANALYZE) and CHECKPOINT), so no section starts beside an autovacuum or a checkpoint the one before set off. Time it took, per section: ${settled.join(', ')}.`,
     );
     const meta = await runMeta(ctx, started, new Date(), only);
     const out = RESULTS;

@@ -132,7 +132,11 @@ const ROOT = fileURLToPath(new URL('..', import.meta.url));
 const WORKER = join(ROOT, 'scripts', 'chaos-worker.ts');
 const LOCK = 'chaos:counter';
 const KEY = 'c';
-/** The fewest pauses of a worker holding the lock a run makes (outside the replication nemesis). */
+/**
+ * Pauses of a worker holding the lock a run aims for (outside the replication nemesis): behind that
+ * pace (one per quarter of the run), its next fault is a pause. Not a guarantee — a pause finds no
+ * holder when none holds within 2 TTLs — which is why a run also fails when no fault bit.
+ */
 const MIN_HOLDER_PAUSES = 3;
 
 interface Handle {
@@ -369,8 +373,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       await sleepUntil(between(200, 800));
       if (Date.now() >= deadline) break;
       let kind = kinds[Math.floor(random() * kinds.length)] as string;
-      // At least MIN_HOLDER_PAUSES pauses of a holder, spread over the run: on a loaded machine, a
-      // random draw of a few pauses that all found no holder made a run where no fault could bite.
+      // MIN_HOLDER_PAUSES pauses of a holder, spread over the run: on a loaded machine, a random draw
+      // of a few pauses that all found no holder made a run where no fault could bite.
       const pauseDue = ((holderPauses + 1) / (MIN_HOLDER_PAUSES + 1)) * o.seconds * 1000;
       if (!topology && holderPauses < MIN_HOLDER_PAUSES && Date.now() - started > pauseDue) kind = 'pause';
       // The run's minimum of failbacks, spread over its length.

@@ -155,10 +155,12 @@ function assertLoopback(url: string, what: string): void {
 
 /**
  * Lets the database settle before the next section, so a section does not
- * measure the aftermath of the one before (section 7 leaves a purge's dead
- * rows and a churned lease table behind; on 2 cores, an autovacuum worker or
- * a checkpoint taking a core moved section 9's 16-client ratios by 10–20%).
- * Waits (at most `maxWaitMs`) until no autovacuum worker runs on the bench
+ * start beside an autovacuum worker or a checkpoint that the one before set
+ * off (section 7 leaves a purge's dead rows and a churned lease table
+ * behind; on 2 cores either would take a core). Section 9's 16-client ratios
+ * fell 10–20% after section 7, which is why this was added; the run of
+ * 2026-12-03 found nothing running at any section's start, so that drop has
+ * another cause (bench/lib/findings.ts, section 9). Waits (at most `maxWaitMs`) until no autovacuum worker runs on the bench
  * database, then vacuums it and checkpoints. Returns how long it took, in
  * seconds, and whether the wait hit its bound.
  */
