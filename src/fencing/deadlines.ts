@@ -78,12 +78,13 @@ function settle(deadline: Deadline): void {
 /**
  * @internal For tests of leaks: deadlines scheduled so far (`scheduled`);
  * of those scheduled since the first `since` of them, the ones neither fired
- * nor cancelled (`live`); and the entries the heap holds (`held`: live ones
- * and cancelled ones not yet swept).
+ * nor cancelled (`live`); the entries the heap holds (`held`: live ones and
+ * cancelled ones not yet swept); and how many live ones keep the process
+ * alive (`keepingAlive`).
  */
-export function deadlineCounts(since = 0): { scheduled: number; live: number; held: number } {
+export function deadlineCounts(since = 0): { scheduled: number; live: number; held: number; keepingAlive: number } {
   const live = heap.reduce((n, d) => (d.fire !== undefined && d.seq >= since ? n + 1 : n), 0);
-  return { scheduled, live, held: heap.length };
+  return { scheduled, live, held: heap.length, keepingAlive };
 }
 
 function arm(at: number): void {

@@ -49,6 +49,71 @@ describe('local deadlines (one shared timer for leases and waiting attempts)', (
     );
   });
 
+  it('keeps its promises when callbacks schedule and cancel deadlines themselves, keep-alive ones among them, and lets go of the process after', async () => {
+    const step = fc.record({
+      inMs: fc.integer({ min: 0, max: 30 }),
+      keepAlive: fc.boolean(),
+      cancel: fc.boolean(),
+      // From inside its callback: a deadline of its own, and a cancel of another one.
+      child: fc.option(fc.record({ inMs: fc.integer({ min: 0, max: 10 }), keepAlive: fc.boolean() })),
+      cancels: fc.option(fc.nat()),
+    });
+    await fc.assert(
+      fc.asyncProperty(fc.array(step, { minLength: 1, maxLength: 60 }), async (plan) => {
+        interface Entry {
+          readonly order: number;
+          readonly at: number;
+          deadline?: Deadline;
+          cancelled: boolean;
+          fired: number;
+          early: boolean;
+        }
+        const entries: Entry[] = [];
+        const firedOrder: Entry[] = [];
+        const schedule = (at: number, keepAlive: boolean, then: () => void): Entry => {
+          const entry: Entry = { order: entries.length, at, cancelled: false, fired: 0, early: false };
+          entries.push(entry);
+          entry.deadline = atDeadline(
+            at,
+            () => {
+              entry.fired++;
+              entry.early ||= performance.now() < at;
+              firedOrder.push(entry);
+              then();
+            },
+            keepAlive,
+          );
+          return entry;
+        };
+        const cancel = (entry: Entry | undefined) => {
+          if (!entry) return;
+          if (entry.fired === 0) entry.cancelled = true;
+          cancelDeadline(entry.deadline);
+        };
+        const start = performance.now();
+        const top = plan.map((p) =>
+          schedule(start + p.inMs, p.keepAlive, () => {
+            if (p.child) schedule(performance.now() + p.child.inMs, p.child.keepAlive, () => {});
+            if (p.cancels !== null) cancel(top[p.cancels % top.length]);
+          }),
+        );
+        plan.forEach((p, i) => {
+          if (p.cancel) cancel(top[i]);
+        });
+        await drained();
+        expect(deadlineCounts().live).toBe(0);
+        for (const e of entries) expect(e.fired).toBe(e.cancelled ? 0 : 1);
+        expect(entries.filter((e) => e.early)).toEqual([]);
+        // Earliest first; at the same time, in the order they were scheduled.
+        const sorted = [...firedOrder].sort((a, b) => a.at - b.at || a.order - b.order);
+        expect(firedOrder.map((e) => e.order)).toEqual(sorted.map((e) => e.order));
+        // No keep-alive deadline is left holding the process.
+        expect(deadlineCounts().keepingAlive).toBe(0);
+      }),
+      propertyParams({ numRuns: 25 }),
+    );
+  });
+
   it('a deadline earlier than every one pending fires first (the shared timer is re-armed for it)', async () => {
     const order: string[] = [];
     const late = atDeadline(performance.now() + 5_000, () => order.push('late'));
