@@ -22,9 +22,14 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // The floor rises to the highest fence among the tombstones that go, in the same transaction, so
   // no moment exists in which a lower fence could recreate a row. The delete re-checks `ctid` on the
   // row it waited for: a tombstone resurrected meanwhile has a new version (a new ctid) and stays.
-  return sql`with gone as (delete from ${t} where ctid = any(array(
-      select ctid from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}
-    )) returning ${t.lastFence} as fence),
+  // A ctid names a row only within one partition (or inheritance child): each is matched with its
+  // `tableoid`, while `ctid = any(…)` keeps the delete a TID scan.
+  return sql`with picked as materialized (
+      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}
+    ),
+    gone as (delete from ${t} where ctid = any(array(select palisade_row from picked))
+      and (tableoid, ctid) in (select palisade_table, palisade_row from picked)
+      returning ${t.lastFence} as fence),
     raised as (insert into palisade.tombstone_floors (table_name, floor)
       select ${info.label}, max(fence) from gone having count(*) > 0
       on conflict (table_name) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))

@@ -11,12 +11,20 @@ type Entries = readonly (readonly [string, unknown])[];
 
 const tableShapes = new WeakMap<TableInfo, string>();
 
-/** The table's name with every column's key, database name and type (two table objects of one name may differ in them); worked out once per table. */
+/**
+ * Everything of a table definition that a statement's text depends on:
+ * schema and name (apart: `"s.acc"` and `s.acc` share a label), the
+ * primary key in its order, and every column's key, database name, type and
+ * whether it is generated. Two table objects of one table may differ in any
+ * of them; worked out once per table object.
+ */
 export function tableShape(info: TableInfo): string {
   let shape = tableShapes.get(info);
   if (shape === undefined) {
-    const columns = Object.entries(info.columns).map(([key, c]) => `${key}=${c.name}:${c.getSQLType()}`);
-    shape = `${info.label}|${columns.join(',')}`;
+    const columns = Object.entries(info.columns).map(
+      ([key, c]) => `${key}=${c.name}:${c.getSQLType()}${c.generated || c.generatedIdentity ? ':generated' : ''}`,
+    );
+    shape = `${JSON.stringify([info.schema ?? null, info.name])}|key=${info.keyNames.join(',')}|${columns.join(',')}`;
     tableShapes.set(info, shape);
   }
   return shape;

@@ -295,9 +295,16 @@ export function deleteStatements(
  * tombstone floor (`palisade.tombstone_floors`, raised by purges): the insert
  * is not even attempted when the row is absent from the snapshot and the
  * floor refuses the fence. A purge that commits while the statement runs is
- * invisible to the snapshot, so a row the statement newly inserted (`xmax =
- * 0`) is checked again against the floor with a fresh snapshot
+ * invisible to the snapshot, so a row the statement newly inserted is
+ * checked again against the floor with a fresh snapshot
  * (`palisade.check_tombstone_floor`, SQLSTATE 40001 when it refuses).
+ *
+ * "Newly inserted" is told by the statement itself, not by `xmax = 0`
+ * (Postgres refuses system columns in the RETURNING of a partitioned
+ * table): the insert's SELECT sets the transaction-local setting
+ * `palisade.upsert` to `insert` before the row is tried, the conflict
+ * branch's WHERE sets it to `update` when it writes, and RETURNING, which
+ * runs right after that row was written, reads it.
  */
 export function upsertStatement(
   info: TableInfo,
@@ -331,11 +338,13 @@ export function upsertStatement(
 floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.table_name = ${table}), 0) as fence),
 w as (insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bare(t.deletedAt)], sql`, `)})
   select ${sql.join([...inserted, fenceParam(info), sql`null`], sql`, `)}
-  where exists (select 1 from prev) or (select fence from floor) ${cmp(same)} ${fenceParam(info)}
+  where set_config('palisade.upsert', 'insert', true) is not null
+    and (exists (select 1 from prev) or (select fence from floor) ${cmp(same)} ${fenceParam(info)})
   on conflict (${sql.join(keyColumns, sql`, `)}) do update set ${sql.join(updates, sql`, `)}
-  where ${t.lastFence} ${cmp(same)} excluded.${bare(t.lastFence)}
+  where ${t.lastFence} ${cmp(same)} excluded.${bare(t.lastFence)} and set_config('palisade.upsert', 'update', true) is not null
   returning *, true as ${sql.identifier(APPLIED)},
-    case when xmax = 0 then palisade.check_tombstone_floor(${table}, ${fenceParam(info)}, ${allowEqual}) end as palisade_floor_checked)
+    case when current_setting('palisade.upsert', true) = 'insert'
+      then palisade.check_tombstone_floor(${table}, ${fenceParam(info)}, ${allowEqual}) end as palisade_floor_checked)
 select w.*, (select fence from prev) as ${sql.identifier(PREV_FENCE)}, (select deleted from prev) as ${sql.identifier(PREV_DELETED)},
   (select fence from floor) as ${sql.identifier(FLOOR)}
 from (select 1) as palisade_one left join w on true`;

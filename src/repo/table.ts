@@ -39,8 +39,12 @@ export function isSql(value: unknown): value is SQL {
 /** The table facts a repository uses on every call. */
 export interface TableInfo {
   readonly table: FencedTable;
-  /** `schema.name` or `name`, for messages and statement cache keys. */
+  /** `schema.name` or `name`, for messages (and the tombstone floor's row). */
   readonly label: string;
+  /** The table's schema, `undefined` for the search path's. */
+  readonly schema: string | undefined;
+  /** The table's name in its schema. */
+  readonly name: string;
   /** TypeScript key → column, every column. */
   readonly columns: Readonly<Record<string, PgColumn>>;
   /** TypeScript keys of the primary key, in declaration order. */
@@ -75,7 +79,16 @@ export function describeTable(table: FencedTable): TableInfo {
     if (!name) throw new InvalidArgumentError(`table ${label}: primary-key column ${c.name} not found`);
     return name;
   });
-  return { table, label, columns, keyNames, columnKeys: Object.keys(columns), columnList: Object.values(columns) };
+  return {
+    table,
+    label,
+    schema: config.schema,
+    name: config.name,
+    columns,
+    keyNames,
+    columnKeys: Object.keys(columns),
+    columnList: Object.values(columns),
+  };
 }
 
 /** A primary key as checked entries (TypeScript column key, value), in key order. */

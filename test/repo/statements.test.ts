@@ -62,7 +62,7 @@ describe('update statements', () => {
     expect(statements.write.values).toEqual({ fence: 7n, k0: 'a', v0: 5 });
     expect(statements.refusal.values).toBe(statements.write.values);
     expect(statements.write.key).toMatch(
-      /^accounts\|id=id:text,owner=owner:text,balance=balance:integer,.*\|update\|reject\|balance,\|row$/,
+      /^\[null,"accounts"\]\|key=id\|id=id:text,owner=owner:text,balance=balance:integer,.*\|update\|reject\|balance,\|row$/,
     );
     expect(statements.refusal.key).toMatch(/\|update\|reject\|balance,\|refusal$/);
   });
@@ -123,12 +123,14 @@ describe('upsert statement', () => {
   it('inserts with the fence, and on conflict updates only below excluded.last_fence', () => {
     expect(text).toContain(
       'insert into "accounts" ("id", "balance", "last_fence", "deleted_at") select :v0, :v1, :fence, null ' +
-        'where exists (select 1 from prev) or (select fence from floor) < :fence ' +
+        "where set_config('palisade.upsert', 'insert', true) is not null " +
+        'and (exists (select 1 from prev) or (select fence from floor) < :fence) ' +
         'on conflict ("id") do update set "balance" = excluded."balance", ',
     );
     expect(text).toContain(
       '"last_fence" = excluded."last_fence", "deleted_at" = null ' +
-        'where "accounts"."last_fence" < excluded."last_fence" returning *, true as "palisade_applied", ',
+        'where "accounts"."last_fence" < excluded."last_fence" ' +
+        "and set_config('palisade.upsert', 'update', true) is not null returning *, true as \"palisade_applied\", ",
     );
   });
 
@@ -137,7 +139,8 @@ describe('upsert statement', () => {
       'floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.table_name = :floorTable), 0) as fence)',
     );
     expect(text).toContain(
-      'case when xmax = 0 then palisade.check_tombstone_floor(:floorTable, :fence, false) end as palisade_floor_checked',
+      "case when current_setting('palisade.upsert', true) = 'insert' " +
+        'then palisade.check_tombstone_floor(:floorTable, :fence, false) end as palisade_floor_checked',
     );
     expect(text).toMatch(
       /\(select fence from floor\) as "palisade_floor" from \(select 1\) as palisade_one left join w on true$/,

@@ -1,0 +1,155 @@
+/**
+ * Tables whose rows or definitions are easy to confuse: a partitioned table
+ * (a row's ctid repeats across partitions; Postgres refuses system columns
+ * in its RETURNING), two definitions of one table whose primary keys list
+ * the columns in different orders, and a table named `s.acc` beside the
+ * table `acc` of schema `s`. Each write and purge must touch exactly the
+ * rows it names. On every driver (PGlite always, the real Postgres when
+ * DATABASE_URL is set).
+ */
+import { sql } from 'drizzle-orm';
+import { integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { Database } from '../../src/driver.js';
+import { toFence } from '../../src/fencing/fence.js';
+import { migrate } from '../../src/migrate.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { drivers, type TestDatabase } from '../support/databases.js';
+import { uniqueName } from './fixtures.js';
+
+const f = toFence;
+
+async function rows(db: Database, query: ReturnType<typeof sql>): Promise<Record<string, unknown>[]> {
+  const result = (await db.execute(query)) as unknown as { rows?: Record<string, unknown>[] };
+  return (result.rows ?? result) as Record<string, unknown>[];
+}
+
+describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
+  let test: TestDatabase;
+  let db: Database;
+
+  beforeAll(async () => {
+    test = await open();
+    db = test.db;
+    await migrate(db);
+  });
+  afterAll(() => test?.close());
+
+  const regions = (name: string) =>
+    pgTable(
+      name,
+      {
+        region: text('region').notNull(),
+        id: text('id').notNull(),
+        balance: integer('balance').notNull(),
+        ...fenceColumns(),
+      },
+      (t) => [primaryKey({ columns: [t.region, t.id] })],
+    );
+
+  async function createPartitioned(name: string) {
+    await db.execute(
+      sql.raw(`create table ${name} (region text not null, id text not null, balance int not null,
+        last_fence bigint not null default 0, deleted_at timestamptz, primary key (region, id)) partition by list (region)`),
+    );
+    await db.execute(sql.raw(`create table ${name}_eu partition of ${name} for values in ('eu')`));
+    await db.execute(sql.raw(`create table ${name}_us partition of ${name} for values in ('us')`));
+  }
+
+  it('upsert on a partitioned table creates, updates, refuses a stale fence and resurrects a tombstone', async () => {
+    const name = uniqueName('parted');
+    await createPartitioned(name);
+    const repo = fencedRepository(db, regions(name));
+    expect((await repo.upsert({ region: 'eu', id: 'alice', balance: 1 }, f(10))).status).toBe('applied');
+    expect((await repo.upsert({ region: 'eu', id: 'alice', balance: 2 }, f(11))).status).toBe('applied');
+    expect((await repo.upsert({ region: 'eu', id: 'alice', balance: 3 }, f(9))).status).toBe('stale');
+    expect((await repo.delete({ region: 'eu', id: 'alice' }, f(12))).status).toBe('applied');
+    expect((await repo.upsert({ region: 'eu', id: 'alice', balance: 4 }, f(12))).status).toBe('duplicate');
+    const back = await repo.upsert({ region: 'eu', id: 'alice', balance: 5 }, f(13));
+    expect(back).toMatchObject({ status: 'applied', row: { balance: 5, lastFence: 13n, deletedAt: null } });
+  });
+
+  it('a purge on a partitioned table removes the tombstones only, though live rows of another partition share their ctids', async () => {
+    const name = uniqueName('parted');
+    await createPartitioned(name);
+    const repo = fencedRepository(db, regions(name));
+    await db.execute(
+      sql.raw(`insert into ${name} (region, id, balance, last_fence)
+        select 'eu', 'a' || i, i, 10 from generate_series(1, 4) i
+        union all select 'us', 'a' || i, i, 10 from generate_series(1, 12) i`),
+    );
+    expect((await repo.delete({ region: 'eu', id: 'a2' }, f(20))).status).toBe('applied');
+    expect((await repo.delete({ region: 'eu', id: 'a3' }, f(21))).status).toBe('applied');
+    // Each tombstone is a new row version in eu whose ctid a live row of us also has.
+    const shared = await rows(
+      db,
+      sql.raw(`select count(*)::int as n from ${name}_eu e join ${name}_us u on e.ctid = u.ctid
+        where e.deleted_at is not null and u.deleted_at is null`),
+    );
+    expect(shared[0]?.n).toBe(2);
+
+    expect(await repo.purgeTombstones(new Date(Date.now() + 60_000))).toBe(2);
+    const left = await rows(db, sql.raw(`select region, id from ${name} order by region, id`));
+    expect(left.map((r) => `${r.region}/${r.id}`)).toEqual([
+      'eu/a1',
+      'eu/a4',
+      ...Array.from({ length: 12 }, (_, i) => `us/a${i + 1}`).sort(),
+    ]);
+    // The floor is the highest fence purged: recreating a purged key needs a fence above it.
+    expect((await repo.upsert({ region: 'eu', id: 'a3', balance: 0 }, f(21))).status).toBe('stale');
+    expect((await repo.update({ region: 'us', id: 'a3' }, f(22), { balance: 30 })).status).toBe('applied');
+  });
+
+  it('two definitions of one table, primary key listed in different orders: each writes the key it names', async () => {
+    const name = uniqueName('pk');
+    await db.execute(
+      sql.raw(`create table ${name} (tenant text not null, id text not null, v int not null,
+        last_fence bigint not null default 0, deleted_at timestamptz, primary key (tenant, id))`),
+    );
+    await db.execute(sql.raw(`insert into ${name} (tenant, id, v) values ('acme', 'bob', 0), ('bob', 'acme', 0)`));
+    const columns = () => ({
+      tenant: text('tenant').notNull(),
+      id: text('id').notNull(),
+      v: integer('v').notNull(),
+      ...fenceColumns(),
+    });
+    const byTenant = fencedRepository(
+      db,
+      pgTable(name, columns(), (t) => [primaryKey({ columns: [t.tenant, t.id] })]),
+    );
+    const byId = fencedRepository(
+      db,
+      pgTable(name, columns(), (t) => [primaryKey({ columns: [t.id, t.tenant] })]),
+    );
+    expect((await byTenant.update({ tenant: 'acme', id: 'bob' }, f(1), { v: 1 })).status).toBe('applied');
+    const second = await byId.update({ tenant: 'acme', id: 'bob' }, f(2), { v: 2 });
+    expect(second).toMatchObject({ status: 'applied', row: { tenant: 'acme', id: 'bob', v: 2 } });
+    expect((await byId.delete({ tenant: 'acme', id: 'bob' }, f(3))).status).toBe('applied');
+    const all = await rows(db, sql.raw(`select tenant, id, v, last_fence::text as fence from ${name} order by tenant`));
+    expect(all).toEqual([
+      { tenant: 'acme', id: 'bob', v: 2, fence: '3' },
+      { tenant: 'bob', id: 'acme', v: 0, fence: '0' },
+    ]);
+  });
+
+  it('a table named "s.acc" and the table acc of schema s: each write lands in the table it names', async () => {
+    const schema = uniqueName('s');
+    const dotted = `${schema}.acc`;
+    await db.execute(sql.raw(`create schema ${schema}`));
+    const ddl = `(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)`;
+    await db.execute(sql.raw(`create table "${dotted}" ${ddl}`));
+    await db.execute(sql.raw(`create table ${schema}.acc ${ddl}`));
+    await db.execute(sql.raw(`insert into "${dotted}" (id, v) values ('k', 0)`));
+    await db.execute(sql.raw(`insert into ${schema}.acc (id, v) values ('k', 0)`));
+    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+    const inPublic = fencedRepository(db, pgTable(dotted, columns()));
+    const inSchema = fencedRepository(db, pgSchema(schema).table('acc', columns()));
+    expect((await inPublic.update({ id: 'k' }, f(5), { v: 1 })).status).toBe('applied');
+    expect((await inSchema.update({ id: 'k' }, f(6), { v: 2 })).status).toBe('applied');
+    const read = async (table: string) =>
+      (await rows(db, sql.raw(`select v, last_fence::text as fence from ${table}`)))[0];
+    expect(await read(`"${dotted}"`)).toEqual({ v: 1, fence: '5' });
+    expect(await read(`${schema}.acc`)).toEqual({ v: 2, fence: '6' });
+  });
+});
