@@ -164,6 +164,8 @@ const BAD_PATCHES: [string, unknown][] = [
   ['a database column name instead of the property', { n: 1, last_fence: 1 }],
   ['null', null],
   ['an array', [['n', 1]]],
+  ['a Map (no own keys: read as an object it would only move the fence)', new Map([['n', 1]])],
+  ['a Set', new Set(['n'])],
   ['a string', 'n = 1'],
   ['an SQL fragment', sql`n = 1`],
 ];

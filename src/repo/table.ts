@@ -125,7 +125,14 @@ export function keyEntries(info: TableInfo, key: unknown): [string, unknown][] {
  * `allowKey` (an upsert must name its key).
  */
 export function patchEntries(info: TableInfo, patch: unknown, allowKey: boolean): [string, unknown][] {
-  if (patch === null || typeof patch !== 'object' || Array.isArray(patch)) {
+  // A Map or Set has no own keys: read as an object it would be an empty patch that only moves the fence.
+  if (
+    patch === null ||
+    typeof patch !== 'object' ||
+    Array.isArray(patch) ||
+    patch instanceof Map ||
+    patch instanceof Set
+  ) {
     throw new InvalidArgumentError(`patch for ${info.label} must be an object of column values`);
   }
   // A plain object literal is never SQL; anything else is asked (drizzle's is() walks its prototypes).
