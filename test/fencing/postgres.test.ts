@@ -153,6 +153,41 @@ describe.runIf(needs('DATABASE_URL'))('postgres lease backend, real Postgres, se
   });
 
   // The manager's own bad-input refusals are the contract's (test/fencing/contract.test.ts); these are the factory's and the lease's.
+  it.each(['repeatable read', 'serializable'])(
+    'on a database whose default isolation is %s, waiters racing for a released lock all get it within their wait',
+    async (isolation) => {
+      const url = test.url as string;
+      const dbName = new URL(url).pathname.slice(1);
+      await test.db.execute(sql.raw(`alter database "${dbName}" set default_transaction_isolation = '${isolation}'`));
+      // Each manager on a client of its own, opened after the change: its connections run at that level.
+      const clients = Array.from({ length: 6 }, () => postgres(url, { max: 2, onnotice: () => {} }));
+      const [first] = clients as [postgres.Sql];
+      const managers = clients.map((c) =>
+        postgresLockManager({ client: drizzlePostgres(c) as unknown as Database, namespace }),
+      );
+      try {
+        const [level] = await first`show default_transaction_isolation`;
+        expect(level?.default_transaction_isolation).toBe(isolation);
+        const [owner] = managers as [LockManager];
+        const holder = await owner.acquire('contended', { ttlMs: 10_000 });
+        const waiters = managers.slice(1).map(async (m) => {
+          const lease = await m.acquire('contended', { ttlMs: 5_000, waitMs: 30_000 });
+          await new Promise((r) => setTimeout(r, 20));
+          await lease.release();
+          return lease.fence;
+        });
+        await new Promise((r) => setTimeout(r, 300));
+        await holder.release();
+        const fences = await Promise.all(waiters);
+        expect(new Set(fences).size).toBe(5);
+        for (const f of fences) expect(f).toBeGreaterThan(holder.fence);
+      } finally {
+        await Promise.all(managers.map((m) => m.close()));
+        await Promise.all(clients.map((c) => c.end({ timeout: 5 })));
+      }
+    },
+  );
+
   it('bad options and a bad extend TTL throw InvalidArgumentError before any query is sent', async () => {
     const queries: string[] = [];
     const client = postgres(test.url as string, { max: 2, onnotice: () => {} });

@@ -125,6 +125,25 @@ const inspectSql = (): SQL => sql`
 
 /** SQLSTATE 55P03 lock_not_available: `lock_timeout` ended a lock wait; the statement changed nothing. */
 const LOCK_NOT_AVAILABLE = '55P03';
+/**
+ * A database whose default isolation is REPEATABLE READ or SERIALIZABLE
+ * runs each statement in a transaction of that level: one racing another
+ * grant or release of the same row fails with 40001 (or 40P01) and changed
+ * nothing. Not an answer about the lock: the statement is sent again, a
+ * few times, each time with a new snapshot.
+ */
+const CONFLICT_STATES = new Set(['40001', '40P01']);
+const CONFLICT_RETRIES = 5;
+
+async function retryingConflicts<T>(run: () => Promise<T>): Promise<T> {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await run();
+    } catch (err) {
+      if (attempt >= CONFLICT_RETRIES || !CONFLICT_STATES.has(sqlStateOf(err) ?? '')) throw err;
+    }
+  }
+}
 
 /** A drizzle Postgres database (any driver), by class: `{}` or a bare client would fail only at the first grant. */
 function isDrizzlePostgres(value: unknown): value is Database {
@@ -189,7 +208,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     run: () => Promise<RawRow[]>,
   ): Promise<RawRow[]> => {
     try {
-      return await run();
+      return await retryingConflicts(run);
     } catch (err) {
       if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) throw new LockTimeoutError(name, operation, LOCK_NOT_AVAILABLE);
       throw err;
@@ -205,17 +224,14 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
       let rows: RawRow[];
       try {
-        rows = await prepared(db, 'palisade.leases.grant', grantSql).rows({
-          ns,
-          name,
-          token,
-          holder,
-          ttl: ttlMs,
-          wait,
-        });
+        rows = await retryingConflicts(() =>
+          prepared(db, 'palisade.leases.grant', grantSql).rows({ ns, name, token, holder, ttl: ttlMs, wait }),
+        );
       } catch (err) {
-        // The row or the table stayed locked past this attempt's wait: not granted (the acquire retries or gives up).
-        if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) return null;
+        // The row or the table stayed locked past this attempt's wait, or grants kept racing under a
+        // stricter isolation: not granted (the acquire retries or gives up).
+        const state = sqlStateOf(err);
+        if (state === LOCK_NOT_AVAILABLE || CONFLICT_STATES.has(state ?? '')) return null;
         throw err;
       }
       const fence = int8(rows[0]?.fence);
