@@ -671,7 +671,7 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
     expectInvalid(err);
   });
 
-  it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll), and a bad lockTimeoutMs', async () => {
+  it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll), a bad lockTimeoutMs or commandTimeoutMs', async () => {
     const client = new PGlite();
     try {
       const db = drizzlePglite(client) as unknown as Database;
@@ -679,6 +679,15 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
         let err: unknown;
         try {
           postgresLockManager({ client: db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
+        } catch (e) {
+          err = e;
+        }
+        expectInvalid(err);
+      }
+      for (const commandTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', 600_001]) {
+        let err: unknown;
+        try {
+          postgresLockManager({ client: db, namespace: 'ns', commandTimeoutMs: commandTimeoutMs as never });
         } catch (e) {
           err = e;
         }

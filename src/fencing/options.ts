@@ -21,6 +21,21 @@ export const MIN_GRANT_LOCK_WAIT_MS = 50;
 /** Default bound (`lockTimeoutMs`) of a database lock wait inside extend, release and inspect on the Postgres backends. */
 export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
+/** Default `commandTimeoutMs` of the Postgres backends: what a call may take beyond its server-side lock wait. */
+export const DEFAULT_STATEMENT_TIMEOUT_MS = 10_000;
+
+/**
+ * @internal Checks a Postgres manager's `commandTimeoutMs` (1 … 600,000 ms).
+ * @throws {InvalidArgumentError}
+ */
+export function checkCommandTimeout(value: unknown): number {
+  const ms = value ?? DEFAULT_STATEMENT_TIMEOUT_MS;
+  if (!Number.isInteger(ms) || (ms as number) < 1 || (ms as number) > 600_000) {
+    throw new InvalidArgumentError('commandTimeoutMs must be an integer in 1 … 600,000');
+  }
+  return ms as number;
+}
+
 const PLAIN_ASCII = /^[\x20-\x7e]+$/;
 const NAMESPACE = /^[A-Za-z0-9_.-]{1,100}$/;
 

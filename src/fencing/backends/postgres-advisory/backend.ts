@@ -26,10 +26,12 @@ import {
 import { loadPeer } from '../../../optional.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { withinMs } from '../../call-deadline.js';
 import { checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { type Fence, toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import {
+  checkCommandTimeout,
   checkNamespace,
   DEFAULT_LOCK_TIMEOUT_MS,
   MAX_WAIT_MS,
@@ -90,6 +92,9 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
   if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_WAIT_MS) {
     throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_WAIT_MS}`);
   }
+  const commandTimeoutMs = checkCommandTimeout(options.commandTimeoutMs);
+  // Extend, release and inspect wait at most lockTimeoutMs for a database lock, then commandTimeoutMs more.
+  const callMs = lockTimeoutMs + commandTimeoutMs;
   const idle: Session[] = [];
   const sessions = new Set<Session>();
   const held = new Map<string, Held>();
@@ -176,62 +181,80 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     else void endSession(session);
   };
 
-  return {
+  async function grantOnce(
+    name: string,
+    token: string,
+    ttlMs: number,
+    holder: string | null,
+    wait: number,
+    abandoned: AbortSignal,
+  ): Promise<Grant | null> {
+    const mine = held.get(token);
+    if (mine) return mine.name === name ? mine.grant : null;
+    if (closed) throw new LockManagerClosedError('advisory lock manager');
+    await ensureReady();
+    if (abandoned.aborted) return null; // the call already failed: take no session for nobody
+    const key = advisoryKey(ns, name);
+    const params = [key.toString(), String(ttlMs), holderLabel(holder), String(wait), String(lockTimeoutMs), ns, name];
+    let reused = idle.length > 0;
+    let session = idle.pop() ?? openSession();
+    // The call failed on its deadline: end the session, which frees any lock the grant takes on it.
+    const onAbandoned = () => void endSession(session);
+    abandoned.addEventListener('abort', onAbandoned, { once: true });
+    let row: RawRow | undefined;
+    for (;;) {
+      try {
+        [row] = await run(session.client, GRANT, params);
+        break;
+      } catch (err) {
+        // An idle session whose connection had closed meanwhile: once more, on a fresh one.
+        const retry = reused && session.dead && !closed && !abandoned.aborted;
+        // The statement may have taken the lock before failing (advisory locks ignore rollback): end the session.
+        await endSession(session);
+        // lock_timeout while drawing the fence: not granted this time, and the ended session holds nothing.
+        if (sqlStateOf(err) === '55P03') return null;
+        if (!retry) throw err;
+        reused = false;
+        session = openSession();
+      }
+    }
+    abandoned.removeEventListener('abort', onAbandoned);
+    if (row?.got !== true || session.dead) {
+      if (session.dead) await endSession(session);
+      else recycle(session);
+      return null;
+    }
+    const lost = new AbortController();
+    session.lost = lost;
+    const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal, source };
+    held.set(token, { name, key, session, grant });
+    return grant;
+  }
+
+  const backend: LockBackend = {
     kind: 'advisory',
     namespace: ns,
 
-    async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
-      const mine = held.get(token);
-      if (mine) return mine.name === name ? mine.grant : null;
-      if (closed) throw new LockManagerClosedError('advisory lock manager');
-      await ensureReady();
-      const key = advisoryKey(ns, name);
+    grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
-      const params = [
-        key.toString(),
-        String(ttlMs),
-        holderLabel(holder),
-        String(wait),
-        String(lockTimeoutMs),
-        ns,
-        name,
-      ];
-      let reused = idle.length > 0;
-      let session = idle.pop() ?? openSession();
-      let row: RawRow | undefined;
-      for (;;) {
-        try {
-          [row] = await run(session.client, GRANT, params);
-          break;
-        } catch (err) {
-          // An idle session whose connection had closed meanwhile: once more, on a fresh one.
-          const retry = reused && session.dead && !closed;
-          // The statement may have taken the lock before failing (advisory locks ignore rollback): end the session.
-          await endSession(session);
-          // lock_timeout while drawing the fence: not granted this time, and the ended session holds nothing.
-          if (sqlStateOf(err) === '55P03') return null;
-          if (!retry) throw err;
-          reused = false;
-          session = openSession();
-        }
-      }
-      if (row?.got !== true || session.dead) {
-        if (session.dead) await endSession(session);
-        else recycle(session);
-        return null;
-      }
-      const lost = new AbortController();
-      session.lost = lost;
-      const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal, source };
-      held.set(token, { name, key, session, grant });
-      return grant;
+      return withinMs(
+        'Postgres advisory grant',
+        wait + commandTimeoutMs,
+        (abandoned) => grantOnce(name, token, ttlMs, holder, wait, abandoned),
+        // Granted after the call failed (its session was being ended): nobody holds this token.
+        (late) => {
+          if (late) void backend.release(name, token).catch(() => {});
+        },
+      );
     },
 
     async extend(name, token, ttlMs) {
       const mine = held.get(token);
       if (!mine || mine.name !== name || mine.session.dead) return false;
       const { classid, objid } = advisoryKeyParts(mine.key);
-      const [row] = await run(mine.session.client, EXTEND, [classid.toString(), objid.toString(), String(ttlMs)]);
+      const [row] = await withinMs('Postgres advisory extend', callMs, () =>
+        run(mine.session.client, EXTEND, [classid.toString(), objid.toString(), String(ttlMs)]),
+      );
       return row?.held === true;
     },
 
@@ -247,7 +270,9 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       }
       let row: RawRow | undefined;
       try {
-        [row] = await run(session.client, RELEASE, [mine.key.toString(), releasePayload(ns, name)]);
+        [row] = await withinMs('Postgres advisory release', callMs, () =>
+          run(session.client, RELEASE, [mine.key.toString(), releasePayload(ns, name)]),
+        );
       } catch {
         // Ending the session frees whatever it holds.
         await endSession(session);
@@ -262,7 +287,9 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       const { classid, objid } = advisoryKeyParts(advisoryKey(ns, name));
       // The label is set in the grant's own statement, a moment after the lock: look again briefly.
       for (let attempt = 0; attempt < 3; attempt++) {
-        const [row] = await run(sql, INSPECT, [classid.toString(), objid.toString()]);
+        const [row] = await withinMs('Postgres advisory inspect', callMs, () =>
+          run(sql, INSPECT, [classid.toString(), objid.toString()]),
+        );
         if (!row) return null;
         const label = LABEL.exec(String(row.label ?? ''));
         if (label) {
@@ -291,6 +318,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       await Promise.all([...sessions].map((session) => endSession(session)));
     },
   };
+  return backend;
 }
 
 /**

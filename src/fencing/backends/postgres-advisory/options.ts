@@ -22,6 +22,13 @@ export interface AdvisoryLockManagerOptions {
    */
   readonly lockTimeoutMs?: number;
   /**
+   * How long a call may take beyond its server-side lock wait before it
+   * fails with `CommandTimeoutError` (a connection that stops answering), in
+   * ms, 1 … 600,000; default 10,000. A grant that fails so ends its session,
+   * which frees whatever lock it took; a release that fails so ends it too.
+   */
+  readonly commandTimeoutMs?: number;
+  /**
    * The eager claim at acquire (README, "When each backend claims"): each
    * grant claims its lock's register in `db`, the fenced tables' database when
    * it is not `client`'s (on `client` itself every grant claims already),

@@ -39,10 +39,12 @@ import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
 import { prepared } from '../../../prepared.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
+import { withinMs } from '../../call-deadline.js';
 import { type ClaimRegistersOption, checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import {
+  checkCommandTimeout,
   checkNamespace,
   DEFAULT_LOCK_TIMEOUT_MS,
   MAX_WAIT_MS,
@@ -77,6 +79,13 @@ export interface PostgresLockManagerOptions {
    * `waitMs` instead.
    */
   readonly lockTimeoutMs?: number;
+  /**
+   * How long a call may take beyond its server-side lock wait before it
+   * fails with `CommandTimeoutError` (a connection that stops answering), in
+   * ms, 1 … 600,000; default 10,000. A grant or release already sent may
+   * still run; a grant that lands after its call failed is given back.
+   */
+  readonly commandTimeoutMs?: number;
   /**
    * The eager claim at acquire (README, "When each backend claims"): each
    * grant claims its lock's register in `db`, the fenced tables' database when
@@ -186,6 +195,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
   if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_WAIT_MS) {
     throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_WAIT_MS}`);
   }
+  const commandTimeoutMs = checkCommandTimeout(options.commandTimeoutMs);
   const client = options.listen === false ? undefined : (options.listen ?? listenClientOf(db));
   const listener = new ReleaseListener(client ? (onPayload) => listen(client, RELEASE_CHANNEL, onPayload) : undefined);
   let ready: Promise<string> | undefined;
@@ -201,41 +211,73 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     return ready;
   };
 
-  // A statement that hit lock_timeout changed nothing: say so with a typed error.
+  // A statement that hit lock_timeout changed nothing: say so with a typed error. The call as a
+  // whole ends at its lock wait plus commandTimeoutMs.
   const bounded = async (
     name: string,
     operation: 'extend' | 'release' | 'inspect',
     run: () => Promise<RawRow[]>,
   ): Promise<RawRow[]> => {
     try {
-      return await retryingConflicts(run);
+      return await withinMs(`Postgres lease ${operation}`, lockTimeoutMs + commandTimeoutMs, () =>
+        retryingConflicts(run),
+      );
     } catch (err) {
       if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) throw new LockTimeoutError(name, operation, LOCK_NOT_AVAILABLE);
       throw err;
     }
   };
 
+  async function grantOnce(
+    name: string,
+    token: string,
+    ttlMs: number,
+    holder: string | null,
+    wait: number,
+    abandoned: AbortSignal,
+  ): Promise<Grant | null> {
+    const source = await ensureSafeSequence();
+    if (abandoned.aborted) return null; // the call already failed: send no grant nobody awaits
+    let rows: RawRow[];
+    try {
+      rows = await retryingConflicts(() =>
+        prepared(db, 'palisade.leases.grant', grantSql).rows({ ns, name, token, holder, ttl: ttlMs, wait }),
+      );
+    } catch (err) {
+      // The row or the table stayed locked past this attempt's wait, or grants kept racing under a
+      // stricter isolation: not granted (the acquire retries or gives up).
+      const state = sqlStateOf(err);
+      if (state === LOCK_NOT_AVAILABLE || CONFLICT_STATES.has(state ?? '')) return null;
+      throw err;
+    }
+    const fence = int8(rows[0]?.fence);
+    return fence === null ? null : { fence: toFence(fence), source };
+  }
+
+  const releaseSent = (name: string, token: string) =>
+    prepared(db, 'palisade.leases.release', releaseSql).rows({
+      ns,
+      name,
+      token,
+      payload: releasePayload(ns, name),
+      wait: lockTimeoutMs,
+    });
+
   return {
     kind: 'postgres',
     namespace: ns,
 
-    async grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
-      const source = await ensureSafeSequence();
+    grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
-      let rows: RawRow[];
-      try {
-        rows = await retryingConflicts(() =>
-          prepared(db, 'palisade.leases.grant', grantSql).rows({ ns, name, token, holder, ttl: ttlMs, wait }),
-        );
-      } catch (err) {
-        // The row or the table stayed locked past this attempt's wait, or grants kept racing under a
-        // stricter isolation: not granted (the acquire retries or gives up).
-        const state = sqlStateOf(err);
-        if (state === LOCK_NOT_AVAILABLE || CONFLICT_STATES.has(state ?? '')) return null;
-        throw err;
-      }
-      const fence = int8(rows[0]?.fence);
-      return fence === null ? null : { fence: toFence(fence), source };
+      return withinMs(
+        'Postgres lease grant',
+        wait + commandTimeoutMs,
+        (abandoned) => grantOnce(name, token, ttlMs, holder, wait, abandoned),
+        // Granted after the call failed: nobody holds this token, give the lock back.
+        (late) => {
+          if (late) releaseSent(name, token).catch(() => {});
+        },
+      );
     },
 
     async extend(name, token, ttlMs) {
@@ -246,10 +288,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     },
 
     async release(name, token) {
-      const payload = releasePayload(ns, name);
-      const rows = await bounded(name, 'release', () =>
-        prepared(db, 'palisade.leases.release', releaseSql).rows({ ns, name, token, payload, wait: lockTimeoutMs }),
-      );
+      const rows = await bounded(name, 'release', () => releaseSent(name, token));
       return rows.length > 0;
     },
 

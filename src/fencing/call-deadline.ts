@@ -1,0 +1,54 @@
+/**
+ * A client-side bound on one call of a backend whose server bounds only its
+ * lock waits (the Postgres backends, `commandTimeoutMs`): a connection that
+ * stops answering — a frozen host, a stuck proxy — would otherwise leave the
+ * call pending until the kernel gives up on the socket, or for ever.
+ */
+import { performance } from 'node:perf_hooks';
+import { CommandTimeoutError } from '../errors.js';
+import { atDeadline, cancelDeadline } from './deadlines.js';
+
+/**
+ * @internal Runs `run` and rejects with {@link CommandTimeoutError} if it
+ * has not settled within `ms`. The work goes on where it is (a statement
+ * already sent may still run): `abandoned` aborts at the deadline, so `run`
+ * can stop before its next step, and `late` receives what it resolves with
+ * afterwards (a grant nobody awaits any more, to give back).
+ */
+export function withinMs<T>(
+  what: string,
+  ms: number,
+  run: (abandoned: AbortSignal) => Promise<T>,
+  late?: (value: T) => void,
+): Promise<T> {
+  const abandoned = new AbortController();
+  return new Promise<T>((resolve, reject) => {
+    const deadline = atDeadline(performance.now() + ms, () => {
+      abandoned.abort();
+      reject(new CommandTimeoutError(what, ms));
+    });
+    let work: Promise<T>;
+    try {
+      work = run(abandoned.signal);
+    } catch (err) {
+      cancelDeadline(deadline);
+      reject(err);
+      return;
+    }
+    work.then(
+      (value) => {
+        if (abandoned.signal.aborted) {
+          late?.(value);
+          return;
+        }
+        cancelDeadline(deadline);
+        resolve(value);
+      },
+      (err: unknown) => {
+        if (abandoned.signal.aborted) return;
+        cancelDeadline(deadline);
+        reject(err);
+      },
+    );
+  });
+}

@@ -1,0 +1,72 @@
+/**
+ * withinMs, the client-side bound of the Postgres backends' calls: it
+ * settles as the work does when the work is on time; at the deadline it
+ * rejects with CommandTimeoutError and tells the work it was abandoned; a
+ * value the work resolves with afterwards goes to `late` (a grant to give
+ * back), an error afterwards to nobody.
+ */
+import { describe, expect, it } from 'vitest';
+import { CommandTimeoutError } from '../../src/errors.js';
+import { withinMs } from '../../src/fencing/call-deadline.js';
+
+function deferred<T>() {
+  let resolve!: (value: T) => void;
+  let reject!: (err: unknown) => void;
+  const promise = new Promise<T>((res, rej) => {
+    resolve = res;
+    reject = rej;
+  });
+  return { promise, resolve, reject };
+}
+
+describe('withinMs', () => {
+  it('settles as the work does when it is on time', async () => {
+    await expect(withinMs('ok', 60_000, async () => 7)).resolves.toBe(7);
+    const boom = new Error('boom');
+    await expect(withinMs('err', 60_000, async () => Promise.reject(boom))).rejects.toBe(boom);
+    await expect(
+      withinMs('sync throw', 60_000, () => {
+        throw boom;
+      }),
+    ).rejects.toBe(boom);
+  });
+
+  it('at the deadline: CommandTimeoutError, the work is told, a late value goes to `late`', async () => {
+    const work = deferred<string>();
+    let signal: AbortSignal | undefined;
+    const late: string[] = [];
+    const call = withinMs(
+      'Postgres lease grant',
+      5,
+      (abandoned) => {
+        signal = abandoned;
+        return work.promise;
+      },
+      (value) => late.push(value),
+    );
+    const err = await call.catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(CommandTimeoutError);
+    expect((err as Error).message).toBe('Postgres lease grant did not answer within 5 ms (it may still run)');
+    expect(signal?.aborted).toBe(true);
+    work.resolve('granted after all');
+    await work.promise;
+    await Promise.resolve();
+    expect(late).toEqual(['granted after all']);
+  });
+
+  it('an error after the deadline reaches nobody (no unhandled rejection)', async () => {
+    const work = deferred<string>();
+    const late: string[] = [];
+    await expect(
+      withinMs(
+        'x',
+        5,
+        () => work.promise,
+        (v) => late.push(v),
+      ),
+    ).rejects.toBeInstanceOf(CommandTimeoutError);
+    work.reject(new Error('connection closed'));
+    await work.promise.catch(() => {});
+    expect(late).toEqual([]);
+  });
+});

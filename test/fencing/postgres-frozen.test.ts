@@ -1,0 +1,89 @@
+/**
+ * Both Postgres lock managers behind a connection that stops answering: the
+ * client reaches Postgres through a loopback proxy (test/fixtures/tcp-proxy.ts)
+ * that is then SIGSTOPped — its sockets stay open and nothing comes back, as
+ * with a frozen host. Every call must still end, with `CommandTimeoutError`
+ * (`commandTimeoutMs` past its server-side lock wait), and `release` must
+ * answer (a lease whose release is unconfirmed is presumed lost). Without
+ * the bound each of these calls stayed pending for as long as the proxy was
+ * stopped; the suite's timeout is what would fail then.
+ */
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
+import { afterEach, beforeEach, describe, expect, it } from 'vitest';
+import type { Database } from '../../src/driver.js';
+import { CommandTimeoutError } from '../../src/errors.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import type { TestDatabase } from '../support/databases.js';
+import { killAllWorkers, startWorker, type Worker } from '../support/processes.js';
+import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
+
+const BOUNDS = { commandTimeoutMs: 300, lockTimeoutMs: 200 } as const;
+
+const managers: Record<string, (client: postgres.Sql, namespace: string) => LockManager> = {
+  'Postgres lease': (client, namespace) =>
+    postgresLockManager({ client: drizzle(client) as unknown as Database, namespace, listen: false, ...BOUNDS }),
+  'Postgres advisory': (client, namespace) => advisoryLockManager({ client, namespace, ...BOUNDS }),
+};
+
+describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager behind a frozen connection', (kind) => {
+  let test: TestDatabase;
+  let proxy: Worker;
+  let client: postgres.Sql;
+  let manager: LockManager;
+
+  beforeEach(async () => {
+    test = await scenarioDatabase();
+    const url = new URL(test.url as string);
+    proxy = startWorker('test/fixtures/tcp-proxy.ts', { target: Number(url.port || 5432) });
+    const { port } = await proxy.next((m) => m.event === 'listening');
+    url.host = `127.0.0.1:${port}`;
+    client = postgres(url.toString(), { max: 2, onnotice: () => {} });
+    manager = (managers[kind] as (typeof managers)[string])(client, uniqueNamespace('frozen'));
+  });
+  afterEach(async () => {
+    await killAllWorkers(); // the proxy: its sockets close, the pending statements fail
+    await manager.close();
+    await client.end({ timeout: 0 });
+    await test.close();
+  });
+
+  /** A lease taken while the proxy still forwards; then the proxy is frozen. */
+  async function leaseThenFreeze(name: string) {
+    const lease = await manager.acquire(name, { ttlMs: 60_000 });
+    proxy.pause();
+    return lease;
+  }
+
+  it('extend ends: unconfirmed, the lease is presumed lost (its message says the call timed out)', async () => {
+    const lease = await leaseThenFreeze('extend');
+    await expect(lease.extend()).rejects.toMatchObject({ code: 'lease_lost', message: /did not answer within/ });
+    expect(lease.signal.aborted).toBe(true);
+  });
+
+  it('release answers: the lease is presumed lost', async () => {
+    const lease = await leaseThenFreeze('release');
+    const lost: string[] = [];
+    manager.events.on('lost', (e) => lost.push(e.name));
+    expect(await lease.release()).toBe('lost');
+    expect(lease.signal.aborted).toBe(true);
+    if (kind === 'Postgres lease') expect(lost).toEqual(['release']); // the advisory backend ends the session instead
+  });
+
+  it('using() returns what its function returned, though the release after it cannot be sent', async () => {
+    const result = await manager.using('using', { ttlMs: 60_000 }, async () => {
+      proxy.pause();
+      return 42;
+    });
+    expect(result).toBe(42);
+  });
+
+  it('tryAcquire and inspect fail with CommandTimeoutError', async () => {
+    await leaseThenFreeze('held');
+    await expect(manager.tryAcquire('other', { ttlMs: 1_000 })).rejects.toBeInstanceOf(CommandTimeoutError);
+    await expect(manager.inspect('held')).rejects.toBeInstanceOf(CommandTimeoutError);
+  });
+});
