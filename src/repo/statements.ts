@@ -295,16 +295,11 @@ export function deleteStatements(
  * tombstone floor (`palisade.tombstone_floors`, raised by purges): the insert
  * is not even attempted when the row is absent from the snapshot and the
  * floor refuses the fence. A purge that commits while the statement runs is
- * invisible to the snapshot, so a row the statement newly inserted is
- * checked again against the floor with a fresh snapshot
- * (`palisade.check_tombstone_floor`, SQLSTATE 40001 when it refuses).
- *
- * "Newly inserted" is told by the statement itself, not by `xmax = 0`
- * (Postgres refuses system columns in the RETURNING of a partitioned
- * table): the insert's SELECT sets the transaction-local setting
- * `palisade.upsert` to `insert` before the row is tried, the conflict
- * branch's WHERE sets it to `update` when it writes, and RETURNING, which
- * runs right after that row was written, reads it.
+ * invisible to the snapshot, so a row the statement newly inserted is checked
+ * again with a fresh snapshot (`palisade.check_tombstone_floor`, 40001 when it
+ * refuses). "Newly inserted" is not `xmax = 0` (refused in a partitioned
+ * table's RETURNING): the insert's SELECT sets the transaction-local
+ * `palisade.upsert` to `insert`, the conflict branch's WHERE to `update`.
  */
 export function upsertStatement(
   info: TableInfo,
