@@ -6,6 +6,7 @@
  * the server) like a statement with plain values.
  */
 import { Column, entityKind, is, type Name, Param, SQL, type StringChunk, sql as sqlTag, Table } from 'drizzle-orm';
+import { idOf } from './statement-keys.js';
 
 /** An expression with its values lifted into placeholders. */
 export interface ExpressionTemplate {
@@ -22,18 +23,6 @@ export interface ExpressionTemplate {
    */
   readonly shape: string;
 }
-
-// Schema objects live as long as the process: a number each is a cheap, exact stand-in for how they compile.
-const ids = new WeakMap<object, number>();
-let lastId = 0;
-const idOf = (object: object): number => {
-  let id = ids.get(object);
-  if (id === undefined) {
-    id = ++lastId;
-    ids.set(object, id);
-  }
-  return id;
-};
 
 /**
  * Lifts the values of `expression` into placeholders named `${prefix}_${i}`

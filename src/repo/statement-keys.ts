@@ -11,18 +11,39 @@ type Entries = readonly (readonly [string, unknown])[];
 
 const tableShapes = new WeakMap<TableInfo, string>();
 
+// Schema objects live as long as the process: a number each is a cheap, exact stand-in for how they compile.
+const ids = new WeakMap<object, number>();
+let lastId = 0;
+/** @internal A number that stands for `object` (a column, a table, an encoder) in statement cache keys. */
+export function idOf(object: object): number {
+  let id = ids.get(object);
+  if (id === undefined) {
+    id = ++lastId;
+    ids.set(object, id);
+  }
+  return id;
+}
+
+// How a column encodes a value for the driver, which cached statements keep with each placeholder: its
+// class, and a custom type's own `toDriver` (custom columns share one class).
+function encoderOf(column: TableInfo['columnList'][number]): string {
+  const custom = (column as { mapTo?: unknown }).mapTo;
+  return `${idOf(column.constructor)}${typeof custom === 'function' ? `.${idOf(custom)}` : ''}`;
+}
+
 /**
- * Everything of a table definition that a statement's text depends on:
+ * Everything of a table definition that a compiled statement depends on:
  * schema and name (apart: `"s.acc"` and `s.acc` share a label), the
- * primary key in its order, and every column's key, database name, type and
- * whether it is generated. Two table objects of one table may differ in any
+ * primary key in its order, and every column's key, database name, type,
+ * encoder and whether it is generated. Two table objects of one table may differ in any
  * of them; worked out once per table object.
  */
 export function tableShape(info: TableInfo): string {
   let shape = tableShapes.get(info);
   if (shape === undefined) {
     const columns = Object.entries(info.columns).map(
-      ([key, c]) => `${key}=${c.name}:${c.getSQLType()}${c.generated || c.generatedIdentity ? ':generated' : ''}`,
+      ([key, c]) =>
+        `${key}=${c.name}:${c.getSQLType()}:${encoderOf(c)}${c.generated || c.generatedIdentity ? ':generated' : ''}`,
     );
     shape = `${JSON.stringify([info.schema ?? null, info.name])}|key=${info.keyNames.join(',')}|${columns.join(',')}`;
     tableShapes.set(info, shape);

@@ -62,7 +62,7 @@ describe('update statements', () => {
     expect(statements.write.values).toEqual({ fence: 7n, k0: 'a', v0: 5 });
     expect(statements.refusal.values).toBe(statements.write.values);
     expect(statements.write.key).toMatch(
-      /^\[null,"accounts"\]\|key=id\|id=id:text,owner=owner:text,balance=balance:integer,.*\|update\|reject\|balance,\|row$/,
+      /^\[null,"accounts"\]\|key=id\|id=id:text:\d+,owner=owner:text:\d+,balance=balance:integer:\d+,.*\|update\|reject\|balance,\|row$/,
     );
     expect(statements.refusal.key).toMatch(/\|update\|reject\|balance,\|refusal$/);
   });

@@ -8,7 +8,7 @@
  * DATABASE_URL is set).
  */
 import { sql } from 'drizzle-orm';
-import { integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
+import { customType, integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { toFence } from '../../src/fencing/fence.js';
@@ -130,6 +130,39 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
     expect(all).toEqual([
       { tenant: 'acme', id: 'bob', v: 2, fence: '3' },
       { tenant: 'bob', id: 'acme', v: 0, fence: '0' },
+    ]);
+  });
+
+  it('two definitions of one table whose key columns encode differently: each write sends its own encoding', async () => {
+    const name = uniqueName('enc');
+    await db.execute(
+      sql.raw(`create table ${name} (id text primary key, balance int not null,
+        last_fence bigint not null default 0, deleted_at timestamptz)`),
+    );
+    await db.execute(sql.raw(`insert into ${name} (id, balance) values ('alice', 0), ('Alice', 0)`));
+    const lowercased = customType<{ data: string }>({
+      dataType: () => 'text',
+      toDriver: (value) => value.toLowerCase(),
+    });
+    const columns = { balance: integer('balance').notNull(), ...fenceColumns() };
+    const folding = fencedRepository(db, pgTable(name, { id: lowercased('id').primaryKey(), ...columns }));
+    const plain = fencedRepository(db, pgTable(name, { id: text('id').primaryKey(), ...columns }));
+    expect((await folding.update({ id: 'ALICE' }, f(5), { balance: 100 })).status).toBe('applied');
+    expect(await plain.update({ id: 'Alice' }, f(6), { balance: 200 })).toMatchObject({
+      status: 'applied',
+      row: { id: 'Alice', balance: 200 },
+    });
+    expect((await plain.upsert({ id: 'Carol', balance: 1 }, f(7))).status).toBe('applied');
+    expect((await folding.upsert({ id: 'DAVE', balance: 2 }, f(8))).status).toBe('applied');
+    const all = await rows(
+      db,
+      sql.raw(`select id, balance, last_fence::text as fence from ${name} order by id collate "C"`),
+    );
+    expect(all).toEqual([
+      { id: 'Alice', balance: 200, fence: '6' },
+      { id: 'Carol', balance: 1, fence: '7' },
+      { id: 'alice', balance: 100, fence: '5' },
+      { id: 'dave', balance: 2, fence: '8' },
     ]);
   });
 

@@ -144,12 +144,13 @@ const LOCK_NOT_AVAILABLE = '55P03';
 const CONFLICT_STATES = new Set(['40001', '40P01']);
 const CONFLICT_RETRIES = 5;
 
-async function retryingConflicts<T>(run: () => Promise<T>): Promise<T> {
+// No retry once the call has failed on its deadline (`abandoned`): nobody awaits it.
+async function retryingConflicts<T>(run: () => Promise<T>, abandoned?: AbortSignal): Promise<T> {
   for (let attempt = 1; ; attempt++) {
     try {
       return await run();
     } catch (err) {
-      if (attempt >= CONFLICT_RETRIES || !CONFLICT_STATES.has(sqlStateOf(err) ?? '')) throw err;
+      if (attempt >= CONFLICT_RETRIES || abandoned?.aborted || !CONFLICT_STATES.has(sqlStateOf(err) ?? '')) throw err;
     }
   }
 }
@@ -219,8 +220,8 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     run: () => Promise<RawRow[]>,
   ): Promise<RawRow[]> => {
     try {
-      return await withinMs(`Postgres lease ${operation}`, lockTimeoutMs + commandTimeoutMs, () =>
-        retryingConflicts(run),
+      return await withinMs(`Postgres lease ${operation}`, lockTimeoutMs + commandTimeoutMs, (abandoned) =>
+        retryingConflicts(run, abandoned),
       );
     } catch (err) {
       if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) throw new LockTimeoutError(name, operation, LOCK_NOT_AVAILABLE);
@@ -240,8 +241,9 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     if (abandoned.aborted) return null; // the call already failed: send no grant nobody awaits
     let rows: RawRow[];
     try {
-      rows = await retryingConflicts(() =>
-        prepared(db, 'palisade.leases.grant', grantSql).rows({ ns, name, token, holder, ttl: ttlMs, wait }),
+      rows = await retryingConflicts(
+        () => prepared(db, 'palisade.leases.grant', grantSql).rows({ ns, name, token, holder, ttl: ttlMs, wait }),
+        abandoned,
       );
     } catch (err) {
       // The row or the table stayed locked past this attempt's wait, or grants kept racing under a
@@ -275,7 +277,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
         (abandoned) => grantOnce(name, token, ttlMs, holder, wait, abandoned),
         // Granted after the call failed: nobody holds this token, give the lock back.
         (late) => {
-          if (late) releaseSent(name, token).catch(() => {});
+          if (late) retryingConflicts(() => releaseSent(name, token)).catch(() => {});
         },
       );
     },
