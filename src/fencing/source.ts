@@ -3,20 +3,31 @@
  * compare fences of two counters (README, "Two scopes of fencing").
  */
 import { sql } from 'drizzle-orm';
-import { type Database, execute } from '../driver.js';
+import { type Database, execute, transaction } from '../driver.js';
 import { FenceSourceError } from '../errors.js';
 import { forwardTo, type Grant, type LockBackend } from './backend.js';
 
 /**
  * This database's id as a fence source (`palisade.fence_source_id()`,
  * generated once by palisade's migration 0005): the source of every fence
- * from its `palisade.fence_seq`.
+ * from its `palisade.fence_seq`. With `lockWaitMs`, a lock on
+ * `palisade.fence_sources` (an operator's `ALTER TABLE`) is waited for at
+ * most that long, on the server (SQLSTATE 55P03 then): in a transaction
+ * whose `lock_timeout` is set first, since the function is inlined, and its
+ * table locked, when the statement that calls it is planned.
  * @throws {FenceSourceError} when the migration has not run.
  */
-export async function databaseSourceId(db: Database): Promise<string> {
+export async function databaseSourceId(db: Database, lockWaitMs?: number): Promise<string> {
+  const read = (on: Database) => execute(on, sql`select palisade.fence_source_id() as id`);
   let rows: Awaited<ReturnType<typeof execute>>;
   try {
-    rows = await execute(db, sql`select palisade.fence_source_id() as id`);
+    rows =
+      lockWaitMs === undefined
+        ? await read(db)
+        : await transaction(db, async (tx) => {
+            await execute(tx, sql`select set_config('lock_timeout', ${String(lockWaitMs)}::text, true)`);
+            return read(tx);
+          });
   } catch (err) {
     if (err instanceof Error && /fence_source_id/.test(err.message)) {
       throw new FenceSourceError("the database has no palisade.fence_source_id(): run palisade's migrations (0005)");

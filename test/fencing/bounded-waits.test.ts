@@ -227,6 +227,41 @@ describe.runIf(needs('DATABASE_URL'))('Postgres backends: waits are bounded on t
     await blocker.unsafe('commit');
   });
 
+  // A fresh manager reads the database's fence source id before its first grant: a lock an operator
+  // holds on palisade.fence_sources bounds that read like the grant itself.
+  it.each(['lease', 'advisory'])(
+    '%s backend, a fresh manager blocked by an ACCESS EXCLUSIVE lock on palisade.fence_sources: tryAcquire answers null, acquire rejects within waitMs, no late grant',
+    async (kind) => {
+      const fresh = () => {
+        const manager =
+          kind === 'lease'
+            ? postgresLockManager({ client: test.db, namespace })
+            : advisoryLockManager({ client, namespace });
+        managers.push(manager);
+        return manager;
+      };
+      await blocker.unsafe('begin');
+      await blocker.unsafe('lock table palisade.fence_sources in access exclusive mode');
+      const tried = await settleWithin(fresh().tryAcquire('job', { ttlMs: 60_000 }), 20_000);
+      expect(tried.settled).toBe(true);
+      expect(tried.settled ? tried.value : undefined).toBeNull();
+
+      const locks = fresh();
+      const { waited, early, outcome } = await acquireWhileBlocked(() =>
+        locks.acquire('job', { ttlMs: 60_000, waitMs: 1500 }),
+      );
+      expect(waited).toBe(true);
+      expect(early.settled).toBe(true);
+      expect(outcome).toMatchObject({ code: 'lock_unavailable', reason: 'timeout' });
+
+      await quiet();
+      expect(await locks.inspect('job')).toBeNull();
+      const next = await locks.tryAcquire('job', { ttlMs: 60_000 });
+      expect(next).not.toBeNull();
+      await next?.release();
+    },
+  );
+
   describe('advisory backend', () => {
     function advisory(): LockManager {
       const manager = advisoryLockManager({ client: client, namespace });

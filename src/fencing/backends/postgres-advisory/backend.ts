@@ -112,7 +112,8 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
   };
 
   let source = '';
-  const ensureReady = (): Promise<void> => {
+  // A lock on palisade.fence_sources (an operator's ALTER TABLE) is waited for no longer than the grant would wait.
+  const ensureReady = (lockWaitMs: number): Promise<void> => {
     ready ??= (async () => {
       // postgres.js is an optional peer: loaded when the first lease needs a session of its own.
       factory ??= (await loadPeer<{ default: typeof postgres }>('postgres', 'advisoryLockManager')).default;
@@ -125,7 +126,16 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       const query = new PgDialect().sqlToQuery(fenceSequenceQuery());
       const [row] = await run(sql, query.sql, query.params);
       judgeFenceSequence(row);
-      const [id] = await run(sql, 'select palisade.fence_source_id() as id', []);
+      // In a transaction whose lock_timeout is set first: the function is inlined, and its table
+      // locked, when the statement that calls it is planned.
+      const [id] = await sql
+        .begin(async (tx) => {
+          await tx.unsafe("select set_config('lock_timeout', $1, true)", [String(lockWaitMs)]);
+          return tx.unsafe('select palisade.fence_source_id() as id');
+        })
+        .catch((err: unknown) => {
+          throw translateError(err);
+        });
       source = String(id?.id);
     })().catch((err: unknown) => {
       ready = undefined;
@@ -192,7 +202,12 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     const mine = held.get(token);
     if (mine) return mine.name === name ? mine.grant : null;
     if (closed) throw new LockManagerClosedError('advisory lock manager');
-    await ensureReady();
+    try {
+      await ensureReady(wait);
+    } catch (err) {
+      if (sqlStateOf(err) === '55P03') return null; // an operator's lock outlasted this attempt's wait
+      throw err;
+    }
     if (abandoned.aborted) return null; // the call already failed: take no session for nobody
     const key = advisoryKey(ns, name);
     const params = [key.toString(), String(ttlMs), holderLabel(holder), String(wait), String(lockTimeoutMs), ns, name];

@@ -201,10 +201,11 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
   const listener = new ReleaseListener(client ? (onPayload) => listen(client, RELEASE_CHANNEL, onPayload) : undefined);
   let ready: Promise<string> | undefined;
 
-  // The sequence's safety and this database's fence source id, learnt once before the first grant.
-  const ensureSafeSequence = (): Promise<string> => {
+  // The sequence's safety and this database's fence source id, learnt once before the first grant;
+  // a lock on palisade.fence_sources is waited for no longer than the grant would wait.
+  const ensureSafeSequence = (lockWaitMs: number): Promise<string> => {
     ready ??= checkFenceSequence(db)
-      .then(() => databaseSourceId(db))
+      .then(() => databaseSourceId(db, lockWaitMs))
       .catch((err: unknown) => {
         ready = undefined; // re-check next time: the failure may be transient
         throw err;
@@ -237,7 +238,13 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     wait: number,
     abandoned: AbortSignal,
   ): Promise<Grant | null> {
-    const source = await ensureSafeSequence();
+    let source: string;
+    try {
+      source = await ensureSafeSequence(wait);
+    } catch (err) {
+      if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) return null; // an operator's lock outlasted this attempt's wait
+      throw err;
+    }
     if (abandoned.aborted) return null; // the call already failed: send no grant nobody awaits
     let rows: RawRow[];
     try {
