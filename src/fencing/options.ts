@@ -22,14 +22,14 @@ export const MIN_GRANT_LOCK_WAIT_MS = 50;
 export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
 /** Default `commandTimeoutMs` of the Postgres backends: what a call may take beyond its server-side lock wait. */
-export const DEFAULT_STATEMENT_TIMEOUT_MS = 10_000;
+export const DEFAULT_POSTGRES_COMMAND_TIMEOUT_MS = 10_000;
 
 /**
  * @internal Checks a Postgres manager's `commandTimeoutMs` (1 … 600,000 ms).
  * @throws {InvalidArgumentError}
  */
 export function checkCommandTimeout(value: unknown): number {
-  const ms = value ?? DEFAULT_STATEMENT_TIMEOUT_MS;
+  const ms = value ?? DEFAULT_POSTGRES_COMMAND_TIMEOUT_MS;
   if (!Number.isInteger(ms) || (ms as number) < 1 || (ms as number) > 600_000) {
     throw new InvalidArgumentError('commandTimeoutMs must be an integer in 1 … 600,000');
   }
