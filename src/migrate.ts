@@ -79,6 +79,9 @@ export interface MigrateResult {
   readonly waited: boolean;
 }
 
+/** Where palisade's own applied migrations are recorded, in schema `drizzle`. */
+const PALISADE_MIGRATIONS_TABLE = '__palisade_migrations';
+
 /**
  * Applies palisade's own migrations (schema `palisade`: fence sequences,
  * lease table) and, if given, the application's drizzle-kit folder.
@@ -105,7 +108,7 @@ export interface MigrateResult {
  * transaction), so a driver's default notice logging stays quiet.
  *
  * @throws {LockUnavailableError} (lock name {@link MIGRATE_LOCK_NAME}) if another migrator held the lock past `lockTimeoutMs`.
- * @throws {InvalidArgumentError} for a bad `lockTimeoutMs` or folder option, or an unsupported driver — before any query.
+ * @throws {InvalidArgumentError} for a bad `lockTimeoutMs` or folder option, `migrationsTable` naming palisade's own table, or an unsupported driver — before any query.
  * @throws {MigrationsFolderError} naming the path, if a folder is missing, has no `meta/_journal.json`, or lists a migration file that cannot be read — before any query.
  */
 export async function migrate(db: Database, options: MigrateOptions = {}): Promise<MigrateResult> {
@@ -115,6 +118,10 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
   const lockTimeoutMs = options.lockTimeoutMs ?? DEFAULT_LOCK_TIMEOUT_MS;
   if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_LOCK_TIMEOUT_MS) {
     throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_LOCK_TIMEOUT_MS}`);
+  }
+  // The application's records in palisade's table: palisade's dates would mark its migrations applied.
+  if ((options.migrationsSchema || 'drizzle') === 'drizzle' && options.migrationsTable === PALISADE_MIGRATIONS_TABLE) {
+    throw new InvalidArgumentError(`migrationsTable ${PALISADE_MIGRATIONS_TABLE} is palisade's own: name another`);
   }
   const palisadeFolder =
     folderOption(options.palisadeMigrationsFolder, 'palisadeMigrationsFolder') ?? PALISADE_MIGRATIONS;
@@ -133,6 +140,9 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
   const skipped: MigrationInfo[] = [];
   let waited = false;
   await transaction(db, async (tx) => {
+    // Whatever the database's default: a replica that waited for the lock must read what the one
+    // before it committed, which a snapshot taken before the wait (REPEATABLE READ) cannot see.
+    await tx.execute(sql`set transaction isolation level read committed`);
     // `create … if not exists` on a rerun would emit NOTICEs, which postgres.js prints by default.
     await execute(tx, sql`select set_config('client_min_messages', 'warning', true)`);
     const [free] = await execute(tx, sql`select pg_try_advisory_xact_lock(${MIGRATE_LOCK_KEY}) as locked`);
@@ -154,7 +164,7 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
     }
     report({ type: 'locked', waited });
     const folders = [
-      { folder: 'palisade' as const, read: palisadeMigrations, migrationsTable: '__palisade_migrations' },
+      { folder: 'palisade' as const, read: palisadeMigrations, migrationsTable: PALISADE_MIGRATIONS_TABLE },
       ...(appMigrations
         ? [
             {

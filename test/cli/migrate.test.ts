@@ -93,61 +93,68 @@ describe.runIf(needs('DATABASE_URL'))('palisade migrate from 8 processes at once
     }
   });
 
-  it('all 8 exit 0 and each migration is applied exactly once', { timeout: 180_000 }, async () => {
-    const test = await postgresDatabase();
-    // The gate holds the migration lock while the replicas start, so all 8
-    // are provably inside migrate() and queued on the lock when it opens.
-    const gate = postgres(test.url as string, { max: 1, onnotice: () => {} });
-    try {
-      await gate`select pg_advisory_lock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
-      const replicas = Array.from({ length: REPLICAS }, () =>
-        startCli(['migrate', '--migrations-folder', APP_MIGRATIONS, '--json'], { DATABASE_URL: test.url }),
-      );
-      let exitedEarly = false;
-      for (const r of replicas) r.done.then(() => (exitedEarly = true)).catch(() => (exitedEarly = true));
-      let waiting = 0;
-      // Bounded: at most 600 polls of 100 ms (a minute on a slow machine).
-      for (let i = 0; i < 600 && waiting < REPLICAS && !exitedEarly; i++) {
-        const [row] = await gate`
+  // A database may default to a stricter isolation: a replica's snapshot must not predate the lock it waited for.
+  it.each(['read committed', 'repeatable read', 'serializable'])(
+    'at the default isolation %s: all 8 exit 0 and each migration is applied exactly once',
+    { timeout: 180_000 },
+    async (isolation) => {
+      const test = await postgresDatabase();
+      const dbName = new URL(test.url as string).pathname.slice(1);
+      await test.db.execute(sql.raw(`alter database "${dbName}" set default_transaction_isolation = '${isolation}'`));
+      // The gate holds the migration lock while the replicas start, so all 8
+      // are provably inside migrate() and queued on the lock when it opens.
+      const gate = postgres(test.url as string, { max: 1, onnotice: () => {} });
+      try {
+        await gate`select pg_advisory_lock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
+        const replicas = Array.from({ length: REPLICAS }, () =>
+          startCli(['migrate', '--migrations-folder', APP_MIGRATIONS, '--json'], { DATABASE_URL: test.url }),
+        );
+        let exitedEarly = false;
+        for (const r of replicas) r.done.then(() => (exitedEarly = true)).catch(() => (exitedEarly = true));
+        let waiting = 0;
+        // Bounded: at most 600 polls of 100 ms (a minute on a slow machine).
+        for (let i = 0; i < 600 && waiting < REPLICAS && !exitedEarly; i++) {
+          const [row] = await gate`
           select count(*)::int as n from pg_locks
           where locktype = 'advisory' and not granted
             and database = (select oid from pg_database where datname = current_database())`;
-        waiting = Number(row?.n);
-        if (waiting < REPLICAS) await new Promise((r) => setTimeout(r, 100));
-      }
-      expect(exitedEarly).toBe(false);
-      expect(waiting).toBe(REPLICAS);
-      await gate`select pg_advisory_unlock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
+          waiting = Number(row?.n);
+          if (waiting < REPLICAS) await new Promise((r) => setTimeout(r, 100));
+        }
+        expect(exitedEarly).toBe(false);
+        expect(waiting).toBe(REPLICAS);
+        await gate`select pg_advisory_unlock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
 
-      const runs = await Promise.all(replicas.map((r) => r.done));
-      for (const run of runs) expect({ code: run.code, stderr: run.stderr }).toMatchObject({ code: 0 });
-      const summaries = runs.map((run) => JSON.parse(run.stdout) as Summary);
-      // Every replica waited on the gate; exactly one applied everything, the others nothing.
-      expect(summaries.every((s) => s.waited)).toBe(true);
-      const appliers = summaries.filter((s) => s.applied.length > 0);
-      expect(appliers).toHaveLength(1);
-      expect(appliers[0]?.applied).toHaveLength(palisadeCount + appCount);
-      for (const s of summaries.filter((x) => x.applied.length === 0)) {
-        expect(s.skipped).toHaveLength(palisadeCount + appCount);
-      }
-      expect(await objectCounts(test.db)).toEqual({
-        palisadeRecorded: palisadeCount,
-        palisadeDistinct: palisadeCount,
-        appRecorded: appCount,
-        appDistinct: appCount,
-        fenceColumns: 2,
-        triggers: 2,
-        leaseTables: 1,
-      });
+        const runs = await Promise.all(replicas.map((r) => r.done));
+        for (const run of runs) expect({ code: run.code, stderr: run.stderr }).toMatchObject({ code: 0 });
+        const summaries = runs.map((run) => JSON.parse(run.stdout) as Summary);
+        // Every replica waited on the gate; exactly one applied everything, the others nothing.
+        expect(summaries.every((s) => s.waited)).toBe(true);
+        const appliers = summaries.filter((s) => s.applied.length > 0);
+        expect(appliers).toHaveLength(1);
+        expect(appliers[0]?.applied).toHaveLength(palisadeCount + appCount);
+        for (const s of summaries.filter((x) => x.applied.length === 0)) {
+          expect(s.skipped).toHaveLength(palisadeCount + appCount);
+        }
+        expect(await objectCounts(test.db)).toEqual({
+          palisadeRecorded: palisadeCount,
+          palisadeDistinct: palisadeCount,
+          appRecorded: appCount,
+          appDistinct: appCount,
+          fenceColumns: 2,
+          triggers: 2,
+          leaseTables: 1,
+        });
 
-      const rerun = await runCli(['migrate', '--migrations-folder', APP_MIGRATIONS], { DATABASE_URL: test.url });
-      expect(rerun.code).toBe(0);
-      expect(rerun.stdout).toContain(`up to date: ${palisadeCount + appCount} migrations already applied`);
-    } finally {
-      await gate.end({ timeout: 5 });
-      await test.close();
-    }
-  });
+        const rerun = await runCli(['migrate', '--migrations-folder', APP_MIGRATIONS], { DATABASE_URL: test.url });
+        expect(rerun.code).toBe(0);
+        expect(rerun.stdout).toContain(`up to date: ${palisadeCount + appCount} migrations already applied`);
+      } finally {
+        await gate.end({ timeout: 5 });
+        await test.close();
+      }
+    },
+  );
 
   it('gives up with a clear error when another migrator holds the lock past lockTimeoutMs', async () => {
     const test = await postgresDatabase();
@@ -225,6 +232,10 @@ describe('migrate(): a bad folder is a setup error naming the path, before any q
       expect((gone as Error).message).toContain(dir);
 
       await expect(migrate(test.db, { migrationsFolder: '' })).rejects.toBeInstanceOf(InvalidArgumentError);
+      // The app's records in palisade's own table: palisade's dates would have marked its migrations applied.
+      await expect(
+        migrate(test.db, { migrationsFolder: APP_MIGRATIONS, migrationsTable: '__palisade_migrations' }),
+      ).rejects.toBeInstanceOf(InvalidArgumentError);
       // None of it reached the database: not even palisade's own migrations ran.
       const [row] = await execute(
         test.db,
