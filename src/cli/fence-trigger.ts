@@ -50,12 +50,15 @@ export const fenceTriggerCommand: Command = {
     const sameFence = values['same-fence'] ?? 'reject';
     if (sameFence !== 'reject' && sameFence !== 'allow') throw new CliError('--same-fence must be reject or allow', 2);
     const name = String(positionals[0]);
+    if (name.length === 0) throw new CliError('the table name is empty', 2);
     const schema = values.schema === undefined ? undefined : String(values.schema);
+    // An empty --schema would silently mean the search_path's: say so instead.
+    if (schema === '') throw new CliError('--schema is empty (leave it out for the search_path schema)', 2);
     let text: string;
     try {
       // Built (and the names checked) before anything is printed: the names also go into the comment line below.
       text = fenceTriggerSql(
-        { name, ...(schema ? { schema } : {}) },
+        { name, ...(schema === undefined ? {} : { schema }) },
         { sameFence, guardDeletes: values['allow-deletes'] !== true },
       );
     } catch (err) {
@@ -64,7 +67,9 @@ export const fenceTriggerCommand: Command = {
     }
     // A leading newline (drizzle-kit's custom file ends in a comment without one) and a statement
     // breakpoint, so the output can be appended for several tables: each block starts a statement.
-    io.out(`\n--> statement-breakpoint\n-- palisade fence trigger on ${schema ? `${schema}.` : ''}${name}\n${text}`);
+    io.out(
+      `\n--> statement-breakpoint\n-- palisade fence trigger on ${schema === undefined ? '' : `${schema}.`}${name}\n${text}`,
+    );
     return 0;
   },
 };

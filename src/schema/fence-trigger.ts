@@ -200,5 +200,9 @@ function ident(name: string): string {
       'table and schema names must not contain control characters, line separators or lone surrogates',
     );
   }
+  // drizzle's migrator splits a migration file at this text wherever it stands, even inside a quoted name.
+  if (name.includes('--> statement-breakpoint')) {
+    throw new InvalidArgumentError("table and schema names must not contain drizzle's '--> statement-breakpoint'");
+  }
   return `"${name.replaceAll('"', '""')}"`;
 }

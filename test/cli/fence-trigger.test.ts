@@ -120,4 +120,20 @@ describe('palisade fence-trigger', () => {
       expect(run.stderr).not.toContain('DROP TABLE');
     }
   });
+
+  it("refuses drizzle's statement-breakpoint text in a name, an empty table name and an empty --schema: exit 2, no SQL", async () => {
+    // drizzle's migrator splits a file at the breakpoint text even inside a quoted name.
+    for (const [args, message] of [
+      [['fence-trigger', 'w--> statement-breakpoint DROP TABLE victims; --'], /statement-breakpoint/],
+      [['fence-trigger', 'orders', '--schema', 'x--> statement-breakpoint'], /statement-breakpoint/],
+      [['fence-trigger', ''], /table name is empty/],
+      [['fence-trigger', 'orders', '--schema', ''], /--schema is empty/],
+    ] as const) {
+      const run = await runCli([...args]);
+      expect(run.code).toBe(2);
+      expect(run.stdout).toBe('');
+      expect(run.stderr).toMatch(message);
+      expect(run.stderr).not.toContain('DROP TABLE');
+    }
+  });
 });
