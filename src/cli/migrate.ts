@@ -68,7 +68,11 @@ export const migrateCommand: Command = {
     }
     const url = requireDatabaseUrl(io, 'palisade migrate needs the Postgres server to migrate');
     const json = values.json === true;
+    // Once the server has answered (the lock taken or queued for), a closed connection is a failed
+    // migration, not a failed connect.
+    let connected = false;
     const progress = (event: MigrateEvent) => {
+      connected = true;
       if (event.type === 'waiting') io.err('another migrator holds the lock; waiting for it to finish…');
       else if (event.type === 'applying') io.err(`applying ${event.folder} migration ${event.tag}…`);
     };
@@ -89,7 +93,7 @@ export const migrateCommand: Command = {
       else io.out(`applied ${result.applied.length} migrations (${result.skipped.length} were already applied)`);
       return 0;
     } catch (err) {
-      const e = connectionError(err, url);
+      const e = connected ? err : connectionError(err, url);
       if (e instanceof CliError) throw e;
       // The migration lock's name is palisade's own constant: name it (lock errors' messages leave names out).
       if (e instanceof LockUnavailableError) {

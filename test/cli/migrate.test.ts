@@ -156,6 +156,34 @@ describe.runIf(needs('DATABASE_URL'))('palisade migrate from 8 processes at once
     },
   );
 
+  it('a migrator whose connection is terminated while it waits says its migration failed, not that it cannot connect', async () => {
+    const test = await postgresDatabase();
+    const gate = postgres(test.url as string, { max: 1, onnotice: () => {} });
+    try {
+      await gate`select pg_advisory_lock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
+      const cli = startCli(['migrate'], { DATABASE_URL: test.url });
+      let waiter: number | undefined;
+      // Bounded: at most 600 polls of 100 ms.
+      for (let i = 0; i < 600 && waiter === undefined; i++) {
+        const [row] = await gate`
+          select pid from pg_locks where locktype = 'advisory' and not granted
+            and database = (select oid from pg_database where datname = current_database())`;
+        waiter = row?.pid as number | undefined;
+        if (waiter === undefined) await new Promise((r) => setTimeout(r, 100));
+      }
+      expect(waiter).toBeDefined();
+      await gate`select pg_terminate_backend(${waiter as number})`;
+      const run = await cli.done;
+      expect(run.code).toBe(1);
+      const last = run.stderr.trim().split('\n').at(-1);
+      expect(last).toMatch(/^palisade migrate: migration failed, nothing applied: /);
+      expect(last).not.toMatch(/cannot connect/);
+    } finally {
+      await gate.end({ timeout: 5 });
+      await test.close();
+    }
+  });
+
   it('gives up with a clear error when another migrator holds the lock past lockTimeoutMs', async () => {
     const test = await postgresDatabase();
     const gate = postgres(test.url as string, { max: 1, onnotice: () => {} });
