@@ -1,3 +1,4 @@
+import { isDeepStrictEqual } from 'node:util';
 import type { Fence } from '../fencing/fence.js';
 import type { LockManager } from '../fencing/lock-manager.js';
 import type { WriteResult } from '../repo/result.js';
@@ -11,6 +12,14 @@ export interface StaleWriteScenario {
   readonly ttlMs: number;
   /** Your protected write, carrying `fence` to your fenced repository. Called once per holder. */
   readonly write: (fence: Fence, holder: 'first' | 'second') => Promise<WriteResult<unknown>>;
+  /**
+   * Optional: reads back what `write` protects (a row, several, a count).
+   * Then the check also fails when the late write reported `stale` but
+   * changed what `read` returns — a write path that writes something
+   * unfenced before or beside its fenced write. Without it only the
+   * reported result is judged.
+   */
+  readonly read?: () => Promise<unknown>;
 }
 
 /** What happened, for further assertions of your own. */
@@ -26,7 +35,8 @@ export interface StaleWriteOutcome {
  * holder 1 acquires and then "pauses" (does nothing) until its lease is gone;
  * holder 2 acquires a higher fence and writes; holder 1 resumes and writes
  * with its old fence. Throws unless holder 2's write applied and holder 1's
- * late write was refused (`stale`).
+ * late write was refused (`stale`) and, with `read`, left what it reads
+ * unchanged.
  *
  * Proves your write path is fenced for this one interleaving; it does not
  * pause a real process (see the chaos runner for that) or prove safety in
@@ -50,9 +60,16 @@ export async function assertStaleWriteRefused(scenario: StaleWriteScenario): Pro
     const secondResult = await write(second.fence, 'second');
     if (secondResult.status !== 'applied')
       throw new Error(`the second holder's write did not apply: ${secondResult.status}`);
+    const before = scenario.read ? await scenario.read() : undefined;
     const late = await write(first.fence, 'first');
     if (late.status !== 'stale') {
       throw new Error(`the paused holder's late write was not refused as stale: ${late.status} — is the write fenced?`);
+    }
+    if (scenario.read && !isDeepStrictEqual(await scenario.read(), before)) {
+      // No values in the message: they are the caller's data.
+      throw new Error(
+        "the paused holder's late write was reported stale but changed what read() returns — is all of the write fenced?",
+      );
     }
     return { firstFence: first.fence, secondFence: second.fence, second: secondResult, late };
   } finally {

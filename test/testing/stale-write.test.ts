@@ -14,6 +14,7 @@ import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
+import type { Fence } from '../../src/fencing/fence.js';
 import { fenceColumns, fencedRepository, migrate, postgresLockManager } from '../../src/index.js';
 import { assertStaleWriteRefused } from '../../src/testing/index.js';
 
@@ -72,6 +73,32 @@ describe('assertStaleWriteRefused on PGlite with the Postgres lease lock manager
     await expect(
       assertStaleWriteRefused({ manager: locks, lock: 'account:acct-1', ttlMs: 200, write: unfenced }),
     ).rejects.toThrow(/late write was not refused as stale: applied — is the write fenced\?/);
+    await locks.close();
+  });
+
+  it('with read, fails for a write path that writes something unfenced before its fenced write', async () => {
+    const locks = postgresLockManager({ client: db, namespace: 'my-app-tests-half-fenced' });
+    const repo = fencedRepository(db, accounts);
+    // An unfenced bump, then the fenced modify: the late holder's result says "stale", its bump landed.
+    const halfFenced = async (fence: Fence) => {
+      await db
+        .update(accounts)
+        .set({ balance: sql`${accounts.balance} + 1` })
+        .where(eq(accounts.id, 'acct-1'));
+      return repo.modify({ id: 'acct-1' }, fence, (row) => ({ balance: row.balance + 10 }));
+    };
+    const read = () => repo.get({ id: 'acct-1' });
+
+    const withoutRead = await assertStaleWriteRefused({
+      manager: locks,
+      lock: 'account:half',
+      ttlMs: 200,
+      write: halfFenced,
+    });
+    expect(withoutRead.late.status).toBe('stale'); // the reported result alone cannot tell
+    await expect(
+      assertStaleWriteRefused({ manager: locks, lock: 'account:half', ttlMs: 200, write: halfFenced, read }),
+    ).rejects.toThrow(/reported stale but changed what read\(\) returns/);
     await locks.close();
   });
 });
