@@ -141,7 +141,8 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
   let waited = false;
   await transaction(db, async (tx) => {
     // Whatever the database's default: a replica that waited for the lock must read what the one
-    // before it committed, which a snapshot taken before the wait (REPEATABLE READ) cannot see.
+    // before it committed, which a snapshot taken before the wait (REPEATABLE READ) cannot see. In a
+    // caller's READ COMMITTED transaction this changes nothing (Postgres refuses only a change of level).
     await tx.execute(sql`set transaction isolation level read committed`);
     // `create … if not exists` on a rerun would emit NOTICEs, which postgres.js prints by default.
     await execute(tx, sql`select set_config('client_min_messages', 'warning', true)`);
