@@ -2,8 +2,9 @@ import { existsSync, readFileSync, statSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
-import { sql } from 'drizzle-orm';
+import { is, sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
+import { PgTransaction } from 'drizzle-orm/pg-core';
 import { assertSupportedDriver, type Database, execute, transaction } from './driver.js';
 import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from './errors.js';
 import { sqlStateOf } from './server-error.js';
@@ -139,11 +140,13 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
   const applied: MigrationInfo[] = [];
   const skipped: MigrationInfo[] = [];
   let waited = false;
+  const inCallersTransaction = is(db, PgTransaction);
   await transaction(db, async (tx) => {
     // Whatever the database's default: a replica that waited for the lock must read what the one
-    // before it committed, which a snapshot taken before the wait (REPEATABLE READ) cannot see. In a
-    // caller's READ COMMITTED transaction this changes nothing (Postgres refuses only a change of level).
-    await tx.execute(sql`set transaction isolation level read committed`);
+    // before it committed, which a snapshot taken before the wait (REPEATABLE READ) cannot see. Only
+    // in a transaction of our own: a caller's transaction keeps the level it chose (Postgres refuses
+    // a change of level in a savepoint or after a query).
+    if (!inCallersTransaction) await tx.execute(sql`set transaction isolation level read committed`);
     // `create … if not exists` on a rerun would emit NOTICEs, which postgres.js prints by default.
     await execute(tx, sql`select set_config('client_min_messages', 'warning', true)`);
     const [free] = await execute(tx, sql`select pg_try_advisory_xact_lock(${MIGRATE_LOCK_KEY}) as locked`);

@@ -6,7 +6,7 @@
 import { existsSync } from 'node:fs';
 import { resolve } from 'node:path';
 import type { Database } from '../driver.js';
-import { CliError, LockUnavailableError, PalisadeError } from '../errors.js';
+import { CliError, InvalidArgumentError, LockUnavailableError, PalisadeError } from '../errors.js';
 import { type MigrateEvent, migrate } from '../migrate.js';
 import {
   type Command,
@@ -95,6 +95,8 @@ export const migrateCommand: Command = {
     } catch (err) {
       const e = connected ? err : connectionError(err, url);
       if (e instanceof CliError) throw e;
+      // Refused before any query (an option migrate() rejects): bad usage.
+      if (e instanceof InvalidArgumentError) throw new CliError(e.message, 2);
       // The migration lock's name is palisade's own constant: name it (lock errors' messages leave names out).
       if (e instanceof LockUnavailableError) {
         throw new CliError(

@@ -10,7 +10,7 @@ import { type SQL, sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
 import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
-import { count, execute } from '../../src/driver.js';
+import { count, type Database, execute } from '../../src/driver.js';
 import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from '../../src/errors.js';
 import { MIGRATE_LOCK_KEY, migrate, PALISADE_MIGRATIONS } from '../../src/migrate.js';
 import { killAllCli, runCli, startCli } from '../support/cli.js';
@@ -226,6 +226,13 @@ describe('palisade migrate: usage errors', () => {
     expect(run.code).toBe(2);
     expect(run.stderr).toMatch(/is not a drizzle-kit migrations folder/);
   });
+
+  it("refuses palisade's own records table as --migrations-table, exit 2", async () => {
+    const run = await runCli(['migrate', '--migrations-table', '__palisade_migrations'], {
+      DATABASE_URL: 'postgres://127.0.0.1:1/none',
+    });
+    expect({ code: run.code, stderr: run.stderr }).toMatchObject({ code: 2, stderr: /is palisade's own/ });
+  });
 });
 
 describe('migrate(): a bad folder is a setup error naming the path, before any query', () => {
@@ -275,6 +282,27 @@ describe('migrate(): a bad folder is a setup error naming the path, before any q
       await test.close();
     }
   });
+});
+
+describe("migrate() inside the caller's own transaction", () => {
+  it.each(['read committed', 'repeatable read', 'serializable'] as const)(
+    'keeps the level the caller chose (%s) and applies',
+    async (isolationLevel) => {
+      const test = await pgliteDatabase();
+      try {
+        const applied = await test.db.transaction(
+          async (tx) => {
+            await tx.execute(sql`select 1`);
+            return (await migrate(tx as unknown as Database)).applied.length;
+          },
+          { isolationLevel },
+        );
+        expect(applied).toBe(palisadeCount);
+      } finally {
+        await test.close();
+      }
+    },
+  );
 });
 
 describe.runIf(needs('DATABASE_URL'))('migrate() on postgres.js emits no NOTICE', () => {

@@ -245,6 +245,14 @@ describe.runIf(needs('DATABASE_URL'))('Postgres backends: waits are bounded on t
       const tried = await settleWithin(fresh().tryAcquire('job', { ttlMs: 60_000 }), 20_000);
       expect(tried.settled).toBe(true);
       expect(tried.settled ? tried.value : undefined).toBeNull();
+      // The first read is shared by a manager's concurrent first grants: one that joins a longer
+      // wait's read still answers by its own wait.
+      const patient = fresh();
+      const long = patient.acquire('other', { ttlMs: 60_000, waitMs: 60_000 });
+      long.catch(() => {});
+      const joined = await settleWithin(patient.tryAcquire('job', { ttlMs: 60_000 }), 20_000);
+      expect(joined.settled).toBe(true);
+      expect(joined.settled ? joined.value : undefined).toBeNull();
 
       const locks = fresh();
       const { waited, early, outcome } = await acquireWhileBlocked(() =>
@@ -259,6 +267,7 @@ describe.runIf(needs('DATABASE_URL'))('Postgres backends: waits are bounded on t
       const next = await locks.tryAcquire('job', { ttlMs: 60_000 });
       expect(next).not.toBeNull();
       await next?.release();
+      await (await long).release(); // the blocker has committed: the patient acquire got its lock
     },
   );
 

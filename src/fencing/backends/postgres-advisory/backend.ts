@@ -17,6 +17,7 @@ import { PgDialect } from 'drizzle-orm/pg-core';
 import type postgres from 'postgres';
 import { int8, listen, type RawRow, translateError } from '../../../driver.js';
 import {
+  CommandTimeoutError,
   ForeignLockError,
   InvalidArgumentError,
   LockManagerClosedError,
@@ -203,9 +204,11 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     if (mine) return mine.name === name ? mine.grant : null;
     if (closed) throw new LockManagerClosedError('advisory lock manager');
     try {
-      await ensureReady(wait);
+      // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
+      await withinMs('Postgres advisory grant', wait, () => ensureReady(wait));
     } catch (err) {
-      if (sqlStateOf(err) === '55P03') return null; // an operator's lock outlasted this attempt's wait
+      // An operator's lock outlasted this attempt's wait.
+      if (sqlStateOf(err) === '55P03' || err instanceof CommandTimeoutError) return null;
       throw err;
     }
     if (abandoned.aborted) return null; // the call already failed: take no session for nobody

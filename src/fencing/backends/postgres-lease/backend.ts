@@ -35,7 +35,7 @@ import {
   listenClientOf,
   type RawRow,
 } from '../../../driver.js';
-import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import { CommandTimeoutError, InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
 import { prepared } from '../../../prepared.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
@@ -240,9 +240,11 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
   ): Promise<Grant | null> {
     let source: string;
     try {
-      source = await ensureSafeSequence(wait);
+      // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
+      source = await withinMs('Postgres lease grant', wait, () => ensureSafeSequence(wait));
     } catch (err) {
-      if (sqlStateOf(err) === LOCK_NOT_AVAILABLE) return null; // an operator's lock outlasted this attempt's wait
+      // An operator's lock outlasted this attempt's wait.
+      if (sqlStateOf(err) === LOCK_NOT_AVAILABLE || err instanceof CommandTimeoutError) return null;
       throw err;
     }
     if (abandoned.aborted) return null; // the call already failed: send no grant nobody awaits
