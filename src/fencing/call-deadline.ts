@@ -12,15 +12,11 @@ import { atDeadline, cancelDeadline } from './deadlines.js';
  * @internal Runs `run` and rejects with {@link CommandTimeoutError} if it
  * has not settled within `ms`. The work goes on where it is (a statement
  * already sent may still run): `abandoned` aborts at the deadline, so `run`
- * can stop before its next step, and `late` receives what it resolves with
- * afterwards (a grant nobody awaits any more, to give back).
+ * can stop before its next step. What it settles with afterwards is
+ * dropped: a grant that lands late is the lock manager's to give back (it
+ * releases the token of every attempt that failed).
  */
-export function withinMs<T>(
-  what: string,
-  ms: number,
-  run: (abandoned: AbortSignal) => Promise<T>,
-  late?: (value: T) => void,
-): Promise<T> {
+export function withinMs<T>(what: string, ms: number, run: (abandoned: AbortSignal) => Promise<T>): Promise<T> {
   const abandoned = new AbortController();
   return new Promise<T>((resolve, reject) => {
     const deadline = atDeadline(performance.now() + ms, () => {
@@ -37,10 +33,7 @@ export function withinMs<T>(
     }
     work.then(
       (value) => {
-        if (abandoned.signal.aborted) {
-          late?.(value);
-          return;
-        }
+        if (abandoned.signal.aborted) return;
         cancelDeadline(deadline);
         resolve(value);
       },

@@ -21,15 +21,16 @@ export const MIN_GRANT_LOCK_WAIT_MS = 50;
 /** Default bound (`lockTimeoutMs`) of a database lock wait inside extend, release and inspect on the Postgres backends. */
 export const DEFAULT_LOCK_TIMEOUT_MS = 5_000;
 
-/** Default `commandTimeoutMs` of the Postgres backends: what a call may take beyond its server-side lock wait. */
-export const DEFAULT_POSTGRES_COMMAND_TIMEOUT_MS = 10_000;
+/** Default `commandTimeoutMs` of the Postgres backends: how long a call may take past its server-side lock wait. */
+export const POSTGRES_COMMAND_TIMEOUT_MS = 10_000;
 
 /**
- * @internal Checks a Postgres manager's `commandTimeoutMs` (1 … 600,000 ms).
+ * @internal Checks a lock manager's `commandTimeoutMs` (an integer in 1 …
+ * 600,000 ms; the Redis and Postgres managers), `fallback` when absent.
  * @throws {InvalidArgumentError}
  */
-export function checkCommandTimeout(value: unknown): number {
-  const ms = value ?? DEFAULT_POSTGRES_COMMAND_TIMEOUT_MS;
+export function checkCommandTimeout(value: unknown, fallback: number): number {
+  const ms = value ?? fallback;
   if (!Number.isInteger(ms) || (ms as number) < 1 || (ms as number) > 600_000) {
     throw new InvalidArgumentError('commandTimeoutMs must be an integer in 1 … 600,000');
   }

@@ -23,7 +23,8 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // no moment exists in which a lower fence could recreate a row. The delete re-checks `ctid` on the
   // row it waited for: a tombstone resurrected meanwhile has a new version (a new ctid) and stays.
   // A ctid names a row only within one partition (or inheritance child): each is matched with its
-  // `tableoid`, while `ctid = any(…)` keeps the delete a TID scan.
+  // `tableoid` (the join runs as a TID scan). `ctid = any(…)` stays as a plain filter, the condition
+  // Postgres re-evaluates on the newest version of a row it waited for.
   return sql`with picked as materialized (
       select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}
     ),

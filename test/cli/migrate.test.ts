@@ -18,6 +18,14 @@ import { drivers, pgliteDatabase, postgresDatabase, type TestDatabase } from '..
 import { needs } from '../support/services.js';
 
 const APP_MIGRATIONS = 'test/fixtures/app/drizzle';
+/** The backends of this database queued for an advisory lock (the migration lock, in these tests). */
+async function waitingMigrators(gate: postgres.Sql): Promise<number[]> {
+  const rows = await gate`
+    select pid from pg_locks where locktype = 'advisory' and not granted
+      and database = (select oid from pg_database where datname = current_database())`;
+  return rows.map((r) => Number(r.pid));
+}
+
 const palisadeCount = readMigrationFiles({ migrationsFolder: PALISADE_MIGRATIONS }).length;
 const appCount = readMigrationFiles({ migrationsFolder: APP_MIGRATIONS }).length;
 const REPLICAS = 8;
@@ -114,11 +122,7 @@ describe.runIf(needs('DATABASE_URL'))('palisade migrate from 8 processes at once
         let waiting = 0;
         // Bounded: at most 600 polls of 100 ms (a minute on a slow machine).
         for (let i = 0; i < 600 && waiting < REPLICAS && !exitedEarly; i++) {
-          const [row] = await gate`
-          select count(*)::int as n from pg_locks
-          where locktype = 'advisory' and not granted
-            and database = (select oid from pg_database where datname = current_database())`;
-          waiting = Number(row?.n);
+          waiting = (await waitingMigrators(gate)).length;
           if (waiting < REPLICAS) await new Promise((r) => setTimeout(r, 100));
         }
         expect(exitedEarly).toBe(false);
@@ -165,10 +169,7 @@ describe.runIf(needs('DATABASE_URL'))('palisade migrate from 8 processes at once
       let waiter: number | undefined;
       // Bounded: at most 600 polls of 100 ms.
       for (let i = 0; i < 600 && waiter === undefined; i++) {
-        const [row] = await gate`
-          select pid from pg_locks where locktype = 'advisory' and not granted
-            and database = (select oid from pg_database where datname = current_database())`;
-        waiter = row?.pid as number | undefined;
+        waiter = (await waitingMigrators(gate))[0];
         if (waiter === undefined) await new Promise((r) => setTimeout(r, 100));
       }
       expect(waiter).toBeDefined();

@@ -34,6 +34,7 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
   let proxy: Worker;
   let client: postgres.Sql;
   let manager: LockManager;
+  let namespace: string;
 
   beforeEach(async () => {
     test = await scenarioDatabase();
@@ -42,7 +43,8 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
     const { port } = await proxy.next((m) => m.event === 'listening');
     url.host = `127.0.0.1:${port}`;
     client = postgres(url.toString(), { max: 2, onnotice: () => {} });
-    manager = (managers[kind] as (typeof managers)[string])(client, uniqueNamespace('frozen'));
+    namespace = uniqueNamespace('frozen');
+    manager = (managers[kind] as (typeof managers)[string])(client, namespace);
   });
   afterEach(async () => {
     await killAllWorkers(); // the proxy: its sockets close, the pending statements fail
@@ -79,6 +81,24 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
       return 42;
     });
     expect(result).toBe(42);
+  });
+
+  it('a grant whose call timed out and that lands once the connection answers again is given back', async () => {
+    await (await manager.acquire('warm-up', { ttlMs: 60_000 })).release(); // the one-time checks are done
+    proxy.pause();
+    await expect(manager.tryAcquire('late', { ttlMs: 600_000 })).rejects.toBeInstanceOf(CommandTimeoutError);
+    proxy.resume(); // the grant still queued on the connection now runs
+    // Another process's view, on a connection of its own: were the late grant kept, its TTL (600 s)
+    // would outlast this wait (60 s) and the acquire would time out.
+    const direct = postgres(test.url as string, { max: 2, onnotice: () => {} });
+    const other = (managers[kind] as (typeof managers)[string])(direct, namespace);
+    try {
+      const lease = await other.acquire('late', { ttlMs: 5_000, waitMs: 60_000 });
+      await lease.release();
+    } finally {
+      await other.close();
+      await direct.end({ timeout: 5 });
+    }
   });
 
   it('tryAcquire and inspect fail with CommandTimeoutError', async () => {

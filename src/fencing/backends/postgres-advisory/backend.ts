@@ -37,6 +37,7 @@ import {
   DEFAULT_LOCK_TIMEOUT_MS,
   MAX_WAIT_MS,
   MIN_GRANT_LOCK_WAIT_MS,
+  POSTGRES_COMMAND_TIMEOUT_MS,
   SERVER_WAIT_GRACE_MS,
 } from '../../options.js';
 import { RELEASE_CHANNEL, ReleaseListener, releasePayload } from '../../release-listener.js';
@@ -93,7 +94,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
   if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_WAIT_MS) {
     throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_WAIT_MS}`);
   }
-  const commandTimeoutMs = checkCommandTimeout(options.commandTimeoutMs);
+  const commandTimeoutMs = checkCommandTimeout(options.commandTimeoutMs, POSTGRES_COMMAND_TIMEOUT_MS);
   // Extend, release and inspect wait at most lockTimeoutMs for a database lock, then commandTimeoutMs more.
   const callMs = lockTimeoutMs + commandTimeoutMs;
   const idle: Session[] = [];
@@ -203,13 +204,16 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     const mine = held.get(token);
     if (mine) return mine.name === name ? mine.grant : null;
     if (closed) throw new LockManagerClosedError('advisory lock manager');
-    try {
-      // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
-      await withinMs('Postgres advisory grant', wait, () => ensureReady(wait));
-    } catch (err) {
-      // An operator's lock outlasted this attempt's wait.
-      if (sqlStateOf(err) === '55P03' || err instanceof CommandTimeoutError) return null;
-      throw err;
+    // Known once the one-time checks are done (`source` is set last): no wrapper on later grants.
+    if (source === '') {
+      try {
+        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
+        await withinMs('Postgres advisory grant', wait, () => ensureReady(wait));
+      } catch (err) {
+        // An operator's lock outlasted this attempt's wait.
+        if (sqlStateOf(err) === '55P03' || err instanceof CommandTimeoutError) return null;
+        throw err;
+      }
     }
     if (abandoned.aborted) return null; // the call already failed: take no session for nobody
     const key = advisoryKey(ns, name);
@@ -255,14 +259,8 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
 
     grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
-      return withinMs(
-        'Postgres advisory grant',
-        wait + commandTimeoutMs,
-        (abandoned) => grantOnce(name, token, ttlMs, holder, wait, abandoned),
-        // Granted after the call failed (its session was being ended): nobody holds this token.
-        (late) => {
-          if (late) void backend.release(name, token).catch(() => {});
-        },
+      return withinMs('Postgres advisory grant', wait + commandTimeoutMs, (abandoned) =>
+        grantOnce(name, token, ttlMs, holder, wait, abandoned),
       );
     },
 

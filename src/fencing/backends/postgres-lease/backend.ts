@@ -49,6 +49,7 @@ import {
   DEFAULT_LOCK_TIMEOUT_MS,
   MAX_WAIT_MS,
   MIN_GRANT_LOCK_WAIT_MS,
+  POSTGRES_COMMAND_TIMEOUT_MS,
   SERVER_WAIT_GRACE_MS,
 } from '../../options.js';
 import { RELEASE_CHANNEL, ReleaseListener, releasePayload } from '../../release-listener.js';
@@ -196,16 +197,18 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
   if (!Number.isInteger(lockTimeoutMs) || lockTimeoutMs < 1 || lockTimeoutMs > MAX_WAIT_MS) {
     throw new InvalidArgumentError(`lockTimeoutMs must be an integer in 1 … ${MAX_WAIT_MS}`);
   }
-  const commandTimeoutMs = checkCommandTimeout(options.commandTimeoutMs);
+  const commandTimeoutMs = checkCommandTimeout(options.commandTimeoutMs, POSTGRES_COMMAND_TIMEOUT_MS);
   const client = options.listen === false ? undefined : (options.listen ?? listenClientOf(db));
   const listener = new ReleaseListener(client ? (onPayload) => listen(client, RELEASE_CHANNEL, onPayload) : undefined);
   let ready: Promise<string> | undefined;
+  let knownSource: string | undefined;
 
   // The sequence's safety and this database's fence source id, learnt once before the first grant;
   // a lock on palisade.fence_sources is waited for no longer than the grant would wait.
   const ensureSafeSequence = (lockWaitMs: number): Promise<string> => {
     ready ??= checkFenceSequence(db)
       .then(() => databaseSourceId(db, lockWaitMs))
+      .then((id) => (knownSource = id))
       .catch((err: unknown) => {
         ready = undefined; // re-check next time: the failure may be transient
         throw err;
@@ -238,14 +241,16 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     wait: number,
     abandoned: AbortSignal,
   ): Promise<Grant | null> {
-    let source: string;
-    try {
-      // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
-      source = await withinMs('Postgres lease grant', wait, () => ensureSafeSequence(wait));
-    } catch (err) {
-      // An operator's lock outlasted this attempt's wait.
-      if (sqlStateOf(err) === LOCK_NOT_AVAILABLE || err instanceof CommandTimeoutError) return null;
-      throw err;
+    let source = knownSource;
+    if (source === undefined) {
+      try {
+        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
+        source = await withinMs('Postgres lease grant', wait, () => ensureSafeSequence(wait));
+      } catch (err) {
+        // An operator's lock outlasted this attempt's wait.
+        if (sqlStateOf(err) === LOCK_NOT_AVAILABLE || err instanceof CommandTimeoutError) return null;
+        throw err;
+      }
     }
     if (abandoned.aborted) return null; // the call already failed: send no grant nobody awaits
     let rows: RawRow[];
@@ -265,29 +270,14 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     return fence === null ? null : { fence: toFence(fence), source };
   }
 
-  const releaseSent = (name: string, token: string) =>
-    prepared(db, 'palisade.leases.release', releaseSql).rows({
-      ns,
-      name,
-      token,
-      payload: releasePayload(ns, name),
-      wait: lockTimeoutMs,
-    });
-
   return {
     kind: 'postgres',
     namespace: ns,
 
     grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
-      return withinMs(
-        'Postgres lease grant',
-        wait + commandTimeoutMs,
-        (abandoned) => grantOnce(name, token, ttlMs, holder, wait, abandoned),
-        // Granted after the call failed: nobody holds this token, give the lock back.
-        (late) => {
-          if (late) retryingConflicts(() => releaseSent(name, token)).catch(() => {});
-        },
+      return withinMs('Postgres lease grant', wait + commandTimeoutMs, (abandoned) =>
+        grantOnce(name, token, ttlMs, holder, wait, abandoned),
       );
     },
 
@@ -299,7 +289,10 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     },
 
     async release(name, token) {
-      const rows = await bounded(name, 'release', () => releaseSent(name, token));
+      const payload = releasePayload(ns, name);
+      const rows = await bounded(name, 'release', () =>
+        prepared(db, 'palisade.leases.release', releaseSql).rows({ ns, name, token, payload, wait: lockTimeoutMs }),
+      );
       return rows.length > 0;
     },
 

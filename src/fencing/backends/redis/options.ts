@@ -6,6 +6,7 @@ import type { Cluster, Redis } from 'ioredis';
 import type { Database } from '../../../driver.js';
 import { InvalidArgumentError } from '../../../errors.js';
 import type { ClaimRegistersOption } from '../../eager-claim.js';
+import { checkCommandTimeout } from '../../options.js';
 
 const DEFAULT_COMMAND_TIMEOUT_MS = 5_000;
 
@@ -83,10 +84,7 @@ export function checkRedisOptions(options: RedisLockManagerOptions): CheckedRedi
   if (epochs !== undefined && (epochs === null || typeof epochs.execute !== 'function')) {
     throw new InvalidArgumentError('epochs must be a drizzle Postgres database');
   }
-  const timeoutMs = options.commandTimeoutMs ?? DEFAULT_COMMAND_TIMEOUT_MS;
-  if (!Number.isInteger(timeoutMs) || timeoutMs < 1 || timeoutMs > 600_000) {
-    throw new InvalidArgumentError('commandTimeoutMs must be an integer in 1 … 600,000');
-  }
+  const timeoutMs = checkCommandTimeout(options.commandTimeoutMs, DEFAULT_COMMAND_TIMEOUT_MS);
   const allowFresh = options.allowFreshCounter === true;
   if (allowFresh && epochs) throw new InvalidArgumentError('allowFreshCounter only applies without epochs');
   return { client, namespace: options.namespace, epochs, allowFresh, timeoutMs };
