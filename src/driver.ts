@@ -9,8 +9,14 @@
  * which Postgres truncates to 63 bytes). Everything above this module sees
  * plain row objects, bigints and {@link PalisadeError}s.
  */
-import { entityKind, type SQL } from 'drizzle-orm';
-import type { PgDatabase, PgDialect, PgQueryResultHKT, PgSession } from 'drizzle-orm/pg-core';
+import { entityKind, is, type SQL } from 'drizzle-orm';
+import {
+  type PgDatabase,
+  type PgDialect,
+  type PgQueryResultHKT,
+  type PgSession,
+  PgTransaction,
+} from 'drizzle-orm/pg-core';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import { type EventClient, guardedTransaction, heardTransaction } from './lost-connection.js';
 import { describeServerError, originalError, sqlStateOf } from './server-error.js';
@@ -66,6 +72,11 @@ export function assertSupportedDriver(db: unknown, who: string): asserts db is D
     `${who} needs a drizzle database or transaction on postgres-js, node-postgres or pglite` +
       (typeof kind === 'string' ? ` (got a ${kind})` : ' (got something that is not a drizzle Postgres database)'),
   );
+}
+
+/** Whether `db` is a drizzle transaction (or savepoint) rather than a database. */
+export function isTransaction(db: unknown): boolean {
+  return db !== null && typeof db === 'object' && is(db, PgTransaction);
 }
 
 /**

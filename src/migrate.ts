@@ -2,10 +2,9 @@ import { existsSync, readFileSync, statSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { fileURLToPath } from 'node:url';
-import { is, sql } from 'drizzle-orm';
+import { sql } from 'drizzle-orm';
 import { readMigrationFiles } from 'drizzle-orm/migrator';
-import { PgTransaction } from 'drizzle-orm/pg-core';
-import { assertSupportedDriver, type Database, execute, transaction } from './driver.js';
+import { assertSupportedDriver, type Database, execute, isTransaction, transaction } from './driver.js';
 import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from './errors.js';
 import { sqlStateOf } from './server-error.js';
 import { recordMigrateWait } from './telemetry/otel.js';
@@ -140,7 +139,7 @@ export async function migrate(db: Database, options: MigrateOptions = {}): Promi
   const applied: MigrationInfo[] = [];
   const skipped: MigrationInfo[] = [];
   let waited = false;
-  const inCallersTransaction = is(db, PgTransaction);
+  const inCallersTransaction = isTransaction(db);
   await transaction(db, async (tx) => {
     // Whatever the database's default: a replica that waited for the lock must read what the one
     // before it committed, which a snapshot taken before the wait (REPEATABLE READ) cannot see. Only

@@ -32,6 +32,7 @@ import { afterAll, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../src/driver.js';
 import { InvalidArgumentError, PalisadeError } from '../src/errors.js';
 import { postgresLockManager } from '../src/fencing/backends/postgres-lease/backend.js';
+import { redisLockManager } from '../src/fencing/backends/redis/manager.js';
 import { type Fence, MAX_FENCE, toFence } from '../src/fencing/fence.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
 import { MAX_TTL_MS } from '../src/fencing/options.js';
@@ -703,6 +704,41 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
         expectInvalid(err);
       }
     } finally {
+      await client.close();
+    }
+  });
+
+  it('a transaction is refused as the lease client and as the Redis epochs database: its grants and epochs would be seen by no other process', async () => {
+    const client = new PGlite();
+    // Never connects: the options are refused before anything is sent.
+    const redis = new Redis({ lazyConnect: true, host: '127.0.0.1', port: 1 });
+    try {
+      const db = drizzlePglite(client) as unknown as Database;
+      await migrate(db);
+      const errors = await db.transaction(async (tx) => {
+        const caught: unknown[] = [];
+        for (const make of [
+          () => postgresLockManager({ client: tx as unknown as Database, namespace: 'ns' }),
+          () => redisLockManager({ client: redis, namespace: 'ns', epochs: tx as unknown as Database }),
+        ]) {
+          try {
+            make();
+            caught.push(undefined);
+          } catch (e) {
+            caught.push(e);
+          }
+        }
+        return caught;
+      });
+      for (const err of errors) {
+        expectInvalid(err);
+        expect((err as Error).message).toMatch(/not a transaction/);
+      }
+      // The database itself is accepted by both.
+      postgresLockManager({ client: db, namespace: 'ns', listen: false });
+      await redisLockManager({ client: redis, namespace: 'ns', epochs: db }).close();
+    } finally {
+      redis.disconnect();
       await client.close();
     }
   });

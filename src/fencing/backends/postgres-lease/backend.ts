@@ -30,6 +30,7 @@ import {
   type Database,
   int8,
   isListenClient,
+  isTransaction,
   type ListenClient,
   listen,
   listenClientOf,
@@ -60,8 +61,8 @@ import { databaseSourceId } from '../../source.js';
 export interface PostgresLockManagerOptions {
   /**
    * A drizzle database (postgres-js or PGlite) where `migrate()` has run.
-   * Pass the database, not a transaction: a grant made inside an open
-   * transaction is invisible to other processes until it commits.
+   * The database, not a transaction (refused): a grant made inside an open
+   * transaction would be invisible to other processes until it commits.
    */
   readonly client: Database;
   /** Locks and their names are scoped to this string (at most 256 UTF-8 bytes). Fences are shared by every namespace. */
@@ -180,12 +181,17 @@ function isDrizzlePostgres(value: unknown): value is Database {
  *
  * Does not: keep a lease alive by itself (that is the lease's watchdog), or
  * notice a paused holder — expiry does.
- * @throws {InvalidArgumentError} for a bad namespace, a `db` that is not a drizzle Postgres database, or a
- *   `listen` that is neither `false` nor a client that can LISTEN — at once, before any query.
+ * @throws {InvalidArgumentError} for a bad namespace, a `client` that is not a drizzle Postgres database
+ *   (or is a transaction), or a `listen` that is neither `false` nor a client that can LISTEN — at once,
+ *   before any query.
  */
 export function postgresLockBackend(options: PostgresLockManagerOptions): LockBackend {
   if (options === null || typeof options !== 'object' || !isDrizzlePostgres(options.client)) {
     throw new InvalidArgumentError('postgresLockManager needs { client, namespace } with a drizzle Postgres database');
+  }
+  if (isTransaction(options.client)) {
+    // Its grants would be invisible to every other holder until it commits, and gone if it rolls back.
+    throw new InvalidArgumentError('postgresLockManager needs the database as client, not a transaction');
   }
   const db = options.client;
   const ns = checkNamespace(options.namespace);

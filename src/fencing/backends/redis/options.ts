@@ -3,7 +3,7 @@
  * managers → Redis) is the manual.
  */
 import type { Cluster, Redis } from 'ioredis';
-import type { Database } from '../../../driver.js';
+import { type Database, isTransaction } from '../../../driver.js';
 import { InvalidArgumentError } from '../../../errors.js';
 import type { ClaimRegistersOption } from '../../eager-claim.js';
 import { checkCommandTimeout } from '../../options.js';
@@ -31,6 +31,7 @@ export interface RedisLockManagerOptions {
    * A drizzle Postgres database where palisade is migrated: the durable floor
    * for fences. When the Redis counter is lost, a new epoch is taken from
    * `palisade.epoch_seq`. Strongly recommended; see {@link allowFreshCounter}.
+   * The database, not a transaction (refused).
    */
   readonly epochs?: Database;
   /**
@@ -83,6 +84,10 @@ export function checkRedisOptions(options: RedisLockManagerOptions): CheckedRedi
   }
   if (epochs !== undefined && (epochs === null || typeof epochs.execute !== 'function')) {
     throw new InvalidArgumentError('epochs must be a drizzle Postgres database');
+  }
+  // What it records is for every process: a transaction would hide it until it commits, or lose it.
+  if (epochs !== undefined && isTransaction(epochs)) {
+    throw new InvalidArgumentError('epochs must be a drizzle Postgres database, not a transaction');
   }
   const timeoutMs = checkCommandTimeout(options.commandTimeoutMs, DEFAULT_COMMAND_TIMEOUT_MS);
   const allowFresh = options.allowFreshCounter === true;
