@@ -708,7 +708,7 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
     }
   });
 
-  it('a transaction is refused as the lease client and as the Redis epochs database: its grants and epochs would be seen by no other process', async () => {
+  it('a transaction is refused as the lease client, the Redis epochs database and claimRegisters.db: what it records would be seen by no other process', async () => {
     const client = new PGlite();
     // Never connects: the options are refused before anything is sent.
     const redis = new Redis({ lazyConnect: true, host: '127.0.0.1', port: 1 });
@@ -720,6 +720,7 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
         for (const make of [
           () => postgresLockManager({ client: tx as unknown as Database, namespace: 'ns' }),
           () => redisLockManager({ client: redis, namespace: 'ns', epochs: tx as unknown as Database }),
+          () => postgresLockManager({ client: db, namespace: 'ns', claimRegisters: { db: tx as unknown as Database } }),
         ]) {
           try {
             make();

@@ -3,7 +3,7 @@
  * grants do not claim the lock's register themselves (README, "Two scopes
  * of fencing", "When each backend claims").
  */
-import { assertSupportedDriver, type Database } from '../driver.js';
+import { assertSupportedDriver, type Database, isTransaction } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../errors.js';
 import { claimLock } from '../repo/lock-scope.js';
 import { forwardTo, type Grant, type LockBackend } from './backend.js';
@@ -20,13 +20,15 @@ export interface ClaimRegistersOption {
 
 /**
  * @internal Checks a `claimRegisters` option.
- * @throws {InvalidArgumentError} unless it is `{ db }` with a drizzle Postgres database.
+ * @throws {InvalidArgumentError} unless it is `{ db }` with a drizzle Postgres database (not a transaction).
  */
 export function checkClaimRegisters(value: unknown): ClaimRegistersOption | undefined {
   if (value === undefined) return undefined;
   if (value === null || typeof value !== 'object') throw new InvalidArgumentError('claimRegisters must be { db }');
   const db = (value as { db?: unknown }).db;
   assertSupportedDriver(db, 'claimRegisters.db');
+  // A claim in a transaction would refuse no stale write until it commits, and none if it rolls back.
+  if (isTransaction(db)) throw new InvalidArgumentError('claimRegisters.db must be the database, not a transaction');
   return { db };
 }
 
