@@ -28,11 +28,15 @@ export interface MeasureOptions {
   /** Time per case per round (ms): one block. */
   readonly timeMs: number;
   /**
-   * A full collection between rounds (with `--expose-gc`), so that no case
-   * pays for another's garbage. Default true; false measures each case
-   * with only the collections its own blocks set off (a diagnostic).
+   * The collection between rounds (with `--expose-gc`), so that no case
+   * pays for the young garbage of another: `minor` (the default) empties
+   * the young generation; `full` is a full mark-compact, which also makes
+   * V8 throw away optimized code that embedded objects that died ("weak
+   * objects" deoptimizations: ~300 per 60 rounds of two write cases),
+   * so every case is compiled again each round — a cost a process that
+   * collects fully every few hundred ms would pay, no user's (a diagnostic).
    */
-  readonly forcedGc?: boolean;
+  readonly collection?: 'minor' | 'full';
 }
 
 /** Medians over rounds. Latencies in ms. */
@@ -63,9 +67,11 @@ export async function compare(cases: readonly Case[], opts: MeasureOptions): Pro
     await block(c, opts.concurrency, WARMUP_MS, undefined);
   }
   for (let round = 0; round < opts.rounds; round++) {
-    // The garbage of the last round is collected between rounds, not on a case's time
+    // The young garbage of the last round is collected between rounds, not on a case's time
     // (`npm run bench` runs node with --expose-gc).
-    if (opts.forcedGc !== false) (globalThis as { gc?: () => void }).gc?.();
+    (globalThis as { gc?: (o?: { type: 'minor' }) => void }).gc?.(
+      opts.collection === 'full' ? undefined : { type: 'minor' },
+    );
     for (let k = 0; k < cases.length; k++) {
       const i = (k + round) % cases.length;
       const c = cases[i] as Case;

@@ -106,7 +106,7 @@ export function renderMarkdown(meta: RunMeta, report: Report): string {
   lines.push(`Load average: ${meta.loadAverage}. Redis: ${meta.redisServer}.`, '');
   lines.push(
     'All numbers come from this one run; compare the ratios, not the absolute numbers (a shared 2-core machine).',
-    'Each comparison: short blocks (60 ms at full scale) of every case, rotated, over many rounds; a ratio is the median of the per-round ratios, with their min–max, and an A/A control row shows the noise floor where a table has one. p50/p99 are per call; per-round numbers are in latest.json. The library runs compiled by tsc, as published. Regenerate with `npm run bench`.',
+    'Each comparison: short blocks (60 ms at full scale) of every case, rotated, over many rounds, the young generation collected between rounds; a ratio is the median of the per-round ratios, with their min–max, and an A/A control row shows the noise floor where a table has one. p50/p99 are per call; per-round numbers are in latest.json. The library runs compiled by tsc, as published. Regenerate with `npm run bench`.',
     '',
   );
   if (report.goals.length > 0) {

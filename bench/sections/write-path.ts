@@ -214,19 +214,20 @@ export async function writePath(ctx: BenchContext): Promise<void> {
     t.notes.push(
       `The refusal statement costs ${(whyCost * 100).toFixed(1)}% over the fenced UPDATE when sent alone (RETURNING * alone: ${(returningCost * 100).toFixed(1)}%); it is sent only when the plain write did not apply.`,
     );
-    await withoutForcedGc(ctx, cases, concurrency, label, results);
+    await withFullCollections(ctx, cases, concurrency, label, results);
   }
   report.raw.writePath = results;
 }
 
 /**
  * A diagnostic, no goal: the raw fenced UPDATE and the repository's update
- * again, without the full collection between rounds. Run beside each other
- * in a short list, the repository's allocations (a values record, a few
- * closures and arrays per call) cost what they cost; after a forced full
- * collection every round they cost measurably more (see the findings).
+ * again, with a full collection between rounds (how runs before 2026-12-03
+ * decided). A full collection makes V8 discard optimized code that embedded
+ * objects that died, postgres.js's and the repository's alike, so each
+ * round compiles them again; the repository, with more functions on the
+ * path, pays more (see the findings).
  */
-async function withoutForcedGc(
+async function withFullCollections(
   ctx: BenchContext,
   all: readonly Case[],
   concurrency: number,
@@ -234,18 +235,23 @@ async function withoutForcedGc(
   results: Record<string, Measured[]>,
 ): Promise<void> {
   const cases = [FENCED, REPO_STATUS, RETURNING, REPO].map((i) => all[i] as Case);
-  const m = await compare(cases, { concurrency, rounds: ctx.scale.rounds, timeMs: ctx.scale.timeMs, forcedGc: false });
-  results[`${label}, no forced collection`] = m;
+  const m = await compare(cases, {
+    concurrency,
+    rounds: ctx.scale.rounds,
+    timeMs: ctx.scale.timeMs,
+    collection: 'full',
+  });
+  results[`${label}, full collection between rounds`] = m;
   const t = ctx.report.table(
     '1. Fenced write path',
-    `${label}, the same cases without a forced collection between rounds (diagnostic)`,
+    `${label}, the same cases with a full collection between rounds (diagnostic)`,
     ['case', 'ops/s', 'p50 ms', 'p99 ms', '× raw fenced', '× raw fenced, min–max of rounds', 'client CPU µs/op'],
   );
   for (const r of m) t.rows.push([...comparedCells(r, m[0] as Measured), r.cpuUsPerCall.toFixed(0)]);
   const status = pairedRatio(m[1] as Measured, m[0] as Measured).median;
   const row = pairedRatio(m[3] as Measured, m[2] as Measured).median;
   t.notes.push(
-    `No goal is decided here. Without a full collection between rounds: returning 'status' ${ratio(status)} of the raw fenced UPDATE, the row back ${ratio(row)} of the raw UPDATE … RETURNING *.`,
+    `No goal is decided here. With a full collection between rounds: returning 'status' ${ratio(status)} of the raw fenced UPDATE, the row back ${ratio(row)} of the raw UPDATE … RETURNING *.`,
   );
   printTable(t);
 }
