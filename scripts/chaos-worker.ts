@@ -31,6 +31,8 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../src/driver.js';
+import { advisoryLockManager } from '../src/fencing/backends/postgres-advisory/backend.js';
+import { postgresLockManager } from '../src/fencing/backends/postgres-lease/backend.js';
 import { redisLockManager } from '../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../src/fencing/lease.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
@@ -38,7 +40,7 @@ import { fencedTransaction } from '../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../src/repo/repository.js';
 import { fenceColumns } from '../src/schema/fence-columns.js';
 import { historyRecorder } from '../src/testing/history.js';
-import { type BackendKind, openManager } from '../test/support/managers.js';
+import type { BackendKind } from '../test/support/managers.js';
 import { sleep } from '../test/support/sleep.js';
 
 /** What the runner passes to each worker. */
@@ -124,10 +126,29 @@ interface Managers {
 }
 
 async function openManagers(args: ChaosWorkerArgs, slots: ChaosSlot[]): Promise<Managers> {
-  if (args.kind !== 'redis' || (slots.length === 1 && !args.redisPorts)) {
-    const { manager, db, close } = await openManager(args);
-    return { db, current: () => ({ manager }), close };
+  if (args.kind === 'postgres' || args.kind === 'advisory') {
+    const client = postgres(args.databaseUrl, { max: 4, onnotice: () => {} });
+    const db = drizzle(client) as unknown as Database;
+    // A partition freezes the worker's connections for 1.2–3 TTLs. With the defaults (5 s of server-side
+    // lock wait, then 10 s of commandTimeoutMs) a frozen release would stay pending for 15 s, and a frozen
+    // grant 10 s past its wait — long after the partition healed. With these a release ends within 2 TTLs
+    // and a grant one TTL past its wait, with CommandTimeoutError (a bound under the manager's 2 s grace
+    // past the wait, which would otherwise cut the attempt short first and report the service unreachable).
+    const bounds = { lockTimeoutMs: args.ttlMs, commandTimeoutMs: args.ttlMs };
+    const manager =
+      args.kind === 'postgres'
+        ? postgresLockManager({ client: db, namespace: args.namespace, ...bounds })
+        : advisoryLockManager({ client, namespace: args.namespace, ...bounds });
+    return {
+      db,
+      current: () => ({ manager }),
+      async close() {
+        await manager.close();
+        await client.end({ timeout: 5 });
+      },
+    };
   }
+  if (args.kind !== 'redis') throw new Error(`the chaos run has no ${args.kind} backend`);
   // One loop per namespace shares this pool: wide enough that a statement rarely waits past its bound for a connection.
   const client = postgres(args.databaseUrl, { max: slots.length > 1 ? 10 : 4, onnotice: () => {} });
   const db = drizzle(client) as unknown as Database;

@@ -16,6 +16,17 @@
  *   started itself on a free loopback port (the shared 6379 is never used);
  * - postgres / advisory: `pg_terminate_backend` of the holder's connections
  *   (its pool, and for advisory the session that holds the lock);
+ * - every backend: `partition`, a network partition of the holder (or, when
+ *   none holds, a random worker; one drawn partition in three cuts off a
+ *   worker waiting in acquire instead) for 1.2–3 TTLs. Each worker reaches
+ *   Postgres, and its Redis, through loopback TCP proxies of its own
+ *   (scripts/chaos-network.ts, kept across its restarts); the partition
+ *   SIGSTOPs them, then SIGCONT. Unlike a pause, the worker's process runs
+ *   on: its lease runs out locally, its lock-manager calls fail with
+ *   CommandTimeoutError, and the bytes it sent meanwhile — a grant, a
+ *   release, a fenced write — reach the server late, after the partition.
+ *   The report counts the partitions that caught the holder, and those whose
+ *   holder's write was answered only after the heal;
  * - redis `--nemesis replication`: the runner owns a primary and a replica
  *   (two redis-servers, each its own `--dir`) and tells the workers which is
  *   the primary (a line on their stdin). Failover: the replica is promoted,
@@ -40,6 +51,9 @@
  * acquire waits at most one TTL, and `checkHistory` judges. Exit status 1
  * on any anomaly, or if no stale write was rejected (the faults did not
  * bite); 2 on a usage error.
+ *
+ * The replication nemesis has no partitions, and its workers no proxies: they
+ * talk to the servers whose ports the runner names.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -62,6 +76,7 @@ import { openManager } from '../test/support/managers.js';
 import { type PrivateRedis, startPrivateRedis } from '../test/support/redis-server.js';
 import { createScratchDatabase } from '../test/support/scratch-database.js';
 import { sleep } from '../test/support/sleep.js';
+import { type ChaosProxy, startChaosProxy, throughProxy } from './chaos-network.js';
 import { renderChaosReport, type SavedReport } from './chaos-report/render.js';
 import { CHAOS_DDL, type ChaosSlot, type ChaosWorkerArgs, chaosKeys, chaosSlots } from './chaos-worker.js';
 
@@ -75,7 +90,7 @@ export interface ChaosOptions {
   readonly backend: ChaosBackend;
   readonly workers: number;
   readonly seconds: number;
-  /** Lease TTL (default 1000 ms). Pauses last 1.2–3 TTLs. */
+  /** Lease TTL (default 1000 ms). Pauses and partitions last 1.2–3 TTLs. */
   readonly ttlMs?: number;
   /** Longest hold between acquire and write (default TTL / 2): the window a pause lands in. */
   readonly holdMs?: number;
@@ -120,6 +135,14 @@ export interface ChaosResult {
   readonly ok: boolean;
   readonly outDir: string;
   readonly faults: Readonly<Record<string, number>>;
+  /** Of those, the ones that caught a worker holding the lock, by kind (`pause`, `partition`): the faults that make stale writes. */
+  readonly holderFaults: Readonly<Record<string, number>>;
+  /**
+   * Partitions of a holder whose write (with the fence it held) was answered only after the partition
+   * healed: the write was held up on the network while the process ran on — the partition really cut
+   * the worker off (a worker that bypassed its proxies would have been answered at once).
+   */
+  readonly partitionedWrites: number;
   /** The counter's final value. */
   readonly counter: number;
   /** Workers that exited without being killed or stopped (restarted, and reported). */
@@ -138,6 +161,8 @@ const KEY = 'c';
  * holder when none holds within 2 TTLs — which is why a run also fails when no fault bit.
  */
 const MIN_HOLDER_PAUSES = 3;
+/** Likewise for partitions of a holder (due at a third and two thirds of the run, after any pause that is due). */
+const MIN_HOLDER_PARTITIONS = 2;
 
 interface Handle {
   readonly label: string;
@@ -199,6 +224,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
   const splitBrains: { from: number; to: number; old: string; new: string }[] = [];
   const handles: Handle[] = [];
   const crashes: string[] = [];
+  /** Each worker label's proxies (Postgres, then Redis): one set per label for the whole run. */
+  const network = new Map<string, ChaosProxy[]>();
   // Until the workers are up, a crash is restarted as during the run.
   let deadline = Date.now() + o.seconds * 1000 + 120_000;
   try {
@@ -219,11 +246,31 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       `database ${dbName}, namespace ${namespace}${o.namespaces > 1 ? ` (×${o.namespaces})` : ''}${topology ? `, redis primary ${topology.primary.port} and replica ${topology.replica.port}` : redis ? `, redis-server on ${redis.url}` : ''}, out ${outDir}`,
     );
 
+    // The standard nemesis partitions workers: each gets proxies of its own, started once, before it.
+    if (!topology) {
+      // Past every worker's own bound (start, run, maxRunMs, drain), yet bounded should this run fail to end them.
+      const exitAfterMs = o.seconds * 1000 + 600_000;
+      const targets: [string, number][] = [['Postgres', Number(new URL(runUrl).port || 5432)]];
+      if (redis) targets.push(['Redis', redis.port]);
+      // All at once (each is a process that takes a while to start); every one started is kept, to be ended.
+      const starts = Array.from({ length: o.workers }, (_, i) => `w${i + 1}`).flatMap((label) =>
+        targets.map(async ([name, port]) => {
+          const proxy = await startChaosProxy(name, port, exitAfterMs, join(outDir, `${label}.proxy.stderr.log`));
+          network.set(label, [...(network.get(label) ?? []), proxy]);
+        }),
+      );
+      const failed = (await Promise.allSettled(starts)).find((r) => r.status === 'rejected');
+      if (failed) throw failed.reason;
+    }
+    const proxied = (label: string, name: string, url: string) => {
+      const proxy = network.get(label)?.find((p) => p.name === name);
+      return proxy ? throughProxy(url, proxy) : url;
+    };
     const workerArgs = (label: string): ChaosWorkerArgs => ({
       kind: o.backend,
       namespace,
-      databaseUrl: runUrl,
-      ...(redis ? { redisUrl: redis.url } : {}),
+      databaseUrl: proxied(label, 'Postgres', runUrl),
+      ...(redis ? { redisUrl: proxied(label, 'Redis', redis.url) } : {}),
       ...(topology
         ? { redisPorts: [topology.primary.port, topology.replica.port].sort(), primary: topology.primary.port }
         : {}),
@@ -312,12 +359,15 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     const kinds = topology
       ? ['pause', 'kill', 'failover', 'failback', 'resync', 'restart', 'flush']
       : o.backend === 'redis'
-        ? ['pause', 'pause', 'kill', 'flush', 'restart']
-        : ['pause', 'pause', 'kill', 'terminate', 'terminate'];
+        ? ['pause', 'pause', 'kill', 'flush', 'restart', 'partition', 'partition']
+        : ['pause', 'pause', 'kill', 'terminate', 'terminate', 'partition', 'partition'];
     const started = Date.now();
     let failedOver = false;
-    // Pauses that caught a worker holding the lock: the faults that make stale writes.
-    let holderPauses = 0;
+    // Pauses and partitions that caught a worker holding the lock: the faults that make stale writes.
+    const holderFaults: Record<string, number> = {};
+    const caught = (kind: string) => holderFaults[kind] ?? 0;
+    /** Partitions that caught a holder: who, its fence, and when (on the history's clock). */
+    const holderPartitions: { label: string; fence: string | undefined; to: number }[] = [];
     const tell = (to: readonly Handle[], server: PrivateRedis) => {
       for (const h of to)
         if (h.state !== 'exited') h.child.stdin?.write(`${JSON.stringify({ primary: server.port })}\n`);
@@ -373,10 +423,17 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       await sleepUntil(between(200, 800));
       if (Date.now() >= deadline) break;
       let kind = kinds[Math.floor(random() * kinds.length)] as string;
+      // A partition the run's minimum calls for (below) must catch a holder; only a drawn one may not.
+      let partitionDrawn = kind === 'partition';
       // MIN_HOLDER_PAUSES pauses of a holder, spread over the run: on a loaded machine, a random draw
       // of a few pauses that all found no holder made a run where no fault could bite.
-      const pauseDue = ((holderPauses + 1) / (MIN_HOLDER_PAUSES + 1)) * o.seconds * 1000;
-      if (!topology && holderPauses < MIN_HOLDER_PAUSES && Date.now() - started > pauseDue) kind = 'pause';
+      const pauseDue = ((caught('pause') + 1) / (MIN_HOLDER_PAUSES + 1)) * o.seconds * 1000;
+      const partitionDue = ((caught('partition') + 1) / (MIN_HOLDER_PARTITIONS + 1)) * o.seconds * 1000;
+      if (!topology && caught('pause') < MIN_HOLDER_PAUSES && Date.now() - started > pauseDue) kind = 'pause';
+      else if (!topology && caught('partition') < MIN_HOLDER_PARTITIONS && Date.now() - started > partitionDue) {
+        kind = 'partition';
+        partitionDrawn = false;
+      }
       // The run's minimum of failbacks, spread over its length.
       const due = ((replication.failbacks + 1) / (o.minFailbacks + 1)) * o.seconds * 1000;
       if (topology && replication.failbacks < o.minFailbacks && Date.now() - started > due) kind = 'failback';
@@ -413,11 +470,41 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         const h = (await holder(2 * o.ttlMs)) ?? handles[Math.floor(random() * handles.length)];
         if (!h || h.state === 'exited') continue;
         const ms = Math.round(between(1.2, 3) * o.ttlMs);
-        if (h.state === 'holding') holderPauses++;
+        if (h.state === 'holding') holderFaults.pause = caught('pause') + 1;
         fault('pause', `${h.label} (${h.state}${h.state === 'holding' ? ` fence ${h.fence}` : ''}) for ${ms} ms`);
         h.child.kill('SIGSTOP');
         await sleep(ms);
         h.child.kill('SIGCONT');
+      } else if (kind === 'partition') {
+        // Mostly the holder: its write is held up and reaches the database late, stale. One drawn partition
+        // in three cuts off a worker waiting in acquire instead: a holder makes no lock-manager call while
+        // its write is held up, a waiter's grant is in flight — it times out (CommandTimeoutError) and
+        // lands late, after the heal, when the lock manager must give it back.
+        const waiting = handles.filter((x) => x.state === 'idle');
+        const h =
+          (partitionDrawn && random() < 1 / 3 ? waiting[Math.floor(random() * waiting.length)] : undefined) ??
+          (await holder(2 * o.ttlMs)) ??
+          handles[Math.floor(random() * handles.length)];
+        const proxies = h ? (network.get(h.label) ?? []) : [];
+        if (!h || h.state === 'exited' || proxies.length === 0) continue;
+        const ms = Math.round(between(1.2, 3) * o.ttlMs);
+        if (h.state === 'holding') holderFaults.partition = caught('partition') + 1;
+        fault(
+          'partition',
+          `${h.label} (${h.state}${h.state === 'holding' ? ` fence ${h.fence}` : ''}) for ${ms} ms: its ${proxies
+            .map((p) => p.name)
+            .sort()
+            .join(' and ')} connections frozen, its process running`,
+        );
+        const held = h.state === 'holding' ? { label: h.label, fence: h.fence } : undefined;
+        for (const p of proxies) p.freeze();
+        try {
+          await sleep(ms);
+        } finally {
+          // Stamped before the SIGCONT: nothing sent through a frozen proxy can be answered earlier.
+          if (held) holderPartitions.push({ ...held, to: historyTime() });
+          for (const p of proxies) p.heal();
+        }
       } else if (kind === 'kill') {
         const h =
           (random() < 0.5 ? await holder(o.ttlMs) : undefined) ?? handles[Math.floor(random() * handles.length)];
@@ -464,6 +551,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
 
     // Faults off: resume everyone, ask them to stop, wait (bounded), then kill stragglers.
     log('faults stopped; draining workers');
+    for (const proxies of network.values()) for (const p of proxies) p.heal();
     for (const h of handles) {
       h.expectExit = true;
       h.child.kill('SIGCONT');
@@ -557,10 +645,25 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       if (summary.grantsOnOldPrimary === 0) missed.push('no grant on an old primary during a split brain');
       if (summary.grantsOnNewPrimary === 0) missed.push('no grant on a new primary during a split brain');
     }
+    // A worker's history label is its own, or `<label>.<i>` per namespace.
+    const partitionedWrites = holderPartitions.filter((p) =>
+      history.some(
+        (e) =>
+          (e.process === p.label || e.process.startsWith(`${p.label}.`)) &&
+          e.op === 'increment' &&
+          e.type !== 'invoke' &&
+          e.fence === p.fence &&
+          e.time >= p.to,
+      ),
+    ).length;
     const bit = report.staleWrites.rejected > 0;
     const ok = report.anomalies.length === 0 && bit && missed.length === 0;
     const faultLine = Object.entries(faults)
-      .map(([k, n]) => `${n} ${k}`)
+      .map(([k, n]) => {
+        const ofHolder = holderFaults[k] === undefined ? '' : `${holderFaults[k]} of the lock holder`;
+        const heldUp = k === 'partition' ? `; writes held up past the heal: ${partitionedWrites}` : '';
+        return `${n} ${k}${ofHolder ? ` (${ofHolder}${heldUp})` : ''}`;
+      })
       .join(', ');
     const text = [
       `palisade chaos run: backend ${o.backend}${o.nemesis === 'replication' ? ' (replication nemesis: a primary and a replica)' : ''}, ${o.workers} workers, ${o.namespaces > 1 ? `${o.namespaces} namespaces, ` : ''}${o.seconds} s of faults, TTL ${o.ttlMs} ms, hold ≤ ${o.holdMs} ms, seed ${seed}`,
@@ -589,7 +692,18 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     const saved: SavedReport = { report, summary: text.split('\n').slice(0, 3), ok };
     writeFileSync(join(outDir, 'report.json'), `${JSON.stringify(saved, null, 2)}\n`);
     renderChaosReport(outDir);
-    return { report, text, ok, outDir, faults, counter, crashes, ...(summary ? { replication: summary } : {}) };
+    return {
+      report,
+      text,
+      ok,
+      outDir,
+      faults,
+      holderFaults,
+      partitionedWrites,
+      counter,
+      crashes,
+      ...(summary ? { replication: summary } : {}),
+    };
   } finally {
     log('cleaning up');
     for (const h of handles) {
@@ -600,6 +714,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       }
     }
     await Promise.all(handles.map((h) => withTimeout(h.exited, 10_000, 'worker did not exit').catch(() => {})));
+    await Promise.all([...network.values()].flat().map((p) => p.stop()));
     for (const r of redisAdmins.values()) r.disconnect();
     if (topology) await Promise.all([topology.primary.stop(), topology.replica.stop()]);
     else await redis?.stop();

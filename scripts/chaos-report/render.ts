@@ -66,6 +66,7 @@ export interface Timeline {
 
 const KNOWN_FAULTS = new Set([
   'pause',
+  'partition',
   'kill',
   'terminate',
   'flush',
@@ -332,6 +333,7 @@ svg text { font-family: system-ui, sans-serif; }
 .fault-band { fill-opacity: 0.16; }
 .fault-label { font-size: 11px; font-weight: 600; }
 .fault-pause .fault-band { fill: #7b3294; } .fault-pause .fault-label { fill: #7b3294; }
+.fault-partition .fault-band { fill: #c51b7d; } .fault-partition .fault-label { fill: #c51b7d; }
 .fault-kill .fault-band { fill: #111; } .fault-kill .fault-label { fill: #111; }
 .fault-terminate .fault-band { fill: #b35806; } .fault-terminate .fault-label { fill: #b35806; }
 .fault-flush .fault-band { fill: #01665e; } .fault-flush .fault-label { fill: #01665e; }

@@ -56,6 +56,13 @@ describe('chaos report timeline', () => {
     const html = renderHtml(t, undefined, history);
     expect([...html.matchAll(/<g class="write write-refused"/g)].length).toBe(1);
     expect(html).toContain('<g class="fault fault-failover" data-kind="failover">');
+    expect(
+      renderHtml(
+        { ...t, faults: [{ ...(t.faults[0] as (typeof t.faults)[number]), kind: 'partition' }] },
+        undefined,
+        history,
+      ),
+    ).toContain('<g class="fault fault-partition" data-kind="partition">');
     expect(html).toContain('<g class="fault fault-other" data-kind="quake">');
     expect(html).toMatch(/<text class="fault-label"[^>]*>quake<\/text>/);
     expect(html).not.toMatch(/<(script|link|img)[^>]+(src|href)=/); // self-contained: nothing fetched
