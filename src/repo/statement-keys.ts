@@ -25,10 +25,14 @@ export function idOf(object: object): number {
 }
 
 // How a column encodes a value for the driver, which cached statements keep with each placeholder: its
-// class, and a custom type's own `toDriver` (custom columns share one class).
+// class, a custom type's own `toDriver` (custom columns share one class), and an array's element encoder
+// (every array shares one class, and `text[]` of a custom type has the SQL type `text[]`).
 function encoderOf(column: TableInfo['columnList'][number]): string {
   const custom = (column as { mapTo?: unknown }).mapTo;
-  return `${idOf(column.constructor)}${typeof custom === 'function' ? `.${idOf(custom)}` : ''}`;
+  const element = (column as { baseColumn?: TableInfo['columnList'][number] }).baseColumn;
+  return `${idOf(column.constructor)}${typeof custom === 'function' ? `.${idOf(custom)}` : ''}${
+    typeof element === 'object' && element !== null ? `[${encoderOf(element)}]` : ''
+  }`;
 }
 
 /**

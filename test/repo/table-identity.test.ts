@@ -2,10 +2,11 @@
  * Tables whose rows or definitions are easy to confuse: a partitioned table
  * (a row's ctid repeats across partitions; Postgres refuses system columns
  * in its RETURNING), two definitions of one table whose primary keys list
- * the columns in different orders, and a table named `s.acc` beside the
- * table `acc` of schema `s`. Each write and purge must touch exactly the
- * rows it names. On every driver (PGlite always, the real Postgres when
- * DATABASE_URL is set).
+ * the columns in different orders or whose columns (or array elements)
+ * encode differently, and a table named `s.acc` beside the table `acc` of
+ * schema `s`. Each write and purge must touch exactly the rows it names. On
+ * every driver (PGlite always, the real Postgres when DATABASE_URL is set).
+ * test/property/table-shapes.test.ts searches for more such definitions.
  */
 import { sql } from 'drizzle-orm';
 import { customType, integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
@@ -163,6 +164,38 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
       { id: 'Carol', balance: 1, fence: '7' },
       { id: 'alice', balance: 100, fence: '5' },
       { id: 'dave', balance: 2, fence: '8' },
+    ]);
+  });
+
+  it('two definitions of one table whose array elements encode differently: each write sends its own encoding', async () => {
+    const name = uniqueName('arr');
+    await db.execute(
+      sql.raw(`create table ${name} (id text primary key, tags text[],
+        last_fence bigint not null default 0, deleted_at timestamptz)`),
+    );
+    await db.execute(sql.raw(`insert into ${name} (id) values ('k')`));
+    // Every array column is one class with the SQL type `text[]`: only the elements' encoder differs.
+    const lowercased = customType<{ data: string }>({
+      dataType: () => 'text',
+      toDriver: (value) => value.toLowerCase(),
+    });
+    const folding = fencedRepository(
+      db,
+      pgTable(name, { id: text('id').primaryKey(), tags: lowercased('tags').array(), ...fenceColumns() }),
+    );
+    const plain = fencedRepository(
+      db,
+      pgTable(name, { id: text('id').primaryKey(), tags: text('tags').array(), ...fenceColumns() }),
+    );
+    expect((await plain.update({ id: 'k' }, f(1), { tags: ['Red'] })).status).toBe('applied');
+    expect((await folding.update({ id: 'k' }, f(2), { tags: ['Red', 'BLUE'] })).status).toBe('applied');
+    expect((await folding.upsert({ id: 'folded', tags: ['Green'] }, f(3))).status).toBe('applied');
+    expect((await plain.upsert({ id: 'kept', tags: ['Green'] }, f(4))).status).toBe('applied');
+    const all = await rows(db, sql.raw(`select id, to_json(tags)::text as tags from ${name} order by id collate "C"`));
+    expect(all).toEqual([
+      { id: 'folded', tags: '["green"]' },
+      { id: 'k', tags: '["red","blue"]' },
+      { id: 'kept', tags: '["Green"]' },
     ]);
   });
 
