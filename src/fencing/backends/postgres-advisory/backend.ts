@@ -207,8 +207,9 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     // Known once the one-time checks are done (`source` is set last): no wrapper on later grants.
     if (source === '') {
       try {
-        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
-        await withinMs('Postgres advisory grant', wait, () => ensureReady(wait));
+        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait
+        // plus every grant's grace past it (its round trips; see the lease backend).
+        await withinMs('Postgres advisory grant', wait + SERVER_WAIT_GRACE_MS, () => ensureReady(wait));
       } catch (err) {
         // An operator's lock outlasted this attempt's wait.
         if (sqlStateOf(err) === '55P03' || err instanceof CommandTimeoutError) return null;

@@ -250,8 +250,10 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     let source = knownSource;
     if (source === undefined) {
       try {
-        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait.
-        source = await withinMs('Postgres lease grant', wait, () => ensureSafeSequence(wait));
+        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait
+        // plus the grace every grant gets past it (its round trips: a bound of its wait alone made a fresh
+        // manager's tryAcquire answer "not granted" on a free lock whenever they took longer, under load).
+        source = await withinMs('Postgres lease grant', wait + SERVER_WAIT_GRACE_MS, () => ensureSafeSequence(wait));
       } catch (err) {
         // An operator's lock outlasted this attempt's wait.
         if (sqlStateOf(err) === LOCK_NOT_AVAILABLE || err instanceof CommandTimeoutError) return null;
