@@ -45,11 +45,15 @@ function encoderOf(column: TableInfo['columnList'][number]): string {
 export function tableShape(info: TableInfo): string {
   let shape = tableShapes.get(info);
   if (shape === undefined) {
-    const columns = Object.entries(info.columns).map(
-      ([key, c]) =>
-        `${key}=${c.name}:${c.getSQLType()}:${encoderOf(c)}${c.generated || c.generatedIdentity ? ':generated' : ''}`,
-    );
-    shape = `${JSON.stringify([info.schema ?? null, info.name])}|key=${info.keyNames.join(',')}|${columns.join(',')}`;
+    // JSON: keys and names may hold any character (a key "x,y" beside keys x and y).
+    const columns = Object.entries(info.columns).map(([key, c]) => [
+      key,
+      c.name,
+      c.getSQLType(),
+      encoderOf(c),
+      Boolean(c.generated || c.generatedIdentity),
+    ]);
+    shape = JSON.stringify([info.schema ?? null, info.name, info.keyNames, columns]);
     tableShapes.set(info, shape);
   }
   return shape;
@@ -103,5 +107,5 @@ export function cacheKeys(
 /** The key of a one-statement write (an upsert), `undefined` when an SQL value makes its text one-off. */
 export function shape(method: string, info: TableInfo, same: SameFence, entries: Entries): string | undefined {
   if (entries.some(([, v]) => isSql(v))) return undefined;
-  return `${tableShape(info)}|${method}|${same}|${entries.map(([k]) => k).join(',')}`;
+  return `${tableShape(info)}|${method}|${same}|${JSON.stringify(entries.map(([k]) => k))}`;
 }

@@ -129,10 +129,10 @@ function patchPlan(info: TableInfo, patch: Entries, values: Record<string, unkno
     if (isSql(value)) {
       const template = templateOf(value, `v${i}`, values);
       templates[i] = template;
-      key = key === undefined || template === undefined ? undefined : `${key}${name}=(${template.shape}),`;
+      key = key === undefined || !template ? undefined : `${key}${JSON.stringify(name)}=(${template.shape}),`;
     } else {
       values[valuePlaceholder(i)] = value;
-      if (key !== undefined) key = `${key}${name},`;
+      if (key !== undefined) key = `${key}${JSON.stringify(name)},`;
     }
   });
   const assignments = () =>

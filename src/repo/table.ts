@@ -58,6 +58,9 @@ export interface TableInfo {
 // By TypeScript key and by database name: neither spelling may be patched.
 const FENCE_KEYS = new Set<string>(['lastFence', 'deletedAt', ...FENCE_COLUMN_NAMES]);
 
+// drizzle's own mark of an alias() (a registered symbol, not exported in its types).
+const IS_ALIAS = Symbol.for('drizzle:IsAlias');
+
 /**
  * Inspects `table` and checks it is fenced and has a primary key.
  * @throws {InvalidArgumentError} when it is not a fenced table with a primary key.
@@ -65,6 +68,11 @@ const FENCE_KEYS = new Set<string>(['lastFence', 'deletedAt', ...FENCE_COLUMN_NA
 export function describeTable(table: FencedTable): TableInfo {
   const config = getTableConfig(table);
   const label = config.schema ? `${config.schema}.${config.name}` : config.name;
+  // An alias compiles to its alias name (without the schema) but describes the table it aliases: its
+  // writes would land in whatever table bears the alias name, and share the table's statements.
+  if ((table as unknown as Record<symbol, unknown>)[IS_ALIAS] === true) {
+    throw new InvalidArgumentError(`table ${label} is given as an alias(): give the table itself`);
+  }
   const columns = getTableColumns(table) as Record<string, PgColumn>;
   if (columns.lastFence?.name !== 'last_fence' || columns.deletedAt?.name !== 'deleted_at') {
     throw new InvalidArgumentError(`table ${label} is not fenced: spread fenceColumns() into it`);

@@ -62,9 +62,9 @@ describe('update statements', () => {
     expect(statements.write.values).toEqual({ fence: 7n, k0: 'a', v0: 5 });
     expect(statements.refusal.values).toBe(statements.write.values);
     expect(statements.write.key).toMatch(
-      /^\[null,"accounts"\]\|key=id\|id=id:text:\d+,owner=owner:text:\d+,balance=balance:integer:\d+,.*\|update\|reject\|balance,\|row$/,
+      /^\[null,"accounts",\["id"\],\[\["id","id","text","\d+",false\],\["owner","owner","text","\d+",false\],\["balance","balance","integer","\d+",false\],.*\|update\|reject\|"balance",\|row$/,
     );
-    expect(statements.refusal.key).toMatch(/\|update\|reject\|balance,\|refusal$/);
+    expect(statements.refusal.key).toMatch(/\|update\|reject\|"balance",\|refusal$/);
   });
 
   it("returning 'status' sends nothing back: the row count says whether the write applied", () => {

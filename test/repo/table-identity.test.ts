@@ -9,9 +9,10 @@
  * test/property/table-shapes.test.ts searches for more such definitions.
  */
 import { sql } from 'drizzle-orm';
-import { customType, integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
+import { alias, customType, integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
+import { InvalidArgumentError } from '../../src/errors.js';
 import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
@@ -197,6 +198,37 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
       { id: 'k', tags: '["red","blue"]' },
       { id: 'kept', tags: '["Green"]' },
     ]);
+  });
+
+  it('a column key holding a comma beside the keys it spells: the patches {x, y} and {"x,y"} write their own columns', async () => {
+    const name = uniqueName('comma');
+    await db.execute(
+      sql.raw(`create table ${name} (id text primary key, x int, y int, xy int,
+        last_fence bigint not null default 0, deleted_at timestamptz)`),
+    );
+    await db.execute(sql.raw(`insert into ${name} (id, x, y, xy) values ('a', 0, 0, 0)`));
+    const table = pgTable(name, {
+      id: text('id').primaryKey(),
+      x: integer('x'),
+      y: integer('y'),
+      'x,y': integer('xy'),
+      ...fenceColumns(),
+    });
+    const repo = fencedRepository(db, table);
+    expect((await repo.update({ id: 'a' }, f(1), { 'x,y': 7 })).status).toBe('applied');
+    expect((await repo.update({ id: 'a' }, f(2), { x: 10, y: 20 })).status).toBe('applied');
+    expect((await repo.upsert({ id: 'b', 'x,y': 7 }, f(3))).status).toBe('applied');
+    expect((await repo.upsert({ id: 'b', x: 10, y: 20 }, f(4))).status).toBe('applied');
+    expect(await rows(db, sql.raw(`select id, x, y, xy from ${name} order by id`))).toEqual([
+      { id: 'a', x: 10, y: 20, xy: 7 },
+      { id: 'b', x: 10, y: 20, xy: 7 },
+    ]);
+  });
+
+  it('an alias() of a table is refused: it compiles to the alias name but describes the table', async () => {
+    const table = pgTable(uniqueName('aliased'), { id: text('id').primaryKey(), ...fenceColumns() });
+    expect(() => fencedRepository(db, alias(table, 'other'))).toThrow(InvalidArgumentError);
+    expect(() => fencedRepository(db, alias(table, 'other'))).toThrow(/alias/);
   });
 
   it('a table named "s.acc" and the table acc of schema s: each write lands in the table it names', async () => {
