@@ -6,7 +6,9 @@
  */
 import { performance } from 'node:perf_hooks';
 import { CommandTimeoutError } from '../errors.js';
+import { sqlStateOf } from '../server-error.js';
 import { atDeadline, cancelDeadline } from './deadlines.js';
+import { SERVER_WAIT_GRACE_MS } from './options.js';
 
 /**
  * @internal Runs `run` and rejects with {@link CommandTimeoutError} if it
@@ -44,4 +46,28 @@ export function withinMs<T>(what: string, ms: number, run: (abandoned: AbortSign
       },
     );
   });
+}
+
+/**
+ * @internal A fresh Postgres manager's one-time checks before its first
+ * grant (`checks(wait)`: the fence sequence, the source id), shared with
+ * concurrent first grants that may wait longer. This grant waits for them at
+ * most its own wait plus the grace every grant gets past it (their round
+ * trips: a bound of the wait alone made a fresh manager's `tryAcquire`
+ * answer "not granted" on a free lock under load). `false` when they
+ * outlasted that, or an operator's lock outlasted the wait on the server
+ * (55P03): the grant is then "not granted".
+ */
+export async function firstGrantChecks(
+  what: string,
+  wait: number,
+  checks: (wait: number) => Promise<unknown>,
+): Promise<boolean> {
+  try {
+    await withinMs(what, wait + SERVER_WAIT_GRACE_MS, () => checks(wait));
+    return true;
+  } catch (err) {
+    if (sqlStateOf(err) === '55P03' || err instanceof CommandTimeoutError) return false;
+    throw err;
+  }
 }

@@ -17,7 +17,6 @@ import { PgDialect } from 'drizzle-orm/pg-core';
 import type postgres from 'postgres';
 import { int8, listen, type RawRow, translateError } from '../../../driver.js';
 import {
-  CommandTimeoutError,
   ForeignLockError,
   InvalidArgumentError,
   LockManagerClosedError,
@@ -27,7 +26,7 @@ import {
 import { loadPeer } from '../../../optional.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
-import { withinMs } from '../../call-deadline.js';
+import { firstGrantChecks, withinMs } from '../../call-deadline.js';
 import { checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { type Fence, toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
@@ -205,17 +204,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     if (mine) return mine.name === name ? mine.grant : null;
     if (closed) throw new LockManagerClosedError('advisory lock manager');
     // Known once the one-time checks are done (`source` is set last): no wrapper on later grants.
-    if (source === '') {
-      try {
-        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait
-        // plus every grant's grace past it (its round trips; see the lease backend).
-        await withinMs('Postgres advisory grant', wait + SERVER_WAIT_GRACE_MS, () => ensureReady(wait));
-      } catch (err) {
-        // An operator's lock outlasted this attempt's wait.
-        if (sqlStateOf(err) === '55P03' || err instanceof CommandTimeoutError) return null;
-        throw err;
-      }
-    }
+    if (source === '' && !(await firstGrantChecks('Postgres advisory grant', wait, ensureReady))) return null;
     if (abandoned.aborted) return null; // the call already failed: take no session for nobody
     const key = advisoryKey(ns, name);
     const params = [key.toString(), String(ttlMs), holderLabel(holder), String(wait), String(lockTimeoutMs), ns, name];

@@ -36,11 +36,11 @@ import {
   listenClientOf,
   type RawRow,
 } from '../../../driver.js';
-import { CommandTimeoutError, InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
 import { prepared } from '../../../prepared.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
-import { withinMs } from '../../call-deadline.js';
+import { firstGrantChecks, withinMs } from '../../call-deadline.js';
 import { type ClaimRegistersOption, checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { toFence } from '../../fence.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
@@ -247,19 +247,11 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     wait: number,
     abandoned: AbortSignal,
   ): Promise<Grant | null> {
-    let source = knownSource;
-    if (source === undefined) {
-      try {
-        // Shared with concurrent first grants, which may wait longer: this one waits at most its own wait
-        // plus the grace every grant gets past it (its round trips: a bound of its wait alone made a fresh
-        // manager's tryAcquire answer "not granted" on a free lock whenever they took longer, under load).
-        source = await withinMs('Postgres lease grant', wait + SERVER_WAIT_GRACE_MS, () => ensureSafeSequence(wait));
-      } catch (err) {
-        // An operator's lock outlasted this attempt's wait.
-        if (sqlStateOf(err) === LOCK_NOT_AVAILABLE || err instanceof CommandTimeoutError) return null;
-        throw err;
-      }
+    // Known once the one-time checks are done: no wrapper on later grants.
+    if (knownSource === undefined && !(await firstGrantChecks('Postgres lease grant', wait, ensureSafeSequence))) {
+      return null;
     }
+    const source = knownSource as string;
     if (abandoned.aborted) return null; // the call already failed: send no grant nobody awaits
     let rows: RawRow[];
     try {
