@@ -8,8 +8,10 @@
  * every driver (PGlite always, the real Postgres when DATABASE_URL is set).
  * test/property/table-shapes.test.ts searches for more such definitions.
  */
+import { PGlite } from '@electric-sql/pglite';
 import { sql } from 'drizzle-orm';
 import { alias, customType, integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
+import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
@@ -249,5 +251,33 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
       (await rows(db, sql.raw(`select v, last_fence::text as fence from ${table}`)))[0];
     expect(await read(`"${dotted}"`)).toEqual({ v: 1, fence: '5' });
     expect(await read(`${schema}.acc`)).toEqual({ v: 2, fence: '6' });
+  });
+});
+
+describe("drizzle's casing option (not supported, README 'The write path')", () => {
+  it('a column named by casing alone: the write fails with 42703 and writes nothing, nowhere else', async () => {
+    const client = new PGlite();
+    try {
+      const db = drizzlePglite(client, { casing: 'snake_case' }) as unknown as Database;
+      await migrate(db);
+      await db.execute(
+        sql.raw(`create table cased (id text primary key, foo_bar int not null default 0,
+          last_fence bigint not null default 0, deleted_at timestamptz)`),
+      );
+      await db.execute(sql.raw(`insert into cased (id) values ('k')`));
+      // fooBar has no database name of its own: drizzle would derive foo_bar; palisade sends "fooBar".
+      const repo = fencedRepository(
+        db,
+        pgTable('cased', { id: text('id').primaryKey(), fooBar: integer(), ...fenceColumns() }),
+      );
+      await expect(repo.update({ id: 'k' }, f(1), { fooBar: 7 })).rejects.toMatchObject({
+        message: /42703|does not exist/,
+      });
+      expect(await rows(db, sql.raw(`select foo_bar, last_fence::int as fence from cased`))).toEqual([
+        { foo_bar: 0, fence: 0 },
+      ]);
+    } finally {
+      await client.close();
+    }
   });
 });
