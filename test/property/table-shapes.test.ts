@@ -113,8 +113,10 @@ type IntEncoder = 'integer' | 'bigint' | 'negated';
 type ValueColumn = 'n' | 'm' | 's' | 'tags' | 'g';
 type Physical = 'a' | 'b' | ValueColumn;
 const PHYSICAL: readonly Physical[] = ['a', 'b', 'n', 'm', 's', 'tags', 'g'];
-// TypeScript keys: the columns' own names and one more, so a key may name another column elsewhere.
-const KEY_POOL = ['a', 'b', 'n', 'm', 's', 'tags', 'g', 'x'] as const;
+// TypeScript keys: the columns' own names and two more, so a key may name another column elsewhere, or
+// spell two others joined by a comma ('n,m'; a 400-run search did not reach the collision the example test
+// in table-identity.test.ts pins down, but the definitions it draws include such keys).
+const KEY_POOL = ['a', 'b', 'n', 'm', 's', 'tags', 'g', 'x', 'n,m'] as const;
 
 /** One drizzle definition of one of the three tables, as data (fast-check prints it on failure). */
 interface Shape {
