@@ -54,7 +54,7 @@ export interface RedisClusterHandle {
   keyslot(key: string): Promise<number>;
   /** Waits (bounded) until every running node says `cluster_state:ok` and agrees on who serves every slot. */
   waitStable(timeoutMs?: number): Promise<void>;
-  /** Starts every stopped node, resumes paused ones, and waits until the cluster is stable with all nodes. */
+  /** Starts every stopped node, resumes paused ones, and waits until the cluster is stable with all nodes, each master with a replica. */
   heal(timeoutMs?: number): Promise<void>;
   stop(): Promise<void>;
 }
@@ -223,10 +223,14 @@ export async function startRedisCluster(timeoutMs = 30_000): Promise<RedisCluste
     async heal(timeout = timeoutMs) {
       for (const node of nodes) if (paused.has(node.port)) node.resume();
       for (const node of nodes) await node.start();
-      // Restarted nodes rejoin from their nodes.conf; wait until they are known again and none is failing.
-      await waitFor('every node to rejoin', timeout, async () => {
+      // Restarted nodes rejoin from their nodes.conf; wait until they are known again, none is failing
+      // and a failed-over master has become its successor's replica (the next test may need a replica
+      // of every master; a rejoining node shows as an empty master for a while first).
+      await waitFor('every node to rejoin as master or replica', timeout, async () => {
         const v = await view();
-        return v.length === nodes.length && (await stableOnce());
+        const masters = v.filter((n) => n.flags.includes('master') && n.slots.length > 0);
+        const replicated = masters.every((m) => v.some((n) => n.masterId === m.id && !n.flags.includes('fail')));
+        return v.length === nodes.length && replicated && (await stableOnce());
       });
     },
     async stop() {
