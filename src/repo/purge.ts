@@ -31,8 +31,8 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
     gone as (delete from ${t} where ctid = any(array(select palisade_row from picked))
       and (tableoid, ctid) in (select palisade_table, palisade_row from picked)
       returning ${t.lastFence} as fence),
-    raised as (insert into palisade.tombstone_floors (table_name, floor)
-      select ${info.label}, max(fence) from gone having count(*) > 0
-      on conflict (table_name) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))
+    raised as (insert into palisade.tombstone_floors (fenced_table, floor)
+      select ${info.sqlName}::regclass, max(fence) from gone having count(*) > 0
+      on conflict (fenced_table) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))
     select count(*) as n from gone`;
 }

@@ -39,8 +39,13 @@ export function isSql(value: unknown): value is SQL {
 /** The table facts a repository uses on every call. */
 export interface TableInfo {
   readonly table: FencedTable;
-  /** `schema.name` or `name`, for messages (and the tombstone floor's row). */
+  /** `schema.name` or `name`, for messages. */
   readonly label: string;
+  /**
+   * The table as SQL names it (`"schema"."name"`, or `"name"` for the search path's): cast to
+   * `regclass`, the key of its tombstone floor — the very table its writes resolve to.
+   */
+  readonly sqlName: string;
   /** The table's schema, `undefined` for the search path's. */
   readonly schema: string | undefined;
   /** The table's name in its schema. */
@@ -87,9 +92,11 @@ export function describeTable(table: FencedTable): TableInfo {
     if (!name) throw new InvalidArgumentError(`table ${label}: primary-key column ${c.name} not found`);
     return name;
   });
+  const quoted = (name: string) => `"${name.replaceAll('"', '""')}"`;
   return {
     table,
     label,
+    sqlName: config.schema ? `${quoted(config.schema)}.${quoted(config.name)}` : quoted(config.name),
     schema: config.schema,
     name: config.name,
     columns,

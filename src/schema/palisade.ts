@@ -1,5 +1,15 @@
 import { sql } from 'drizzle-orm';
-import { bigint, boolean, pgSchema, primaryKey, text, timestamp, uniqueIndex, uuid } from 'drizzle-orm/pg-core';
+import {
+  bigint,
+  boolean,
+  customType,
+  pgSchema,
+  primaryKey,
+  text,
+  timestamp,
+  uniqueIndex,
+  uuid,
+} from 'drizzle-orm/pg-core';
 
 /**
  * palisade's own objects live in their own Postgres schema so they never
@@ -55,13 +65,17 @@ export const leases = palisadeSchema.table(
   (t) => [primaryKey({ columns: [t.namespace, t.name] })],
 );
 
+/** A table reference (Postgres `regclass`), read and written as the table's name. */
+const regclass = customType<{ data: string }>({ dataType: () => 'regclass' });
+
 /**
  * The tombstone floor of each fenced table: the highest fence among the
  * tombstones `purgeTombstones` removed from it, raised in the purge's own
  * statement. A row that does not exist (never written, or purged) can only
  * be created by a fence above it, so purging never lowers what a stale fence
- * must beat. Keyed by the table's name as the repository names it
- * (`schema.table`, or `table` when the drizzle table has no schema).
+ * must beat. Keyed by the table itself (`regclass`, migration 0008): every
+ * way of naming one table — with its schema, or by a search_path that
+ * holds it — reads and raises the same floor.
  *
  * The migration also creates `palisade.check_tombstone_floor(table, fence,
  * allow_equal)`, which an upsert calls on a row it newly inserted: it reads
@@ -69,7 +83,7 @@ export const leases = palisadeSchema.table(
  * that committed while the upsert ran raised it to the fence or above.
  */
 export const tombstoneFloors = palisadeSchema.table('tombstone_floors', {
-  tableName: text('table_name').primaryKey(),
+  fencedTable: regclass('fenced_table').primaryKey(),
   floor: bigint('floor', { mode: 'bigint' }).notNull(),
 });
 

@@ -416,7 +416,9 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
       await repo.purgeTombstones(new Date(Date.now() + 3_600_000));
       expect(await repo.upsert({ id: 'c', balance: 1 }, f(11))).toEqual({ status: 'stale', currentFence: 11n });
       const [floor] = await db
-        .execute(sql`select floor::text as floor from palisade.tombstone_floors where table_name = ${getTableName(t)}`)
+        .execute(
+          sql`select floor::text as floor from palisade.tombstone_floors where fenced_table = ${getTableName(t)}::regclass`,
+        )
         .then((r) => (Array.isArray(r) ? r : (r as { rows: unknown[] }).rows) as { floor: string }[]);
       expect(floor?.floor).toBe('11');
     });

@@ -252,6 +252,38 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
     expect(await read(`"${dotted}"`)).toEqual({ v: 1, fence: '5' });
     expect(await read(`${schema}.acc`)).toEqual({ v: 2, fence: '6' });
   });
+
+  it('one table named with its schema and, on a connection whose search_path holds that schema, without: one floor', async () => {
+    const schema = uniqueName('sp');
+    await db.execute(sql.raw(`create schema ${schema}`));
+    await db.execute(
+      sql.raw(
+        `create table ${schema}.acc (id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      ),
+    );
+    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+    const qualified = pgSchema(schema).table('acc', columns());
+    const bare = pgTable('acc', columns());
+    const left = async (tx: Database) => rows(tx, sql.raw(`select id from ${schema}.acc`));
+    // A transaction keeps one connection, so `set local search_path` holds for every statement in it.
+    await db.transaction(async (tx) => {
+      await tx.execute(sql.raw(`set local search_path to ${schema}`));
+      const viaSchema = fencedRepository(tx, qualified);
+      const viaPath = fencedRepository(tx, bare);
+      expect((await viaPath.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
+      expect((await viaPath.delete({ id: 'k' }, f(6))).status).toBe('applied');
+      expect(await viaPath.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+      // The holder of fence 4 never saw the delete at 6: bringing the row back is a stale write.
+      expect(await viaSchema.upsert({ id: 'k', v: 2 }, f(4))).toEqual({ status: 'stale', currentFence: f(6) });
+      expect(await left(tx)).toEqual([]);
+      // And the other way round.
+      expect((await viaSchema.upsert({ id: 'j', v: 1 }, f(7))).status).toBe('applied');
+      expect((await viaSchema.delete({ id: 'j' }, f(8))).status).toBe('applied');
+      expect(await viaSchema.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+      expect(await viaPath.upsert({ id: 'j', v: 2 }, f(7))).toEqual({ status: 'stale', currentFence: f(8) });
+      expect(await left(tx)).toEqual([]);
+    });
+  });
 });
 
 describe("drizzle's casing option (not supported, README 'The write path')", () => {
