@@ -1,0 +1,44 @@
+/**
+ * Bounded chaos runs on the Postgres lease and advisory backends (checked as
+ * in test/chaos/runs.ts), and the replication nemesis: a private primary and
+ * replica with failovers, failbacks with a split brain, resyncs, restarts
+ * and FLUSHALL, over 20 namespaces at once, so every reset is a recovery
+ * storm; it must also make its minimum of failbacks and see grants on both
+ * sides of a split brain. The Redis run with partitions is in `npm test`.
+ */
+import { describe, expect, it } from 'vitest';
+import { bounded, SECONDS, timeout, title, withPartitions } from '../test/chaos/runs.js';
+import { needs } from '../test/support/services.js';
+
+const REPLICATION_SECONDS = Number(process.env.PALISADE_CHAOS_REPLICATION_SECONDS ?? 25);
+
+describe.runIf(needs('DATABASE_URL'))('chaos: postgres lease backend', () => {
+  it(title, () => withPartitions('postgres'), timeout(SECONDS));
+});
+
+describe.runIf(needs('DATABASE_URL'))('chaos: postgres advisory backend', () => {
+  it(title, () => withPartitions('advisory'), timeout(SECONDS));
+});
+
+describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL') && needs('REDIS_SERVER'))(
+  'chaos: redis replication nemesis (a private primary and replica), 20 namespaces',
+  () => {
+    it(
+      `${REPLICATION_SECONDS} s of failovers, failbacks, split brains, resyncs, restarts, flushes: no anomalies`,
+      async () => {
+        const result = await bounded('redis', {
+          nemesis: 'replication',
+          namespaces: 20,
+          minFailbacks: 2,
+          workers: 3,
+          seconds: REPLICATION_SECONDS,
+        });
+        const context = `\n${result.text}`;
+        expect(result.replication?.failbacks, context).toBeGreaterThanOrEqual(2);
+        expect(result.replication?.grantsOnOldPrimary, context).toBeGreaterThan(0);
+        expect(result.replication?.grantsOnNewPrimary, context).toBeGreaterThan(0);
+      },
+      timeout(REPLICATION_SECONDS),
+    );
+  },
+);
