@@ -1,5 +1,6 @@
 import { fileURLToPath } from 'node:url';
 import { defineConfig } from 'vitest/config';
+import { LongestFirstSequencer } from './test/support/sequencer.js';
 
 // The package's own name resolves to its sources (as tsconfig.json's `paths` do for tsc and tsx),
 // so examples and tests import `palisade-db` exactly as a user does.
@@ -22,5 +23,6 @@ export default defineConfig({
     hookTimeout: 120_000,
     pool: 'forks',
     maxWorkers: 3,
+    sequence: { sequencer: LongestFirstSequencer },
   },
 });
