@@ -79,6 +79,39 @@ describe('Redis down: connection refused', () => {
   });
 });
 
+describe('many managers on one client', () => {
+  it('each says why Redis is down, through one pair of listeners on the client; close() removes them', async () => {
+    const [port] = await freePorts(1);
+    const redis = readmeClient(`redis://127.0.0.1:${port}`);
+    const before = { error: redis.listenerCount('error'), ready: redis.listenerCount('ready') };
+    const warnings: Error[] = [];
+    const onWarning = (w: Error) => warnings.push(w);
+    process.on('warning', onWarning);
+    try {
+      const managers = Array.from({ length: 20 }, () => manager(redis));
+      expect(redis.listenerCount('error')).toBe(before.error + 1);
+      expect(redis.listenerCount('ready')).toBe(before.ready + 1);
+      const errors = await Promise.all(
+        managers.map((m) => m.acquire('job', { ttlMs: 5_000, waitMs: 300 }).catch((e: unknown) => e)),
+      );
+      for (const err of errors) expect((err as Error).message).toMatch(/connection refused/);
+      // A manager closed twice does not close the others' watch.
+      await managers[0]?.close();
+      await managers[0]?.close();
+      expect(redis.listenerCount('error')).toBe(before.error + 1);
+      const err = await managers[1]?.acquire('job', { ttlMs: 5_000, waitMs: 300 }).catch((e: unknown) => e);
+      expect((err as Error).message).toMatch(/connection refused/);
+      for (const m of managers.slice(1)) await m.close();
+      expect({ error: redis.listenerCount('error'), ready: redis.listenerCount('ready') }).toEqual(before);
+      // Warnings are emitted on the next tick.
+      await new Promise((resolve) => setImmediate(resolve));
+      expect(warnings.filter((w) => w.name === 'MaxListenersExceededWarning')).toEqual([]);
+    } finally {
+      process.off('warning', onWarning);
+    }
+  });
+});
+
 describe.runIf(needs('REDIS_SERVER'))('Redis coming up and going away (a server of our own)', () => {
   // Regression: "Stream isn't writeable and enableOfflineQueue options is false" from the first acquire.
   it('the first acquire right after new Redis(…) with the README options succeeds', async () => {

@@ -110,25 +110,52 @@ export function redisLockManager(options: RedisLockManagerOptions): LockManager 
   );
 }
 
+interface ConnectionWatch {
+  last: unknown;
+  users: number;
+  stop(): void;
+}
+
+// One pair of listeners per client, however many managers share it: a listener per manager made
+// Node warn of a leak (MaxListenersExceededWarning) from the 11th manager on one client.
+const watches = new WeakMap<RedisClient, ConnectionWatch>();
+
 function watchConnection(client: RedisClient): { last: () => unknown; stop: () => void } {
-  let last: unknown;
-  const onError = (err: unknown) => {
-    last = err;
-  };
-  const onReady = () => {
-    last = undefined;
-  };
-  const events = client as unknown as {
-    on(event: string, fn: (arg?: unknown) => void): unknown;
-    off(event: string, fn: (arg?: unknown) => void): unknown;
-  };
-  events.on('error', onError);
-  events.on('ready', onReady);
+  let watch = watches.get(client);
+  if (!watch) {
+    const events = client as unknown as {
+      on(event: string, fn: (arg?: unknown) => void): unknown;
+      off(event: string, fn: (arg?: unknown) => void): unknown;
+    };
+    const shared: ConnectionWatch = {
+      last: undefined,
+      users: 0,
+      stop() {
+        events.off('error', onError);
+        events.off('ready', onReady);
+        watches.delete(client);
+      },
+    };
+    const onError = (err: unknown) => {
+      shared.last = err;
+    };
+    const onReady = () => {
+      shared.last = undefined;
+    };
+    events.on('error', onError);
+    events.on('ready', onReady);
+    watches.set(client, shared);
+    watch = shared;
+  }
+  const mine = watch;
+  mine.users++;
+  let stopped = false;
   return {
-    last: () => last,
+    last: () => mine.last,
     stop: () => {
-      events.off('error', onError);
-      events.off('ready', onReady);
+      if (stopped) return;
+      stopped = true;
+      if (--mine.users === 0) mine.stop();
     },
   };
 }
