@@ -4,25 +4,33 @@
 -- read, and a stale upsert through the other re-created a purged row. Keyed by name, the table
 -- "s.acc" and the table acc of schema s also shared one. A regclass value is the table's oid; pg_dump
 -- writes it as the table's qualified name and a restore resolves it again.
+--
+-- An old release's purge that is running now must not raise the old table after its floors were
+-- copied: the copy waits for it (and later ones wait for this migration, then fail on the dropped table).
+LOCK TABLE "palisade"."tombstone_floors" IN ACCESS EXCLUSIVE MODE;
+--> statement-breakpoint
+-- The table that holds a floor for `t`: the root of its partition tree (a row moves between
+-- partitions, and a purge or an upsert may name the parent or a partition), else `t` itself.
+CREATE FUNCTION "palisade"."floor_table"(t regclass)
+RETURNS regclass LANGUAGE sql STABLE PARALLEL SAFE AS $$
+  SELECT coalesce(pg_partition_root(t), t)
+$$;
+--> statement-breakpoint
 CREATE TABLE "palisade"."tombstone_floors_by_table" (
 	"fenced_table" regclass PRIMARY KEY NOT NULL,
 	"floor" bigint NOT NULL
 );
 --> statement-breakpoint
--- An old key was the unquoted `schema.name` or `name` (resolved by this session's search_path), so it
--- may name more than one table: every table it can name keeps its floor (refusing more, never less).
+-- An old key was the unquoted `schema.name` or `name`, the latter resolved by each connection's own
+-- search_path (a tenant schema per connection, say): every table it can name, in any schema, keeps
+-- its floor — refusing more, never less.
 INSERT INTO "palisade"."tombstone_floors_by_table" ("fenced_table", "floor")
-SELECT c.fenced_table, max(f.floor)
+SELECT palisade.floor_table(c.oid::regclass), max(f.floor)
 FROM "palisade"."tombstone_floors" f
-CROSS JOIN LATERAL (
-  SELECT to_regclass(quote_ident(f.table_name))
-  UNION ALL
-  SELECT to_regclass(quote_ident(left(f.table_name, d.at - 1)) || '.' || quote_ident(substr(f.table_name, d.at + 1)))
-  FROM generate_series(1, length(f.table_name)) AS d(at)
-  WHERE substr(f.table_name, d.at, 1) = '.'
-) AS c(fenced_table)
-WHERE c.fenced_table IS NOT NULL
-GROUP BY c.fenced_table;
+JOIN pg_catalog.pg_class c ON c.relkind IN ('r', 'p')
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relname = f.table_name OR n.nspname || '.' || c.relname = f.table_name
+GROUP BY 1;
 --> statement-breakpoint
 DROP FUNCTION "palisade"."check_tombstone_floor"(text, bigint, boolean);
 --> statement-breakpoint
@@ -32,18 +40,19 @@ ALTER TABLE "palisade"."tombstone_floors_by_table" RENAME TO "tombstone_floors";
 --> statement-breakpoint
 ALTER TABLE "palisade"."tombstone_floors" RENAME CONSTRAINT "tombstone_floors_by_table_pkey" TO "tombstone_floors_pkey";
 --> statement-breakpoint
--- As in migrations 0003–0004, now by regclass: called by an upsert on a row it newly inserted, with a
+-- As in migrations 0003–0004, now by table: called by an upsert on a row it newly inserted, with a
 -- fresh snapshot (VOLATILE); under REPEATABLE READ or SERIALIZABLE, touching the floor row makes
 -- Postgres raise 40001 when a purge created or raised it after the transaction's snapshot.
 CREATE FUNCTION "palisade"."check_tombstone_floor"(target regclass, fence bigint, allow_equal boolean)
 RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
   current_floor bigint;
+  key regclass := palisade.floor_table(target);
 BEGIN
   IF current_setting('transaction_isolation') <> 'read committed' THEN
-    INSERT INTO palisade.tombstone_floors (fenced_table, floor) VALUES (target, 0) ON CONFLICT DO NOTHING;
+    INSERT INTO palisade.tombstone_floors (fenced_table, floor) VALUES (key, 0) ON CONFLICT DO NOTHING;
   END IF;
-  SELECT f.floor INTO current_floor FROM palisade.tombstone_floors f WHERE f.fenced_table = target;
+  SELECT f.floor INTO current_floor FROM palisade.tombstone_floors f WHERE f.fenced_table = key;
   IF current_floor IS NOT NULL AND (fence < current_floor OR (fence = current_floor AND NOT allow_equal)) THEN
     RAISE EXCEPTION 'palisade: a concurrent purge of tombstones in % raised the floor to this fence or above', target
       USING ERRCODE = '40001';

@@ -20,7 +20,8 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
     throw new InvalidArgumentError('batchSize must be a positive integer');
   const t = info.table;
   // The floor rises to the highest fence among the tombstones that go, in the same transaction, so
-  // no moment exists in which a lower fence could recreate a row. The delete re-checks `ctid` on the
+  // no moment exists in which a lower fence could recreate a row. It is the floor of the table each
+  // row was in (its partition tree's root: palisade.floor_table), whichever table this repository names. The delete re-checks `ctid` on the
   // row it waited for: a tombstone resurrected meanwhile has a new version (a new ctid) and stays.
   // A ctid names a row only within one partition (or inheritance child): each is matched with its
   // `tableoid` (the join runs as a TID scan). `ctid = any(…)` stays as a plain filter, the condition
@@ -30,9 +31,9 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
     ),
     gone as (delete from ${t} where ctid = any(array(select palisade_row from picked))
       and (tableoid, ctid) in (select palisade_table, palisade_row from picked)
-      returning ${t.lastFence} as fence),
+      returning tableoid as palisade_table, ${t.lastFence} as fence),
     raised as (insert into palisade.tombstone_floors (fenced_table, floor)
-      select ${info.sqlName}::regclass, max(fence) from gone having count(*) > 0
+      select palisade.floor_table(palisade_table::regclass), max(fence) from gone group by 1
       on conflict (fenced_table) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))
     select count(*) as n from gone`;
 }

@@ -73,9 +73,10 @@ const regclass = customType<{ data: string }>({ dataType: () => 'regclass' });
  * tombstones `purgeTombstones` removed from it, raised in the purge's own
  * statement. A row that does not exist (never written, or purged) can only
  * be created by a fence above it, so purging never lowers what a stale fence
- * must beat. Keyed by the table itself (`regclass`, migration 0008): every
- * way of naming one table — with its schema, or by a search_path that
- * holds it — reads and raises the same floor.
+ * must beat. Keyed by the table itself (`regclass`, migration 0008; a
+ * partition tree by its root, `palisade.floor_table(t)`): every way of
+ * naming one table — with its schema, by a search_path that holds it, as a
+ * partition or as its parent — reads and raises the same floor.
  *
  * The migration also creates `palisade.check_tombstone_floor(table, fence,
  * allow_equal)`, which an upsert calls on a row it newly inserted: it reads

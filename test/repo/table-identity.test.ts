@@ -253,6 +253,41 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
     expect(await read(`${schema}.acc`)).toEqual({ v: 2, fence: '6' });
   });
 
+  it('a partitioned table and a definition of one of its partitions: a purge through either raises the floor the other checks', async () => {
+    const name = uniqueName('ptree');
+    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
+    await db.execute(sql.raw(`create table ${name} ${ddl} partition by list (id)`));
+    await db.execute(sql.raw(`create table ${name}_k partition of ${name} for values in ('k', 'j')`));
+    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+    const parent = fencedRepository(db, pgTable(name, columns()));
+    const partition = fencedRepository(db, pgTable(`${name}_k`, columns()));
+    const later = new Date(Date.now() + 60_000);
+    expect((await parent.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
+    expect((await parent.delete({ id: 'k' }, f(6))).status).toBe('applied');
+    expect(await parent.purgeTombstones(later)).toBe(1);
+    expect(await partition.upsert({ id: 'k', v: 2 }, f(4))).toEqual({ status: 'stale', currentFence: f(6) });
+    expect((await partition.upsert({ id: 'j', v: 1 }, f(7))).status).toBe('applied');
+    expect((await partition.delete({ id: 'j' }, f(8))).status).toBe('applied');
+    expect(await partition.purgeTombstones(later)).toBe(1);
+    expect(await parent.upsert({ id: 'j', v: 2 }, f(7))).toEqual({ status: 'stale', currentFence: f(8) });
+    expect(await rows(db, sql.raw(`select id from ${name}`))).toEqual([]);
+  });
+
+  it("an inheritance child's tombstone purged through its parent: an upsert through the child sees the floor", async () => {
+    const name = uniqueName('inh');
+    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
+    await db.execute(sql.raw(`create table ${name} ${ddl}`));
+    await db.execute(sql.raw(`create table ${name}_c (primary key (id)) inherits (${name})`));
+    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+    const child = fencedRepository(db, pgTable(`${name}_c`, columns()));
+    const parent = fencedRepository(db, pgTable(name, columns()));
+    expect((await child.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
+    expect((await child.delete({ id: 'k' }, f(6))).status).toBe('applied');
+    expect(await parent.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+    expect(await child.upsert({ id: 'k', v: 2 }, f(4))).toEqual({ status: 'stale', currentFence: f(6) });
+    expect(await rows(db, sql.raw(`select id from ${name}_c`))).toEqual([]);
+  });
+
   it('one table named with its schema and, on a connection whose search_path holds that schema, without: one floor', async () => {
     const schema = uniqueName('sp');
     await db.execute(sql.raw(`create schema ${schema}`));
