@@ -1,7 +1,7 @@
 /**
  * The lock backend contract (palisade-db/testing's describeLockBackend) on
  * the built-in backends that need only Postgres and Redis; etcd runs it in
- * test/fencing/etcd.test.ts beside its cluster.
+ * test-slow/etcd.test.ts beside its cluster (the slow suite).
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { describeLockBackend } from '../../src/testing/contract.js';

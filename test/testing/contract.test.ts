@@ -2,7 +2,7 @@
  * The contract suite can fail: each check passes on a backend that keeps the
  * contract (in one process) and fails on one with the flaw it is there to
  * catch. The built-in backends run the suite in test/fencing/contract.test.ts
- * and test/fencing/etcd.test.ts.
+ * and test-slow/etcd.test.ts.
  */
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
