@@ -23,14 +23,19 @@ CREATE TABLE "palisade"."tombstone_floors_by_table" (
 --> statement-breakpoint
 -- An old key was the unquoted `schema.name` or `name`, the latter resolved by each connection's own
 -- search_path (a tenant schema per connection, say): every table it can name, in any schema, keeps
--- its floor — refusing more, never less.
+-- its floor — refusing more, never less — and so does every table that inherits from one (a purge
+-- through an inheritance parent removed its children's rows; their floors are now their own).
 INSERT INTO "palisade"."tombstone_floors_by_table" ("fenced_table", "floor")
-SELECT palisade.floor_table(c.oid::regclass), max(f.floor)
-FROM "palisade"."tombstone_floors" f
-JOIN pg_catalog.pg_class c ON c.relkind IN ('r', 'p')
-JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relname = f.table_name OR n.nspname || '.' || c.relname = f.table_name
-GROUP BY 1;
+WITH RECURSIVE named AS (
+  SELECT c.oid, f.floor
+  FROM "palisade"."tombstone_floors" f
+  JOIN pg_catalog.pg_class c ON c.relkind IN ('r', 'p')
+  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+  WHERE c.relname = f.table_name OR n.nspname || '.' || c.relname = f.table_name
+  UNION
+  SELECT i.inhrelid, named.floor FROM named JOIN pg_catalog.pg_inherits i ON i.inhparent = named.oid
+)
+SELECT palisade.floor_table(oid::regclass), max(floor) FROM named GROUP BY 1;
 --> statement-breakpoint
 DROP FUNCTION "palisade"."check_tombstone_floor"(text, bigint, boolean);
 --> statement-breakpoint

@@ -77,7 +77,7 @@ export function refusals<Row>(
     if (current === null && method === 'upsert') {
       const [floorRow] = await execute(
         on,
-        sql`select floor from palisade.tombstone_floors where fenced_table = palisade.floor_table(${info.sqlName}::regclass)`,
+        sql`select floor from palisade.tombstone_floors where fenced_table = palisade.floor_table(${info.regclass})`,
       );
       const floor = int8(floorRow?.floor);
       if (floor !== null && !writable(floor, fence)) refused = { status: 'stale', currentFence: floor as Fence };

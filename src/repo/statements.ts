@@ -308,7 +308,7 @@ export function upsertStatement(
   fence: bigint,
   same: SameFence,
 ): Statement {
-  const values: Record<string, unknown> = { fence, floorTable: info.sqlName };
+  const values: Record<string, unknown> = { fence };
   const t = info.table;
   const build = () => {
     const where = keyCondition(info, key, values);
@@ -327,10 +327,9 @@ export function upsertStatement(
       updates.push(sql`${bare(c)} = case when ${t.deletedAt} is null then ${c} else excluded.${bare(c)} end`);
     }
     updates.push(sql`${bare(t.lastFence)} = excluded.${bare(t.lastFence)}`, sql`${bare(t.deletedAt)} = null`);
-    const table = new Param(sql.placeholder('floorTable'));
     const allowEqual = sql.raw(same === 'allow' ? 'true' : 'false');
     return sql`with prev as (select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${where}),
-floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table(${table}::regclass)), 0) as fence),
+floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table(${info.regclass})), 0) as fence),
 w as (insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bare(t.deletedAt)], sql`, `)})
   select ${sql.join([...inserted, fenceParam(info), sql`null`], sql`, `)}
   where set_config('palisade.upsert', 'insert', true) is not null
@@ -339,7 +338,7 @@ w as (insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bar
   where ${t.lastFence} ${cmp(same)} excluded.${bare(t.lastFence)} and set_config('palisade.upsert', 'update', true) is not null
   returning *, true as ${sql.identifier(APPLIED)},
     case when current_setting('palisade.upsert', true) = 'insert'
-      then palisade.check_tombstone_floor(${table}::regclass, ${fenceParam(info)}, ${allowEqual}) end as palisade_floor_checked)
+      then palisade.check_tombstone_floor(${info.regclass}, ${fenceParam(info)}, ${allowEqual}) end as palisade_floor_checked)
 select w.*, (select fence from prev) as ${sql.identifier(PREV_FENCE)}, (select deleted from prev) as ${sql.identifier(PREV_DELETED)},
   (select fence from floor) as ${sql.identifier(FLOOR)}
 from (select 1) as palisade_one left join w on true`;

@@ -4,7 +4,7 @@
  * what a valid key or patch looks like. The generic "any table" types stop
  * here (drizzle issues #4207, #4367): everything above sees `FencedTable`.
  */
-import { and, eq, getTableColumns, is, SQL } from 'drizzle-orm';
+import { and, eq, getTableColumns, is, SQL, sql } from 'drizzle-orm';
 import { getTableConfig, type PgColumn, type PgTable } from 'drizzle-orm/pg-core';
 import type { RawRow } from '../driver.js';
 import { InvalidArgumentError } from '../errors.js';
@@ -42,10 +42,12 @@ export interface TableInfo {
   /** `schema.name` or `name`, for messages. */
   readonly label: string;
   /**
-   * The table as SQL names it (`"schema"."name"`, or `"name"` for the search path's): cast to
-   * `regclass`, the key of its tombstone floor — the very table its writes resolve to.
+   * The table as a `regclass` literal (`'"schema"."name"'::regclass`, or `'"name"'::regclass` for the
+   * search path's), the key of its tombstone floor. A literal, not a parameter: Postgres resolves it
+   * when it plans the statement, as it resolves the table the statement writes — a prepared plan
+   * keeps both, even after a table of that name appears earlier on the search path.
    */
-  readonly sqlName: string;
+  readonly regclass: SQL;
   /** The table's schema, `undefined` for the search path's. */
   readonly schema: string | undefined;
   /** The table's name in its schema. */
@@ -93,10 +95,11 @@ export function describeTable(table: FencedTable): TableInfo {
     return name;
   });
   const quoted = (name: string) => `"${name.replaceAll('"', '""')}"`;
+  const qualified = config.schema ? `${quoted(config.schema)}.${quoted(config.name)}` : quoted(config.name);
   return {
     table,
     label,
-    sqlName: config.schema ? `${quoted(config.schema)}.${quoted(config.name)}` : quoted(config.name),
+    regclass: sql.raw(`'${qualified.replaceAll("'", "''")}'::regclass`),
     schema: config.schema,
     name: config.name,
     columns,

@@ -136,11 +136,11 @@ describe('upsert statement', () => {
 
   it("creates a row only above the table's tombstone floor, re-checked with a fresh snapshot after inserting", () => {
     expect(text).toContain(
-      'floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table(:floorTable::regclass)), 0) as fence)',
+      `floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table('"accounts"'::regclass)), 0) as fence)`,
     );
     expect(text).toContain(
       "case when current_setting('palisade.upsert', true) = 'insert' " +
-        'then palisade.check_tombstone_floor(:floorTable::regclass, :fence, false) end as palisade_floor_checked',
+        'then palisade.check_tombstone_floor(\'"accounts"\'::regclass, :fence, false) end as palisade_floor_checked',
     );
     expect(text).toMatch(
       /\(select fence from floor\) as "palisade_floor" from \(select 1\) as palisade_one left join w on true$/,
@@ -155,7 +155,7 @@ describe('upsert statement', () => {
   });
 
   it('carries the values for its placeholders', () => {
-    expect(statement.values).toEqual({ fence: 7n, floorTable: '"accounts"', k0: 'a', v0: 'a', v1: 5 });
+    expect(statement.values).toEqual({ fence: 7n, k0: 'a', v0: 'a', v1: 5 });
   });
 
   it('names every key column of a composite key', () => {

@@ -288,6 +288,34 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
     expect(await rows(db, sql.raw(`select id from ${name}_c`))).toEqual([]);
   });
 
+  it("a table of the same name appears earlier on the search path after the upsert was prepared: the floor is still the written table's", async () => {
+    const name = uniqueName('shadow');
+    const tenant = uniqueName('tenant');
+    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
+    await db.execute(sql.raw(`create schema ${tenant}`));
+    await db.execute(sql.raw(`create table public.${name} ${ddl}`));
+    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+    // One transaction: one connection, whose prepared statements outlive the new table (Postgres does
+    // not re-plan a statement when a table of the same name appears earlier on the search path).
+    await db.transaction(async (tx) => {
+      await tx.execute(sql.raw(`set local search_path to ${tenant}, public`));
+      const repo = fencedRepository(tx, pgTable(name, columns()));
+      for (let i = 0; i < 6; i++) expect((await repo.upsert({ id: `warm${i}`, v: 1 }, f(1))).status).toBe('applied');
+      expect((await repo.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
+      expect((await repo.delete({ id: 'k' }, f(6))).status).toBe('applied');
+      expect(await repo.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+      await tx.execute(sql.raw(`create table ${tenant}.${name} ${ddl}`));
+      const late = await repo.upsert({ id: 'k', v: 2 }, f(4));
+      expect(await rows(tx, sql.raw(`select id from public.${name} where id = 'k'`))).toEqual([]);
+      // Wherever the statement now writes, a row written there at fence 4 must not be public's purged k.
+      if (late.status === 'applied') {
+        expect(await rows(tx, sql.raw(`select id from ${tenant}.${name} where id = 'k'`))).toEqual([{ id: 'k' }]);
+      } else {
+        expect(late).toEqual({ status: 'stale', currentFence: f(6) });
+      }
+    });
+  });
+
   it('one table named with its schema and, on a connection whose search_path holds that schema, without: one floor', async () => {
     const schema = uniqueName('sp');
     await db.execute(sql.raw(`create schema ${schema}`));

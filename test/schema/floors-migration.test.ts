@@ -1,7 +1,8 @@
 /**
  * Migration 0008 moves tombstone floors from a key by name (`schema.name` or
  * `name`, unquoted, the latter resolved by each connection's search_path) to
- * a key by table (`regclass`; a partition tree's root for its partitions). An
+ * a key by table (`regclass`; a partition tree's root for its partitions;
+ * an inheritance parent's floor also goes to its children). An
  * old name may spell more than one table; every table it can spell, in any
  * schema, must keep the floor, so an upsert after the upgrade refuses at
  * least what it refused before.
@@ -45,9 +46,12 @@ describe('migration 0008: tombstone floors keyed by table', () => {
     );
     await run('create table pt_p0 partition of pt for values with (modulus 2, remainder 0)');
     await run('create table pt_p1 partition of pt for values with (modulus 2, remainder 1)');
+    // An inheritance parent's purge removed its children's rows too.
+    await run(`create table par ${ddl}`);
+    await run('create table kid (primary key (id)) inherits (par)');
     // Floors as earlier versions keyed them, by the repository's spelling of the name.
     await run(`insert into palisade.tombstone_floors (table_name, floor) values
-      ('acc', 5), ('s.acc', 7), ('Mixed', 9), ('dropped_long_ago', 11), ('pt_p0', 12), ('pt', 3)`);
+      ('acc', 5), ('s.acc', 7), ('Mixed', 9), ('dropped_long_ago', 11), ('pt_p0', 12), ('pt', 3), ('par', 13)`);
     // As migrate() applies it: in one transaction (its LOCK TABLE needs one).
     await run('begin');
     for (const s of statements('0008_floors_by_table')) await run(s);
@@ -63,6 +67,8 @@ describe('migration 0008: tombstone floors keyed by table', () => {
       { t: '"Mixed"', floor: '9' },
       { t: '"s.acc"', floor: '7' },
       { t: 'acc', floor: '5' },
+      { t: 'kid', floor: '13' },
+      { t: 'par', floor: '13' },
       { t: 'pt', floor: '12' },
       { t: 's.acc', floor: '7' },
       { t: 't1.acc', floor: '5' },
