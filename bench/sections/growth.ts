@@ -234,18 +234,25 @@ async function churnOnce(ctx: BenchContext, label: string, cycles: number, maxMs
     await new Promise((r) => setTimeout(r, 1_100)); // idle backends flush their statistics within a second
     const s0 = await leaseStats(ctx);
     const started = performance.now();
+    // Each worker has a name of its own, so a grant is refused only when its one-time checks or its
+    // lock wait ran out on a stalled machine (once in the full run of 2026-12-03 ~16:55): counted, shown.
+    let refused = 0;
     const { iterations } = await closedLoop(16, maxMs, Math.ceil(cycles / 16), async (w) => {
       const token = randomBytes(16).toString('hex');
       const name = `c-${w}`;
-      if (!(await churnBackend.grant(name, token, 10_000, null))) throw new Error('churn grant refused');
+      if (!(await churnBackend.grant(name, token, 10_000, null))) {
+        refused++;
+        if (refused > 100) throw new Error('churn grants refused 100 times');
+        return;
+      }
       await churnBackend.release(name, token);
     });
-    const churned = iterations.reduce((a, b) => a + b, 0);
+    const churned = iterations.reduce((a, b) => a + b, 0) - refused;
     const churnSecs = (performance.now() - started) / 1000;
     await new Promise((r) => setTimeout(r, 1_100));
     const s1 = await leaseStats(ctx);
     const after = await cycleRate(lock, 'c', scale.rounds, scale.timeMs);
-    return { label, fresh: median(fresh), after: median(after), s0, s1, churned, churnSecs };
+    return { label, fresh: median(fresh), after: median(after), s0, s1, churned, churnSecs, refused };
   } finally {
     await churnBackend.close();
     await lock.close();
@@ -297,6 +304,9 @@ async function leaseChurn(ctx: BenchContext): Promise<void> {
       t.notes.push(
         `${c.label}: scaled down to ${c.churned.toLocaleString('en-US')} of ${scale.churnCycles.toLocaleString('en-US')} cycles (time cap; ${ops(c.churned / c.churnSecs)} cycles/s with synchronous_commit off for the churn client).`,
       );
+    }
+    if (c.refused > 0) {
+      t.notes.push(`${c.label}: ${c.refused} churn grants refused on a free name of their own (retried).`);
     }
     // The goal is the table as migrated; the indexed run is the comparison that shows why.
     if (c !== asMigrated) continue;
