@@ -21,8 +21,9 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   const t = info.table;
   // The floor rises to the highest fence among the tombstones that go, in the same transaction, so
   // no moment exists in which a lower fence could recreate a row. It is the floor of the table each
-  // row was in (its partition tree's root: palisade.floor_table), whichever table this repository names. The delete re-checks `ctid` on the
-  // row it waited for: a tombstone resurrected meanwhile has a new version (a new ctid) and stays.
+  // row was in (its partition tree's root: palisade.floor_table), whichever table this repository
+  // names. The delete re-checks `ctid` on the row it waited for: a tombstone resurrected meanwhile
+  // has a new version (a new ctid) and stays.
   // A ctid names a row only within one partition (or inheritance child): each is matched with its
   // `tableoid` (the join runs as a TID scan). `ctid = any(…)` stays as a plain filter, the condition
   // Postgres re-evaluates on the newest version of a row it waited for.
