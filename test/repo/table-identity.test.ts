@@ -316,6 +316,32 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
     });
   });
 
+  it("ALTER TABLE … RENAME and SET SCHEMA keep the floor; a dropped table's floor row reads as a bare oid the README's query removes", async () => {
+    const name = uniqueName('moved');
+    const schema = uniqueName('dest');
+    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
+    await db.execute(sql.raw(`create schema ${schema}`));
+    await db.execute(sql.raw(`create table ${name} ${ddl}`));
+    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+    const before = fencedRepository(db, pgTable(name, columns()));
+    expect((await before.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
+    expect((await before.delete({ id: 'k' }, f(6))).status).toBe('applied');
+    expect(await before.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+    await db.execute(sql.raw(`alter table ${name} rename to ${name}_r`));
+    await db.execute(sql.raw(`alter table ${name}_r set schema ${schema}`));
+    const after = fencedRepository(db, pgSchema(schema).table(`${name}_r`, columns()));
+    expect(await after.upsert({ id: 'k', v: 2 }, f(4))).toEqual({ status: 'stale', currentFence: f(6) });
+    expect(await rows(db, sql.raw(`select id from ${schema}.${name}_r`))).toEqual([]);
+    // Dropped: its row stays, named by a number; the README's cleanup removes that row and no other.
+    const count = async (where: string) =>
+      rows(db, sql.raw(`select count(*)::int as n from palisade.tombstone_floors where ${where}`));
+    await db.execute(sql.raw(`drop table ${schema}.${name}_r`));
+    expect(await count(`fenced_table::text ~ '^[0-9]+$'`)).toEqual([{ n: 1 }]);
+    const named = await count(`fenced_table::text !~ '^[0-9]+$'`);
+    await db.execute(sql.raw(`delete from palisade.tombstone_floors where fenced_table::text ~ '^[0-9]+$'`));
+    expect(await count('true')).toEqual(named);
+  });
+
   it('one table named with its schema and, on a connection whose search_path holds that schema, without: one floor', async () => {
     const schema = uniqueName('sp');
     await db.execute(sql.raw(`create schema ${schema}`));
