@@ -30,6 +30,12 @@
  * other partitions: it found a purge that matched rows by `ctid` alone
  * within 13 runs.
  *
+ * Each operation goes through one of the table's names, chosen at random:
+ * the bare name, the schema-qualified one and — on the partitioned table —
+ * the partition that holds the row, or (a purge) another partition. A
+ * floor kept per spelled name instead of per table lets a stale upsert
+ * through one name re-create a row purged through another.
+ *
  * The check: some serial order of the committed operations — one that
  * respects real time (an operation that finished before another started
  * comes first), puts a blocker before every operation seen waiting for it to
@@ -39,7 +45,7 @@
  */
 import { fc } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
-import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { integer, pgSchema, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import postgres, { type Sql } from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -55,13 +61,48 @@ import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns } from './support.js';
 
-const docs = pgTable('palisade_prop_tombs', {
+const columns = () => ({
   id: text('id').primaryKey(),
   n: integer('n').notNull().default(0),
   v: text('v'),
   ...fenceColumns(),
 });
+const docs = pgTable('palisade_prop_tombs', columns());
 type DocRow = typeof docs.$inferSelect;
+
+/**
+ * Which name an operation writes (or purges) the table through. The floor a
+ * purge raises belongs to the table, so every route must see the same one:
+ * - `name`: the bare name, resolved through the search path;
+ * - `qualified`: `palisade_prop.palisade_prop_tombs`, the same table (every
+ *   connection of the harness has `palisade_prop` first on its search path);
+ * - `partition`: the partition that holds the run's key (partitioned layout);
+ * - `sibling`: another partition (purges only): it removes bystanders and
+ *   leaves the run's row alone.
+ */
+export type Route = 'name' | 'qualified' | 'partition' | 'sibling';
+const PARTITIONS = 3;
+const partitionName = (i: number) => `palisade_prop_tombs_p${i}`;
+/** The harness's own schema, first on the search path of each of its connections. */
+const SCHEMA = 'palisade_prop';
+const qualifiedDocs = pgSchema(SCHEMA).table('palisade_prop_tombs', columns()) as unknown as typeof docs;
+const partitionDocs = Array.from(
+  { length: PARTITIONS },
+  (_, i) => pgTable(partitionName(i), columns()) as unknown as typeof docs,
+);
+/** The table object for `route`, given the index of the partition that holds the run's key. */
+function tableFor(route: Route, keyPartition: number): typeof docs {
+  switch (route) {
+    case 'name':
+      return docs;
+    case 'qualified':
+      return qualifiedDocs;
+    case 'partition':
+      return partitionDocs[keyPartition] as typeof docs;
+    case 'sibling':
+      return partitionDocs[(keyPartition + 1) % PARTITIONS] as typeof docs;
+  }
+}
 
 /** Plain operations run once, autocommit; blockers hold the row in a transaction until released. */
 export type OpKind = 'update' | 'upsert' | 'delete' | 'modify' | 'purge' | 'lock' | 'del' | 'res';
@@ -71,6 +112,8 @@ export interface OpSpec {
   readonly fence: number;
   /** Blockers: commit (true) or roll back. */
   readonly commit: boolean;
+  /** The name it goes through (`name` when absent). */
+  readonly via?: Route;
 }
 export interface Scenario {
   readonly init: { readonly state: 'absent' | 'live' | 'tomb'; readonly fence: number };
@@ -80,22 +123,33 @@ export interface Scenario {
 const MAX_OPS = 5;
 const isBlocker = (k: OpKind) => k === 'lock' || k === 'del' || k === 'res';
 
-const opArb: fc.Arbitrary<OpSpec> = fc.record({
-  kind: fc.oneof(
-    { weight: 3, arbitrary: fc.constantFrom<OpKind>('update', 'upsert', 'delete', 'modify') },
-    { weight: 1, arbitrary: fc.constant<OpKind>('purge') },
-    { weight: 2, arbitrary: fc.constantFrom<OpKind>('lock', 'del', 'res') },
-  ),
-  fence: fc.integer({ min: 1, max: 9 }),
-  commit: fc.boolean(),
-});
-export const scenarioArb: fc.Arbitrary<Scenario> = fc.record({
-  init: fc.record({
-    state: fc.constantFrom('absent' as const, 'live' as const, 'tomb' as const),
-    fence: fc.integer({ min: 1, max: 5 }),
-  }),
-  ops: fc.array(opArb, { minLength: 2, maxLength: MAX_OPS }),
-});
+/** Routes of a layout: a plain table has two names; a partition tree adds its partitions. */
+const routesOf = (layout: TableLayout): Route[] =>
+  layout === 'plain' ? ['name', 'qualified'] : ['name', 'qualified', 'partition', 'sibling'];
+
+const opArb = (layout: TableLayout): fc.Arbitrary<OpSpec> =>
+  fc
+    .record({
+      kind: fc.oneof(
+        { weight: 3, arbitrary: fc.constantFrom<OpKind>('update', 'upsert', 'delete', 'modify') },
+        { weight: 1, arbitrary: fc.constant<OpKind>('purge') },
+        { weight: 2, arbitrary: fc.constantFrom<OpKind>('lock', 'del', 'res') },
+      ),
+      fence: fc.integer({ min: 1, max: 9 }),
+      commit: fc.boolean(),
+      via: fc.constantFrom(...routesOf(layout)),
+    })
+    // Only a purge goes through a partition that does not hold the row.
+    .map((op) => (op.via === 'sibling' && op.kind !== 'purge' ? { ...op, via: 'partition' as const } : op));
+
+export const scenarioArb = (layout: TableLayout): fc.Arbitrary<Scenario> =>
+  fc.record({
+    init: fc.record({
+      state: fc.constantFrom('absent' as const, 'live' as const, 'tomb' as const),
+      fence: fc.integer({ min: 1, max: 5 }),
+    }),
+    ops: fc.array(opArb(layout), { minLength: 2, maxLength: MAX_OPS }),
+  });
 
 type Observed =
   | WriteResult<DocRow>
@@ -144,6 +198,7 @@ interface Slot {
 }
 
 export interface Harness {
+  readonly mainClient: Sql;
   readonly main: Database;
   readonly probe: Sql;
   readonly slots: Slot[];
@@ -196,17 +251,21 @@ function pausingClient(client: Sql, slot: () => Slot, h: () => Harness): Sql {
 export type TableLayout = 'plain' | 'partitioned';
 
 export async function openHarness(test: TestDatabase, layout: TableLayout = 'plain'): Promise<Harness> {
-  const main = test.db;
+  await test.db.execute(sql.raw(`create schema if not exists ${SCHEMA}`));
+  const connect = (max: number) =>
+    postgres(test.url as string, { max, onnotice: () => {}, connection: { search_path: `${SCHEMA}, public` } });
+  const mainClient = connect(2);
+  const main = drizzle(mainClient) as unknown as Database;
   await migrate(main);
   const columns = sql`id text primary key, n integer not null default 0, v text,
       last_fence bigint not null default 0, deleted_at timestamptz`;
   if (layout === 'plain') await main.execute(sql`create table if not exists palisade_prop_tombs (${columns})`);
   else {
     await main.execute(sql`create table if not exists palisade_prop_tombs (${columns}) partition by hash (id)`);
-    for (let i = 0; i < 3; i++) {
+    for (let i = 0; i < PARTITIONS; i++) {
       await main.execute(
-        sql.raw(`create table if not exists palisade_prop_tombs_p${i} partition of palisade_prop_tombs
-          for values with (modulus 3, remainder ${i})`),
+        sql.raw(`create table if not exists ${partitionName(i)} partition of palisade_prop_tombs
+          for values with (modulus ${PARTITIONS}, remainder ${i})`),
       );
     }
   }
@@ -226,11 +285,11 @@ export async function openHarness(test: TestDatabase, layout: TableLayout = 'pla
   await main.execute(sql`drop trigger if exists audit on palisade_prop_tombs`);
   await main.execute(sql`create trigger audit after insert or update or delete on palisade_prop_tombs
       for each row execute function palisade_prop_tombs_audit()`);
-  const probe = postgres(test.url as string, { max: 1, onnotice: () => {} });
+  const probe = connect(1);
   const slots: Slot[] = [];
-  const harness: Harness = { main, probe, slots, nextBase: 0n, keySeq: 0, layout, reattempt: true };
+  const harness: Harness = { mainClient, main, probe, slots, nextBase: 0n, keySeq: 0, layout, reattempt: true };
   for (let i = 0; i < MAX_OPS; i++) {
-    const client = postgres(test.url as string, { max: 1, onnotice: () => {} });
+    const client = connect(1);
     const [row] = await client`select pg_backend_pid() as pid`;
     const db = drizzle(
       pausingClient(
@@ -247,6 +306,7 @@ export async function openHarness(test: TestDatabase, layout: TableLayout = 'pla
 export async function closeHarness(h: Harness | undefined): Promise<void> {
   if (!h) return;
   await h.probe.end({ timeout: 5 });
+  await h.mainClient.end({ timeout: 5 });
   for (const s of h.slots) await s.client.end({ timeout: 5 });
 }
 
@@ -262,6 +322,15 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
   const key = `k${process.pid}_${h.keySeq++}_${Date.now().toString(36)}`;
   // Fresh partitions: this run's row versions take the first row positions of their partition.
   if (h.layout === 'partitioned') await execute(h.main, sql`truncate palisade_prop_tombs`);
+  const [{ i: keyPartition } = { i: 0 }] = (
+    h.layout === 'partitioned'
+      ? await execute(
+          h.main,
+          sql`select i from generate_series(0, ${PARTITIONS - 1}) i
+              where satisfies_hash_partition('palisade_prop_tombs'::regclass, ${PARTITIONS}, i, ${key}::text)`,
+        )
+      : []
+  ) as { i: number }[];
   if (scenario.init.state !== 'absent') {
     // Written before the trigger matters: the audit rows of the set-up carry op 'insert' and are skipped below.
     await execute(
@@ -338,7 +407,8 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
 
   async function runOp(run: OpRun): Promise<void> {
     const slot = h.slots[run.index] as Slot;
-    const repo = fencedRepository(slot.db, docs);
+    const table = tableFor(run.spec.via ?? 'name', keyPartition);
+    const repo = fencedRepository(slot.db, table);
     const fence = toFence(run.fence);
     const id = { id: key };
     // Between the two statements of a write that did not apply: not running, not waiting on a lock.
@@ -348,7 +418,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
       await s.schedule(Promise.resolve(run.tag), `refusal statement of ${run.tag}`);
       inFlight.add(run.index);
     };
-    await s.schedule(Promise.resolve(run.tag), `start ${run.tag} f${run.spec.fence}`);
+    await s.schedule(Promise.resolve(run.tag), `start ${run.tag} f${run.spec.fence} via ${run.spec.via ?? 'name'}`);
     inFlight.add(run.index);
     run.start = ++clock;
     const capture = async (fn: () => Promise<Observed>) => {
@@ -389,7 +459,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
           let held = false;
           try {
             await slot.db.transaction(async (tx) => {
-              const txRepo = fencedRepository(tx as unknown as Database, docs);
+              const txRepo = fencedRepository(tx as unknown as Database, table);
               if (run.spec.kind === 'lock') {
                 await tx.execute(sql`select 1 from palisade_prop_tombs where id = ${key} for update`);
                 run.result = { status: 'locked' };
@@ -468,7 +538,7 @@ function step(m: ModelState, run: OpRun): { expect: Expect; writes: AuditRow[] }
     case 'lock':
       return { expect: { status: 'none' }, writes: [] };
     case 'purge':
-      if (m.state !== 'tomb') return { expect: { status: 'none' }, writes: [] };
+      if (m.state !== 'tomb' || run.spec.via === 'sibling') return { expect: { status: 'none' }, writes: [] };
       if (m.fence > m.floor) m.floor = m.fence;
       m.state = 'absent';
       return { expect: { status: 'none' }, writes: [{ op: 'purge', fence: m.fence, deleted: true }] };
@@ -612,7 +682,7 @@ export function describeOutcome(o: Outcome, scenario: Scenario): string {
       r.fnCalled === undefined ? '' : `fn ${r.fnCalled ? 'called' : 'not called'}`,
       r.waitedFor.size > 0 ? `waited for ${[...r.waitedFor].map((i) => o.runs[i]?.tag).join(',')}` : '',
     ].filter(Boolean);
-    return `  ${r.tag} f${r.spec.fence} [${r.start}..${r.end}] → ${detail}${extra.length ? ` (${extra.join('; ')})` : ''}`;
+    return `  ${r.tag} f${r.spec.fence} via ${r.spec.via ?? 'name'} [${r.start}..${r.end}] → ${detail}${extra.length ? ` (${extra.join('; ')})` : ''}`;
   });
   const audit = o.audit.map((a) => `  ${a.op} ${rel(a.fence)}${a.deleted ? ' deleted' : ''}`);
   return [
@@ -640,7 +710,7 @@ async function searchInterleavings(h: Harness, numRuns: number): Promise<void> {
   let waitedRuns = 0;
   let refusedRuns = 0;
   await fc.assert(
-    fc.asyncProperty(fc.scheduler(), scenarioArb, async (s, scenario) => {
+    fc.asyncProperty(fc.scheduler(), scenarioArb(h.layout), async (s, scenario) => {
       const o = await playAndCheck(h, s, scenario);
       runs++;
       if (o.waited) waitedRuns++;
