@@ -1,9 +1,10 @@
 /**
- * Runs the `palisade` CLI from its TypeScript source (`node --import tsx
- * src/cli/main.ts …`) as a separate OS process, the way a user or a replica
+ * Runs the `palisade` CLI from its source (`src/cli/main.ts`, see
+ * ./programs.ts) as a separate OS process, the way a user or a replica
  * would, and collects its exit code and output.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
+import { programArgs } from './programs.js';
 
 export interface CliRun {
   /** Exit code, `null` when killed by a signal. */
@@ -34,7 +35,7 @@ export function startCli(
     if (v === undefined) delete merged[k];
     else merged[k] = v;
   }
-  const child = spawn(process.execPath, ['--import', 'tsx', 'src/cli/main.ts', ...args], {
+  const child = spawn(process.execPath, [...programArgs('src/cli/main.ts'), ...args], {
     env: merged,
     stdio: ['ignore', 'pipe', 'pipe'],
   });

@@ -1,5 +1,6 @@
 import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { buildPrograms } from './programs.js';
 import { binaries, services } from './services.js';
 
 // Suites mark what they need with `needs('DATABASE_URL')` / `needs('REDIS_URL')`, or a binary: `needs('ETCD')`.
@@ -17,8 +18,11 @@ function suitesNeeding(variable: string): string[] {
   return found.sort();
 }
 
-/** In CI every service must be configured; elsewhere, name each suite that will skip. */
-export default function setup(): void {
+/**
+ * In CI every service must be configured; elsewhere, name each suite that will skip. Then the programs
+ * tests start in child processes are transformed once (./programs.ts); the teardown removes them.
+ */
+export default function setup(): () => void {
   for (const service of Object.values(services)) {
     if (service.url) continue;
     if (process.env.CI) {
@@ -39,4 +43,5 @@ export default function setup(): void {
       console.warn(`skipped (install ${program.debianPackage} to run them): ${suites.join(', ')}`);
     }
   }
+  return buildPrograms(process.cwd());
 }

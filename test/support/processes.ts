@@ -1,11 +1,12 @@
 /**
  * Separate OS processes for the multi-process scenarios: a worker is a TypeScript
- * script run by `node --import tsx`, speaking JSON lines on stdout and
+ * script (run as ./programs.ts says), speaking JSON lines on stdout and
  * reading commands line by line on stdin. The parent pauses it with SIGSTOP,
  * resumes it with SIGCONT, or kills it with SIGKILL — real faults.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import { createInterface } from 'node:readline';
+import { programArgs } from './programs.js';
 
 /** One JSON message a worker printed. */
 export type Message = Record<string, unknown> & { event: string };
@@ -33,7 +34,7 @@ export function startWorker(
   args: Record<string, unknown>,
   env: Record<string, string | undefined> = {},
 ): Worker {
-  const child = spawn(process.execPath, ['--import', 'tsx', script, JSON.stringify(args)], {
+  const child = spawn(process.execPath, [...programArgs(script), JSON.stringify(args)], {
     env: { ...process.env, ...env },
     stdio: ['pipe', 'pipe', 'pipe'],
   });
