@@ -1,9 +1,11 @@
 /**
  * Settings shared by the property suites.
  *
- * Runs: `PALISADE_PROPERTY_RUNS` (default 1000) sets `numRuns` of every
- * property in test/property (a long run: `PALISADE_PROPERTY_RUNS=20000 npx
- * vitest run test/property`).
+ * Runs: each property has its own count (default 1000). `npm test` runs
+ * every property at half its count (`PALISADE_PROPERTY_SCALE=0.5`, set in
+ * vitest.config.ts); `npm run test:slow` runs test/property again at the full
+ * counts. `PALISADE_PROPERTY_RUNS` sets `numRuns` of every property outright
+ * (a long run: `PALISADE_PROPERTY_RUNS=20000 npx vitest run test/property`).
  *
  * Replaying a failure: fast-check prints `seed` and `path` (and, for
  * `fc.commands`, a `replayPath` in the counterexample). Re-run the one
@@ -20,14 +22,23 @@
  */
 import { fc } from '@fast-check/vitest';
 
-/** `numRuns` for every property: `PALISADE_PROPERTY_RUNS`, default 1000. */
+/** `numRuns` for a property whose full count is `fallback`: `PALISADE_PROPERTY_RUNS`, else `fallback` times the scale. */
 export function propertyRuns(fallback = 1000): number {
   const raw = process.env.PALISADE_PROPERTY_RUNS;
-  if (raw === undefined || raw === '') return fallback;
+  if (raw === undefined || raw === '') return Math.max(1, Math.round(fallback * propertyScale()));
   const n = Number(raw);
   if (!Number.isSafeInteger(n) || n < 1)
     throw new Error(`PALISADE_PROPERTY_RUNS must be a positive integer, got ${raw}`);
   return n;
+}
+
+/** `PALISADE_PROPERTY_SCALE`: the share of each property's full count to run, in (0, 1]; default 1. */
+function propertyScale(): number {
+  const raw = process.env.PALISADE_PROPERTY_SCALE;
+  if (raw === undefined || raw === '') return 1;
+  const scale = Number(raw);
+  if (!(scale > 0 && scale <= 1)) throw new Error(`PALISADE_PROPERTY_SCALE must be in (0, 1], got ${raw}`);
+  return scale;
 }
 
 /** The run settings every property shares (no examples or reporters, so they fit any property's parameter type). */
