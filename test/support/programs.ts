@@ -15,7 +15,7 @@
  * that setup (no `PALISADE_TEST_JS`), children run the sources through tsx.
  */
 import { mkdirSync, readdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
-import { dirname, join, relative, resolve } from 'node:path';
+import { dirname, join, resolve } from 'node:path';
 import { transformSync } from 'esbuild';
 
 /** The variable that names this run's directory of transformed programs. */
@@ -75,7 +75,3 @@ export function buildPrograms(root: string): () => void {
   process.env[VARIABLE] = dir;
   return () => rmSync(dir, { recursive: true, force: true });
 }
-
-/** For messages: where `script` runs from. */
-export const programLocation = (script: string): string =>
-  process.env[VARIABLE] ? relative(process.cwd(), programArgs(script)[0] as string) : script;
