@@ -22,7 +22,7 @@ export default defineConfig({
     testTimeout: 60_000,
     hookTimeout: 120_000,
     pool: 'forks',
-    maxWorkers: 3,
+    maxWorkers: 4,
     // Every property at half its count here; `npm run test:slow` runs them at the full counts (test/property/support.ts).
     env: { PALISADE_PROPERTY_SCALE: process.env.PALISADE_PROPERTY_SCALE ?? '0.5' },
     sequence: { sequencer: LongestFirstSequencer },
