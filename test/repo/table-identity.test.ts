@@ -15,7 +15,7 @@ import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
-import { toFence } from '../../src/fencing/fence.js';
+import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
@@ -27,6 +27,25 @@ const f = toFence;
 async function rows(db: Database, query: ReturnType<typeof sql>): Promise<Record<string, unknown>[]> {
   const result = (await db.execute(query)) as unknown as { rows?: Record<string, unknown>[] };
   return (result.rows ?? result) as Record<string, unknown>[];
+}
+
+/** The `acc` tables of the tests below: their DDL after `create table <name>`, and their drizzle columns. */
+const ACC_DDL = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
+const accColumns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+const accTable = (name: string) => pgTable(name, accColumns());
+
+/** What {@link purged} calls: a repository of any `acc` table, with or without a schema. */
+interface AccWrites {
+  upsert(row: { id: string; v: number }, fence: Fence): Promise<{ status: string }>;
+  delete(key: { id: string }, fence: Fence): Promise<{ status: string }>;
+  purgeTombstones(olderThan: Date): Promise<number>;
+}
+
+/** Row `id` written at `written`, deleted at `deleted` and purged through `repo`: the floor is now `deleted`. */
+async function purged(repo: AccWrites, id: string, written: number, deleted: number): Promise<void> {
+  expect((await repo.upsert({ id, v: 1 }, f(written))).status).toBe('applied');
+  expect((await repo.delete({ id }, f(deleted))).status).toBe('applied');
+  expect(await repo.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
 }
 
 describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
@@ -237,14 +256,12 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
     const schema = uniqueName('s');
     const dotted = `${schema}.acc`;
     await db.execute(sql.raw(`create schema ${schema}`));
-    const ddl = `(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)`;
-    await db.execute(sql.raw(`create table "${dotted}" ${ddl}`));
-    await db.execute(sql.raw(`create table ${schema}.acc ${ddl}`));
+    await db.execute(sql.raw(`create table "${dotted}" ${ACC_DDL}`));
+    await db.execute(sql.raw(`create table ${schema}.acc ${ACC_DDL}`));
     await db.execute(sql.raw(`insert into "${dotted}" (id, v) values ('k', 0)`));
     await db.execute(sql.raw(`insert into ${schema}.acc (id, v) values ('k', 0)`));
-    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
-    const inPublic = fencedRepository(db, pgTable(dotted, columns()));
-    const inSchema = fencedRepository(db, pgSchema(schema).table('acc', columns()));
+    const inPublic = fencedRepository(db, accTable(dotted));
+    const inSchema = fencedRepository(db, pgSchema(schema).table('acc', accColumns()));
     expect((await inPublic.update({ id: 'k' }, f(5), { v: 1 })).status).toBe('applied');
     expect((await inSchema.update({ id: 'k' }, f(6), { v: 2 })).status).toBe('applied');
     const read = async (table: string) =>
@@ -255,32 +272,23 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
 
   it('a partitioned table and a definition of one of its partitions: a purge through either raises the floor the other checks', async () => {
     const name = uniqueName('ptree');
-    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
-    await db.execute(sql.raw(`create table ${name} ${ddl} partition by list (id)`));
+    await db.execute(sql.raw(`create table ${name} ${ACC_DDL} partition by list (id)`));
     await db.execute(sql.raw(`create table ${name}_k partition of ${name} for values in ('k', 'j')`));
-    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
-    const parent = fencedRepository(db, pgTable(name, columns()));
-    const partition = fencedRepository(db, pgTable(`${name}_k`, columns()));
-    const later = new Date(Date.now() + 60_000);
-    expect((await parent.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
-    expect((await parent.delete({ id: 'k' }, f(6))).status).toBe('applied');
-    expect(await parent.purgeTombstones(later)).toBe(1);
+    const parent = fencedRepository(db, accTable(name));
+    const partition = fencedRepository(db, accTable(`${name}_k`));
+    await purged(parent, 'k', 5, 6);
     expect(await partition.upsert({ id: 'k', v: 2 }, f(4))).toEqual({ status: 'stale', currentFence: f(6) });
-    expect((await partition.upsert({ id: 'j', v: 1 }, f(7))).status).toBe('applied');
-    expect((await partition.delete({ id: 'j' }, f(8))).status).toBe('applied');
-    expect(await partition.purgeTombstones(later)).toBe(1);
+    await purged(partition, 'j', 7, 8);
     expect(await parent.upsert({ id: 'j', v: 2 }, f(7))).toEqual({ status: 'stale', currentFence: f(8) });
     expect(await rows(db, sql.raw(`select id from ${name}`))).toEqual([]);
   });
 
   it("an inheritance child's tombstone purged through its parent: an upsert through the child sees the floor", async () => {
     const name = uniqueName('inh');
-    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
-    await db.execute(sql.raw(`create table ${name} ${ddl}`));
+    await db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
     await db.execute(sql.raw(`create table ${name}_c (primary key (id)) inherits (${name})`));
-    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
-    const child = fencedRepository(db, pgTable(`${name}_c`, columns()));
-    const parent = fencedRepository(db, pgTable(name, columns()));
+    const child = fencedRepository(db, accTable(`${name}_c`));
+    const parent = fencedRepository(db, accTable(name));
     expect((await child.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
     expect((await child.delete({ id: 'k' }, f(6))).status).toBe('applied');
     expect(await parent.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
@@ -291,20 +299,16 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
   it("a table of the same name appears earlier on the search path after the upsert was prepared: the floor is still the written table's", async () => {
     const name = uniqueName('shadow');
     const tenant = uniqueName('tenant');
-    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
     await db.execute(sql.raw(`create schema ${tenant}`));
-    await db.execute(sql.raw(`create table public.${name} ${ddl}`));
-    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
+    await db.execute(sql.raw(`create table public.${name} ${ACC_DDL}`));
     // One transaction: one connection, whose prepared statements outlive the new table (Postgres does
     // not re-plan a statement when a table of the same name appears earlier on the search path).
     await db.transaction(async (tx) => {
       await tx.execute(sql.raw(`set local search_path to ${tenant}, public`));
-      const repo = fencedRepository(tx, pgTable(name, columns()));
+      const repo = fencedRepository(tx, accTable(name));
       for (let i = 0; i < 6; i++) expect((await repo.upsert({ id: `warm${i}`, v: 1 }, f(1))).status).toBe('applied');
-      expect((await repo.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
-      expect((await repo.delete({ id: 'k' }, f(6))).status).toBe('applied');
-      expect(await repo.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
-      await tx.execute(sql.raw(`create table ${tenant}.${name} ${ddl}`));
+      await purged(repo, 'k', 5, 6);
+      await tx.execute(sql.raw(`create table ${tenant}.${name} ${ACC_DDL}`));
       const late = await repo.upsert({ id: 'k', v: 2 }, f(4));
       expect(await rows(tx, sql.raw(`select id from public.${name} where id = 'k'`))).toEqual([]);
       // Wherever the statement now writes, a row written there at fence 4 must not be public's purged k.
@@ -319,17 +323,13 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
   it("ALTER TABLE … RENAME and SET SCHEMA keep the floor; a dropped table's floor row reads as a bare oid the README's query removes", async () => {
     const name = uniqueName('moved');
     const schema = uniqueName('dest');
-    const ddl = '(id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)';
     await db.execute(sql.raw(`create schema ${schema}`));
-    await db.execute(sql.raw(`create table ${name} ${ddl}`));
-    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
-    const before = fencedRepository(db, pgTable(name, columns()));
-    expect((await before.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
-    expect((await before.delete({ id: 'k' }, f(6))).status).toBe('applied');
-    expect(await before.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+    await db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
+    const before = fencedRepository(db, accTable(name));
+    await purged(before, 'k', 5, 6);
     await db.execute(sql.raw(`alter table ${name} rename to ${name}_r`));
     await db.execute(sql.raw(`alter table ${name}_r set schema ${schema}`));
-    const after = fencedRepository(db, pgSchema(schema).table(`${name}_r`, columns()));
+    const after = fencedRepository(db, pgSchema(schema).table(`${name}_r`, accColumns()));
     expect(await after.upsert({ id: 'k', v: 2 }, f(4))).toEqual({ status: 'stale', currentFence: f(6) });
     expect(await rows(db, sql.raw(`select id from ${schema}.${name}_r`))).toEqual([]);
     // Dropped: its row stays, named by a number; the README's cleanup removes that row and no other.
@@ -345,30 +345,21 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
   it('one table named with its schema and, on a connection whose search_path holds that schema, without: one floor', async () => {
     const schema = uniqueName('sp');
     await db.execute(sql.raw(`create schema ${schema}`));
-    await db.execute(
-      sql.raw(
-        `create table ${schema}.acc (id text primary key, v int not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
-      ),
-    );
-    const columns = () => ({ id: text('id').primaryKey(), v: integer('v').notNull(), ...fenceColumns() });
-    const qualified = pgSchema(schema).table('acc', columns());
-    const bare = pgTable('acc', columns());
+    await db.execute(sql.raw(`create table ${schema}.acc ${ACC_DDL}`));
+    const qualified = pgSchema(schema).table('acc', accColumns());
+    const bare = accTable('acc');
     const left = async (tx: Database) => rows(tx, sql.raw(`select id from ${schema}.acc`));
     // A transaction keeps one connection, so `set local search_path` holds for every statement in it.
     await db.transaction(async (tx) => {
       await tx.execute(sql.raw(`set local search_path to ${schema}`));
       const viaSchema = fencedRepository(tx, qualified);
       const viaPath = fencedRepository(tx, bare);
-      expect((await viaPath.upsert({ id: 'k', v: 1 }, f(5))).status).toBe('applied');
-      expect((await viaPath.delete({ id: 'k' }, f(6))).status).toBe('applied');
-      expect(await viaPath.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+      await purged(viaPath, 'k', 5, 6);
       // The holder of fence 4 never saw the delete at 6: bringing the row back is a stale write.
       expect(await viaSchema.upsert({ id: 'k', v: 2 }, f(4))).toEqual({ status: 'stale', currentFence: f(6) });
       expect(await left(tx)).toEqual([]);
       // And the other way round.
-      expect((await viaSchema.upsert({ id: 'j', v: 1 }, f(7))).status).toBe('applied');
-      expect((await viaSchema.delete({ id: 'j' }, f(8))).status).toBe('applied');
-      expect(await viaSchema.purgeTombstones(new Date(Date.now() + 60_000))).toBe(1);
+      await purged(viaSchema, 'j', 7, 8);
       expect(await viaPath.upsert({ id: 'j', v: 2 }, f(7))).toEqual({ status: 'stale', currentFence: f(8) });
       expect(await left(tx)).toEqual([]);
     });
