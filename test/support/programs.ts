@@ -27,12 +27,20 @@ const SOURCES = ['src', 'test', 'examples', 'scripts'];
 /** Linked, not transformed: what programs read beside their own files. */
 const LINKED = ['drizzle', 'package.json'];
 
-const PACKAGE_PATHS: Record<string, string> = {
-  'palisade-db': 'src/index.js',
-  'palisade-db/testing': 'src/testing/index.js',
-  'palisade-db/backend': 'src/backend.js',
-  'palisade-db/etcd': 'src/fencing/backends/etcd/index.js',
-};
+/** The package's own entries (`palisade-db`, `palisade-db/testing`, …) → their transformed sources, from package.json's `exports`. */
+function packagePaths(root: string): Map<string, string> {
+  const pkg = JSON.parse(readFileSync(join(root, 'package.json'), 'utf8')) as {
+    name: string;
+    exports: Record<string, string | { default?: string }>;
+  };
+  const paths = new Map<string, string>();
+  for (const [entry, target] of Object.entries(pkg.exports)) {
+    const built = typeof target === 'string' ? target : target.default;
+    if (!built?.startsWith('./dist/')) continue; // ./package.json
+    paths.set(`${pkg.name}${entry.slice(1)}`, built.replace('./dist/', 'src/'));
+  }
+  return paths;
+}
 
 /** The node arguments that run `script` (a `.ts` path relative to the repository root) in a child. */
 export function programArgs(script: string): string[] {
@@ -45,6 +53,7 @@ export function programArgs(script: string): string[] {
 export function buildPrograms(root: string): () => void {
   const dir = resolve(root, 'node_modules', '.cache', `palisade-test-js-${process.pid}`);
   rmSync(dir, { recursive: true, force: true });
+  const entries = packagePaths(root);
   const walk = (from: string) => {
     for (const entry of readdirSync(join(root, from), { withFileTypes: true })) {
       const path = join(from, entry.name);
@@ -64,8 +73,8 @@ export function buildPrograms(root: string): () => void {
       sourcefile: path,
       tsconfigRaw: { compilerOptions: { verbatimModuleSyntax: true } },
     });
-    const pointed = code.replace(/from "(palisade-db(?:\/[a-z]+)?)"/g, (whole, name: string) => {
-      const target = PACKAGE_PATHS[name];
+    const pointed = code.replace(/from "([^"]+)"/g, (whole, name: string) => {
+      const target = entries.get(name);
       return target ? `from ${JSON.stringify(join(dir, target))}` : whole;
     });
     mkdirSync(dirname(out), { recursive: true });
