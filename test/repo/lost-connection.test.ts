@@ -16,6 +16,8 @@
 import { fc } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError, PalisadeError } from '../../src/errors.js';
@@ -164,7 +166,7 @@ function testDatabases(open: () => Promise<TestDatabase>, { shared = false } = {
     const { db } = t;
     const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('lost') });
     const lease = await locks.acquire('L', { ttlMs: 60_000 });
-    return { db, locks, lease, repo: fencedRepository(db, resource) };
+    return { db, url: t.url, locks, lease, repo: fencedRepository(db, resource) };
   };
 }
 
@@ -268,6 +270,34 @@ for (const { name, open, seen } of drivers) {
       await turns();
       expect(await values(db)).toEqual(untouched);
     });
+
+    it.runIf(name === 'postgres.js')(
+      "afterwards the client's end() without a timeout does not resolve: the driver still counts the transaction (README: end it with a timeout)",
+      async () => {
+        const { db, url, lease } = await fresh();
+        // A client of its own: once end() has been called, a later end({ timeout }) returns the same promise.
+        const own = postgres(url as string, { max: 1, onnotice: () => {} });
+        let pid = 0;
+        const outcome = settled(
+          fencedTransaction(drizzle(own) as unknown as Database, lease, async (tx) => {
+            pid = await backendPid(tx);
+            await tx.execute(sql`select pg_sleep(30)`);
+          }),
+        );
+        await untilWaiting(db, () => pid, 'PgSleep');
+        await terminate(db, pid);
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+        let ended = false;
+        void own.end().then(() => {
+          ended = true;
+        });
+        // Not a bound on time: were the transaction released, end() would resolve within these turns and a
+        // round trip (the client's only connection is already closed); it must not resolve at all.
+        await turns();
+        expect(await values(db)).toEqual(untouched);
+        expect(ended).toBe(false);
+      },
+    );
 
     for (const nested of ['modify', 'upsert', 'updateWhere'] as const) {
       it(`a palisade ${nested} nested in fencedTransaction, in flight when the connection is killed, rejects too: the function's own code goes on`, async () => {
