@@ -1,11 +1,3 @@
-/**
- * The etcd lock manager against a real 3-member etcd cluster on loopback
- * ports (started here), with fenced writes to a real Postgres: killing the
- * member the client talks to, killing the leader, pausing a holder past its
- * lease. Every stale write must be refused and fences must never go back.
- */
-import { sql } from 'drizzle-orm';
-import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { Etcd3 } from 'etcd3';
 import { ConnectionPool } from 'etcd3/lib/connection-pool.js';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
@@ -17,28 +9,23 @@ import { type Fence, toFence } from '../src/fencing/fence.js';
 import type { Lease } from '../src/fencing/lease.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
 import { fencedRepository } from '../src/repo/repository.js';
-import { fenceColumns } from '../src/schema/fence-columns.js';
 import { describeLockBackend } from '../src/testing/contract.js';
 import type { TestDatabase } from '../test/support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from '../test/support/etcd-cluster.js';
 import { builtInContract } from '../test/support/lock-backends.js';
 import type { ManagerConfig } from '../test/support/managers.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../test/support/processes.js';
-import { scenarioDatabase, uniqueNamespace } from '../test/support/scenario.js';
+import { resource, scenarioDatabase, scenarioRows, uniqueNamespace } from '../test/support/scenario.js';
 import { needs } from '../test/support/services.js';
 import { sleep } from '../test/support/sleep.js';
 
 const hasEtcd = needs('ETCD');
-
-/** The scenario database's `resource` table (row 1 belongs to the worker tests; others insert their own). */
-const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
 describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-member cluster', () => {
   let cluster: EtcdCluster;
   let scenario: TestDatabase;
   let client: Etcd3;
   const opened: { close(): Promise<void> | void }[] = [];
-  let nextRow = 100;
 
   beforeAll(async () => {
     [cluster, scenario] = await Promise.all([startEtcdCluster(3), scenarioDatabase()]);
@@ -65,19 +52,8 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
     return m;
   }
 
-  /** A `resource` row of this test's own, at fence 0. */
-  async function newRow(): Promise<number> {
-    const id = nextRow++;
-    await scenario.db.execute(sql`insert into resource (id, value) values (${id}, 'initial')`);
-    return id;
-  }
-
+  const { newRow, rowOf } = scenarioRows(() => scenario);
   const repo = () => fencedRepository(scenario.db, resource);
-
-  async function rowOf(id: number) {
-    const [row] = await scenario.db.select().from(resource).where(sql`${resource.id} = ${id}`);
-    return row;
-  }
 
   function workerConfig(namespace: string, lock: string, extra: Record<string, unknown> = {}) {
     const config: ManagerConfig = {

@@ -1,13 +1,3 @@
-/**
- * The Redis lock manager on a real Redis Cluster of the test's own (3 masters
- * + 3 replicas on loopback ports), with the epoch floor and the fenced
- * writes on a real Postgres: a namespace's keys share one slot, namespaces
- * spread over the masters, and a failover of the master that owns a
- * namespace — even to a replica that missed grants — never lets a fence at
- * or below one already issued be accepted.
- */
-import { sql } from 'drizzle-orm';
-import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { Cluster } from 'ioredis';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
@@ -16,23 +6,19 @@ import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { AcquireOptions } from '../../src/fencing/options.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { fenceColumns } from '../../src/schema/fence-columns.js';
 import type { TestDatabase } from '../support/databases.js';
 import { type ClusterNode, type RedisClusterHandle, startRedisCluster, waitFor } from '../support/redis-cluster.js';
-import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
+import { resource, scenarioDatabase, scenarioRows, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 
 const hasRedisServer = needs('REDIS_SERVER');
-
-const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
 describe.runIf(needs('DATABASE_URL') && hasRedisServer)('Redis lock manager on a real Redis Cluster', () => {
   let rc: RedisClusterHandle;
   let scenario: TestDatabase;
   let client: Cluster;
   const opened: LockManager[] = [];
-  let nextRow = 100;
 
   beforeAll(async () => {
     [rc, scenario] = await Promise.all([startRedisCluster(), scenarioDatabase()]);
@@ -65,19 +51,9 @@ describe.runIf(needs('DATABASE_URL') && hasRedisServer)('Redis lock manager on a
     return m;
   }
 
-  async function newRow(): Promise<number> {
-    const id = nextRow++;
-    await scenario.db.execute(sql`insert into resource (id, value) values (${id}, 'initial')`);
-    return id;
-  }
-
+  const { newRow, rowOf } = scenarioRows(() => scenario);
   const repo = () => fencedRepository(scenario.db, resource);
   const write = (row: number, lease: Lease, value: string) => repo().update({ id: row }, lease.fence, { value });
-
-  async function rowOf(id: number) {
-    const [row] = await scenario.db.select().from(resource).where(sql`${resource.id} = ${id}`);
-    return row;
-  }
 
   /** While the cluster reconfigures, commands fail (bounded); the caller retries, bounded in count and time. */
   async function acquireAfterFailover(m: LockManager, name: string, options: AcquireOptions): Promise<Lease> {

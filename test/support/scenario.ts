@@ -1,6 +1,8 @@
 import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { migrate } from '../../src/migrate.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from './databases.js';
 
 /**
@@ -18,6 +20,32 @@ export async function scenarioDatabase(): Promise<TestDatabase> {
   await test.db.execute(sql`create table occupancy (id int primary key, inside int not null)`);
   await test.db.execute(sql`insert into occupancy values (1, 0)`);
   return test;
+}
+
+/** The scenario database's `resource` table. */
+export const resource = pgTable('resource', {
+  id: integer('id').primaryKey(),
+  value: text('value'),
+  ...fenceColumns(),
+});
+
+/**
+ * `resource` rows a suite inserts for its own tests (ids from 100, beside the workers' row 1), each at
+ * fence 0, and how it reads one back. `scenario` is read at each call (suites open it in `beforeAll`).
+ */
+export function scenarioRows(scenario: () => TestDatabase) {
+  let next = 100;
+  return {
+    async newRow(): Promise<number> {
+      const id = next++;
+      await scenario().db.execute(sql`insert into resource (id, value) values (${id}, 'initial')`);
+      return id;
+    },
+    async rowOf(id: number) {
+      const [row] = await scenario().db.select().from(resource).where(sql`${resource.id} = ${id}`);
+      return row;
+    },
+  };
 }
 
 /** A namespace (or key prefix) no other test uses. */
