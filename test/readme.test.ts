@@ -14,6 +14,7 @@ import { promisify } from 'node:util';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ERROR_CLASSES, ERROR_CODES, type PalisadeErrorCode } from '../src/errors.js';
+import { packageEntries } from './support/programs.js';
 import { withDatabase } from './support/scratch-database.js';
 import { needs, services } from './support/services.js';
 
@@ -204,11 +205,10 @@ const databases: string[] = [];
 
 function source(harness: Harness, block: string): string {
   const code = `${harness.prelude ?? ''}${block}\n${harness.postlude ?? ''}`;
-  return code
-    .replaceAll("from 'palisade-db/testing'", `from '${resolve('src/testing/index.ts')}'`)
-    .replaceAll("from 'palisade-db/backend'", `from '${resolve('src/backend.ts')}'`)
-    .replaceAll("from 'palisade-db'", `from '${resolve('src/index.ts')}'`)
-    .replaceAll("namespace: 'orders'", `namespace: 'readme-${randomBytes(4).toString('hex')}'`);
+  let pointed = code;
+  for (const [entry, path] of packageEntries('.'))
+    pointed = pointed.replaceAll(`from '${entry}'`, `from '${resolve(path)}'`);
+  return pointed.replaceAll("namespace: 'orders'", `namespace: 'readme-${randomBytes(4).toString('hex')}'`);
 }
 
 beforeAll(() => {

@@ -12,8 +12,7 @@
  * `palisade-db` imports pointed at the transformed sources), and children run
  * that. Paths a program derives from its own location (`../drizzle`,
  * `../../package.json`, a worker beside it) resolve there through links to
- * the originals; the working directory stays the repository root. Outside
- * that setup (no `PALISADE_TEST_JS`), children run the sources through tsx.
+ * the originals; the working directory stays the repository root.
  */
 import { mkdirSync, readdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { dirname, join, resolve } from 'node:path';
@@ -27,8 +26,11 @@ const SOURCES = ['src', 'test', 'examples', 'scripts'];
 /** Linked, not transformed: what programs read beside their own files. */
 const LINKED = ['drizzle', 'package.json'];
 
-/** The package's own entries (`palisade-db`, `palisade-db/testing`, …) → their transformed sources, from package.json's `exports`. */
-function packagePaths(root: string): Map<string, string> {
+/**
+ * The package's own entries (`palisade-db`, `palisade-db/testing`, …) → their sources (`src/….ts`, relative
+ * to `root`), from package.json's `exports`: how code in this repository imports the package as a user does.
+ */
+export function packageEntries(root: string): Map<string, string> {
   const pkg = JSON.parse(readFileSync(join(root, 'package.json'), 'utf8')) as {
     name: string;
     exports: Record<string, string | { default?: string }>;
@@ -37,7 +39,7 @@ function packagePaths(root: string): Map<string, string> {
   for (const [entry, target] of Object.entries(pkg.exports)) {
     const built = typeof target === 'string' ? target : target.default;
     if (!built?.startsWith('./dist/')) continue; // ./package.json
-    paths.set(`${pkg.name}${entry.slice(1)}`, built.replace('./dist/', 'src/'));
+    paths.set(`${pkg.name}${entry.slice(1)}`, built.replace('./dist/', 'src/').replace(/\.js$/, '.ts'));
   }
   return paths;
 }
@@ -45,7 +47,7 @@ function packagePaths(root: string): Map<string, string> {
 /** The node arguments that run `script` (a `.ts` path relative to the repository root) in a child. */
 export function programArgs(script: string): string[] {
   const dir = process.env[VARIABLE];
-  if (!dir) return ['--import', 'tsx', script];
+  if (!dir) throw new Error(`${VARIABLE} is not set: the vitest configs' global setup builds the programs`);
   return [join(dir, script.replace(/\.ts$/, '.js'))];
 }
 
@@ -53,7 +55,7 @@ export function programArgs(script: string): string[] {
 export function buildPrograms(root: string): () => void {
   const dir = resolve(root, 'node_modules', '.cache', `palisade-test-js-${process.pid}`);
   rmSync(dir, { recursive: true, force: true });
-  const entries = packagePaths(root);
+  const entries = packageEntries(root);
   const walk = (from: string) => {
     for (const entry of readdirSync(join(root, from), { withFileTypes: true })) {
       const path = join(from, entry.name);
@@ -75,7 +77,7 @@ export function buildPrograms(root: string): () => void {
     });
     const pointed = code.replace(/from "([^"]+)"/g, (whole, name: string) => {
       const target = entries.get(name);
-      return target ? `from ${JSON.stringify(join(dir, target))}` : whole;
+      return target ? `from ${JSON.stringify(join(dir, target.replace(/\.ts$/, '.js')))}` : whole;
     });
     mkdirSync(dirname(out), { recursive: true });
     writeFileSync(out, pointed);
