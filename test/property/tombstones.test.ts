@@ -186,6 +186,8 @@ interface Outcome {
   readonly waited: boolean;
   /** Some write ran its refusal statement: the scheduler could run others between its two statements. */
   readonly refused: boolean;
+  /** Some write read its row again (it changed while the write waited): others could run before that read. */
+  readonly reread: boolean;
 }
 
 /** One connection per operation slot, so `pg_stat_activity` tells which operation waits for which. */
@@ -193,8 +195,8 @@ interface Slot {
   readonly client: Sql;
   readonly db: Database;
   readonly pid: number;
-  /** Awaited before the slot's client sends a refusal statement (set by the run using the slot). */
-  beforeRefusal?: () => Promise<void>;
+  /** Awaited before the slot's client sends a refusal statement or a re-read (set by the run using the slot). */
+  beforeRefusal?: (what: 'refusal statement' | 're-read') => Promise<void>;
 }
 
 export interface Harness {
@@ -215,11 +217,13 @@ export interface Harness {
 
 // The refusal statement of an update or delete: it reads the previous row and tries the write again.
 const REFUSAL = /^with prev as \(.*\),\s*w as \((update .*? returning \*, true as palisade_applied)\)/s;
+// The re-read of a write whose row changed while it waited (the row and, for an upsert, the floor).
+const REREAD = /^select r\.fence, r\.deleted, /;
 
 /**
  * The slot's postgres.js client, seen through a proxy that lets the run
- * pause between the write and its refusal statement (and, with `reattempt`
- * off, strips the write out of the refusal statement).
+ * pause between the write and its refusal statement or its re-read (and,
+ * with `reattempt` off, strips the write out of the refusal statement).
  */
 function pausingClient(client: Sql, slot: () => Slot, h: () => Harness): Sql {
   return new Proxy(client, {
@@ -229,14 +233,17 @@ function pausingClient(client: Sql, slot: () => Slot, h: () => Harness): Sql {
       return (query: string, params?: unknown[], options?: unknown) => {
         const match = REFUSAL.exec(query);
         const hook = slot().beforeRefusal;
-        if (!match || !hook) return target.unsafe(query, params as never, options as never);
-        const sent = h().reattempt
-          ? query
-          : query.replace(
-              match[1] as string,
-              'select *, true as palisade_applied from palisade_prop_tombs where false',
-            );
-        return hook().then(() => target.unsafe(sent, params as never, options as never));
+        if (!hook || (!match && !REREAD.test(query))) return target.unsafe(query, params as never, options as never);
+        const sent =
+          !match || h().reattempt
+            ? query
+            : query.replace(
+                match[1] as string,
+                'select *, true as palisade_applied from palisade_prop_tombs where false',
+              );
+        return hook(match ? 'refusal statement' : 're-read').then(() =>
+          target.unsafe(sent, params as never, options as never),
+        );
       };
     },
   });
@@ -358,6 +365,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
   let clock = 0;
   let waited = false;
   let refused = false;
+  let reread = false;
   const runs: OpRun[] = scenario.ops.map((spec, index) => ({
     index,
     spec,
@@ -412,10 +420,11 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
     const fence = toFence(run.fence);
     const id = { id: key };
     // Between the two statements of a write that did not apply: not running, not waiting on a lock.
-    slot.beforeRefusal = async () => {
-      refused = true;
+    slot.beforeRefusal = async (what) => {
+      if (what === 'refusal statement') refused = true;
+      else reread = true;
       inFlight.delete(run.index);
-      await s.schedule(Promise.resolve(run.tag), `refusal statement of ${run.tag}`);
+      await s.schedule(Promise.resolve(run.tag), `${what} of ${run.tag}`);
       inFlight.add(run.index);
     };
     await s.schedule(Promise.resolve(run.tag), `start ${run.tag} f${run.spec.fence} via ${run.spec.via ?? 'name'}`);
@@ -505,6 +514,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
     base,
     waited,
     refused,
+    reread,
     audit: auditRows.map((r) => ({ op: String(r.op), fence: int8(r.fence) ?? 0n, deleted: r.deleted === true })),
     final: row
       ? { state: row.deleted === true ? 'tomb' : 'live', fence: int8(row.last_fence) ?? 0n, n: Number(row.n) }
@@ -709,12 +719,14 @@ async function searchInterleavings(h: Harness, numRuns: number): Promise<void> {
   let runs = 0;
   let waitedRuns = 0;
   let refusedRuns = 0;
+  let rereadRuns = 0;
   await fc.assert(
     fc.asyncProperty(fc.scheduler(), scenarioArb(h.layout), async (s, scenario) => {
       const o = await playAndCheck(h, s, scenario);
       runs++;
       if (o.waited) waitedRuns++;
       if (o.refused) refusedRuns++;
+      if (o.reread) rereadRuns++;
     }),
     propertyParams({ numRuns: propertyRuns(numRuns) }),
   );
@@ -723,7 +735,7 @@ async function searchInterleavings(h: Harness, numRuns: number): Promise<void> {
   // And writes that did not apply at once gave the others a turn between their two statements.
   expect(refusedRuns, `runs with a refusal statement: ${refusedRuns} of ${runs}`).toBeGreaterThan(0);
   console.info(
-    `tombstone model: ${waitedRuns} of ${runs} runs waited on a row lock, ${refusedRuns} paused between a write's two statements`,
+    `tombstone model: ${waitedRuns} of ${runs} runs waited on a row lock, ${refusedRuns} paused between a write's two statements, ${rereadRuns} before a re-read`,
   );
 }
 
