@@ -65,22 +65,27 @@ export function refusals<Row>(
   }
 
   async function reclassify(on: Database, method: string, key: KeyEntries, fence: Fence) {
-    const [row] = await execute(
+    // One statement, one snapshot: the row and — for an upsert, which an absent row refuses by it —
+    // the table's tombstone floor.
+    const floor =
+      method === 'upsert'
+        ? sql`(select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table(${info.regclass}))`
+        : sql`null::bigint`;
+    const [read] = await execute(
       on,
-      sql`select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${keyWhere(info, key)}`,
+      sql`select r.fence, r.deleted, ${floor} as floor from (select 1) as palisade_one left join
+        (select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${keyWhere(info, key)}) as r on true`,
     );
-    const current = row ? int8(row.fence) : null;
-    if (method !== 'upsert' && (current === null || row?.deleted === true)) return { status: 'missing' } as const;
+    const current = int8(read?.fence);
+    if (method !== 'upsert' && (current === null || read?.deleted === true)) return { status: 'missing' } as const;
     // Fences of a row only rise while it exists, so a refusal by the row as it is now is also a
     // refusal by the version that decided: the write is placed (serially) at this read.
     let refused = current === null ? undefined : refusal(current, fence);
     if (current === null && method === 'upsert') {
-      const [floorRow] = await execute(
-        on,
-        sql`select floor from palisade.tombstone_floors where fenced_table = palisade.floor_table(${info.regclass})`,
-      );
-      const floor = int8(floorRow?.floor);
-      if (floor !== null && !writable(floor, fence)) refused = { status: 'stale', currentFence: floor as Fence };
+      const floorFence = int8(read?.floor);
+      if (floorFence !== null && !writable(floorFence, fence)) {
+        refused = { status: 'stale', currentFence: floorFence as Fence };
+      }
     }
     if (refused) return refused;
     // Writable now, yet the write did not apply (the row changed again since, or a purge removed
