@@ -10,19 +10,20 @@ import { BaseSequencer, type TestSpecification } from 'vitest/node';
 
 /** Longest first, each over ~25 s on a loaded 2-core machine. */
 const LONG_FILES = [
-  'test/readme.test.ts',
-  'test/cli/migrate.test.ts',
-  'test/repo/lost-connection.test.ts',
-  'test/fencing/postgres.test.ts',
-  'test/fencing/advisory.test.ts',
   'test/bad-input.test.ts',
-  'test/cli/demo.test.ts',
+  'test/cli/migrate.test.ts',
   'test/repo/lock-scope.test.ts',
   'test/property/fenced-table.commands.test.ts',
+  'test/fencing/postgres.test.ts',
+  'test/fencing/advisory.test.ts',
+  'test/cli/demo.test.ts',
+  'test/fencing/contract.test.ts',
+  'test/repo/lost-connection.test.ts',
+  'test/cli/fence-trigger.test.ts',
   'test/chaos/chaos.test.ts',
   'test/fencing/postgres-frozen.test.ts',
+  'test/readme.test.ts',
   'test/property/tombstones.test.ts',
-  'test/cli/fence-trigger.test.ts',
 ];
 
 export class LongestFirstSequencer extends BaseSequencer {
