@@ -157,8 +157,10 @@ const LOCK = 'chaos:counter';
 const KEY = 'c';
 /**
  * Pauses of a worker holding the lock a run aims for (outside the replication nemesis): behind that
- * pace (one per quarter of the run), its next fault is a pause. Not a guarantee — a pause finds no
- * holder when none holds within 2 TTLs — which is why a run also fails when no fault bit.
+ * pace (one per quarter of the run), its next fault is a pause — or a partition, if those are further
+ * behind — and faults go on past the run's length (up to twice it) while some are still due. Not a
+ * guarantee — a pause finds no holder when none holds within 2 TTLs — which is why a run also fails
+ * when no fault bit.
  */
 const MIN_HOLDER_PAUSES = 3;
 /** Likewise for partitions of a holder (due at a third and two thirds of the run, after any pause that is due). */
@@ -419,18 +421,38 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         await inSync(redisAdmin(old));
       }
     };
-    while (Date.now() < deadline) {
+    // How far a kind of holder fault is behind its pace (MIN of them spread over the run): > 0 when one is due.
+    const behind = (kind: string, min: number) =>
+      topology || caught(kind) >= min
+        ? 0
+        : ((Date.now() - started) / (o.seconds * 1000)) * (min + 1) - caught(kind) - 1;
+    // At the deadline, holder faults still due move it on by a second at a time, up to twice the run's length:
+    // on a loaded machine, pauses that took their longest could leave no time for a partition of the holder.
+    const lastDeadline = deadline + o.seconds * 1000;
+    const extend = () => {
+      if (
+        deadline >= lastDeadline ||
+        (behind('pause', MIN_HOLDER_PAUSES) <= 0 && behind('partition', MIN_HOLDER_PARTITIONS) <= 0)
+      ) {
+        return false;
+      }
+      deadline = Math.min(lastDeadline, deadline + 1000);
+      log('nemesis: holder faults still due at the deadline; faults go on for another second');
+      return true;
+    };
+    while (Date.now() < deadline || extend()) {
       await sleepUntil(between(200, 800));
-      if (Date.now() >= deadline) break;
+      if (Date.now() >= deadline && !extend()) break;
       let kind = kinds[Math.floor(random() * kinds.length)] as string;
       // A partition the run's minimum calls for (below) must catch a holder; only a drawn one may not.
       let partitionDrawn = kind === 'partition';
-      // MIN_HOLDER_PAUSES pauses of a holder, spread over the run: on a loaded machine, a random draw
-      // of a few pauses that all found no holder made a run where no fault could bite.
-      const pauseDue = ((caught('pause') + 1) / (MIN_HOLDER_PAUSES + 1)) * o.seconds * 1000;
-      const partitionDue = ((caught('partition') + 1) / (MIN_HOLDER_PARTITIONS + 1)) * o.seconds * 1000;
-      if (!topology && caught('pause') < MIN_HOLDER_PAUSES && Date.now() - started > pauseDue) kind = 'pause';
-      else if (!topology && caught('partition') < MIN_HOLDER_PARTITIONS && Date.now() - started > partitionDue) {
+      // MIN_HOLDER_PAUSES pauses and MIN_HOLDER_PARTITIONS partitions of a holder, spread over the run, the
+      // one furthest behind first: on a loaded machine, a random draw of a few pauses that all found no
+      // holder made a run where no fault could bite.
+      const pauseLag = behind('pause', MIN_HOLDER_PAUSES);
+      const partitionLag = behind('partition', MIN_HOLDER_PARTITIONS);
+      if (pauseLag > 0 && pauseLag >= partitionLag) kind = 'pause';
+      else if (partitionLag > 0) {
         kind = 'partition';
         partitionDrawn = false;
       }
