@@ -79,6 +79,15 @@ export class ReleaseListener {
     return this.waitForValue(payload, ms, signal) as Promise<void>;
   }
 
+  /**
+   * Hands `value` to the first waiter of `payload` in this process, as a
+   * notification carrying it would; nothing if none waits. The notification
+   * itself, when it arrives, then finds no waiter.
+   */
+  deliver(payload: string, value: unknown): void {
+    this.#wake(payload, undefined, value);
+  }
+
   /** Wakes every current waiter and stops listening; later waits only time out. Safe to call more than once. */
   async close(): Promise<void> {
     this.#closed = true;

@@ -67,6 +67,40 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     expect(await backend.confirm?.('baton', waiter, 30_000, null, info?.fence as Fence)).toBe(false);
   });
 
+  it('a waiter of the releasing process gets its turn from the release itself, even where it cannot subscribe', async () => {
+    const { namespace, test, redis, keys } = await redisScenario(REDIS_URL);
+    // A Redis user that may do everything but subscribe: only the release's own reply can wake the waiter.
+    const user = `palisade_nosub_${randomBytes(6).toString('hex')}`;
+    await redis.acl('SETUSER', user, 'on', 'nopass', '~*', '&*', '+@all', '-subscribe', '-psubscribe', '-ssubscribe');
+    const url = new URL(REDIS_URL);
+    url.username = user;
+    const client = connect(url.toString());
+    const backend = redisLockBackend({ client, namespace, epochs: test.db });
+    onTestFinished(async () => {
+      await backend.close();
+      client.disconnect();
+      await redis.acl('DELUSER', user);
+    });
+    const holder = randomBytes(16).toString('hex');
+    const waiter = randomBytes(16).toString('hex');
+    const held = await backend.grant('baton', holder, 30_000, null);
+    expect(held).not.toBeNull();
+    expect(await backend.grant('baton', waiter, 30_000, 'W', { waiting: true })).toBeNull();
+    // Long enough that only a wake-up, not the wait's end, can answer it within the test.
+    const turn = backend.waitForTurn?.('baton', 20_000, undefined, waiter);
+    await until("the waiter's SUBSCRIBE was refused", async () => {
+      const log = (await redis.acl('LOG', 128)) as unknown[][];
+      return log.some((entry) => entry.includes(user) && entry.includes('subscribe'));
+    });
+    expect(await redis.pubsub('NUMSUB', keys.channel)).toEqual([keys.channel, 0]);
+
+    expect(await backend.release('baton', holder)).toBe(true);
+    const grant = await turn;
+    expect(grant?.fence).toBeGreaterThan(held?.fence as Fence);
+    expect(await redis.get(keys.lock('baton'))).toBe(waiter);
+    expect(await backend.confirm?.('baton', waiter, 30_000, 'W', grant?.fence as Fence)).toBe(true);
+  });
+
   it('waiting acquires get the lock handed over in line order with increasing fences, and their leases are confirmed', async () => {
     const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
     const holder = await manager.acquire('relay', { ttlMs: 30_000 });

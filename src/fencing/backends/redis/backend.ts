@@ -91,7 +91,15 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
 
     extend: (name, token, ttlMs) => runExtend(run, keys, name, token, ttlMs),
 
-    release: (name, token) => runRelease(run, keys, name, token),
+    async release(name, token) {
+      const reply = await runRelease(run, keys, name, token);
+      // A waiter of this process gets its turn from the reply, before the published message arrives.
+      if (reply.released && reply.handed) {
+        const { hash, epoch, counter } = reply.handed;
+        notifier.deliver(`${name}\0${hash}`, { epoch, counter } satisfies HandedOver);
+      }
+      return reply.released;
+    },
 
     inspect: (name) => runInspect(run, keys, name),
 

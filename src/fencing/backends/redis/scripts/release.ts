@@ -7,7 +7,9 @@
  * grant script's checks) and publishes that, so the waiter's wake-up is its
  * grant — no retry round trip, no window for a barger. The waiter then
  * confirms (`palisadeConfirm`, ./lease.ts) while it already works under the
- * lock; until then the lock lives only {@link REDIS_HANDOFF_CONFIRM_MS}.
+ * lock; until then the lock lives only {@link REDIS_HANDOFF_CONFIRM_MS}. The
+ * script also replies what it published, for a waiter in the releasing
+ * process (../backend.ts).
  */
 import { REDIS_MAX_COUNTER_ARG, type RedisKeyNames } from '../keys.js';
 import { REDIS_QUEUE_STALE_MS } from './grant.js';
@@ -32,6 +34,7 @@ export const REDIS_HANDOFF_CONFIRM_MS = 2_000;
 // fence, under the grant script's checks (current data history, active state, counter not used up),
 // for the confirmation window only; published as "<name>\0<sha1(token)>\0<epoch>\0<counter>".
 // Otherwise "<name>\0<sha1(token)>" wakes a live head (only it needs to wake), "<name>" wakes all.
+// Replies: {'HANDED', sha1(token), epoch, counter} | 'RELEASED' | 'LOST'.
 // The token itself is never published: a subscriber could release or extend with it.
 const RELEASE_LUA = `${IDENTITY_LUA}
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'LOST' end
@@ -57,8 +60,9 @@ if seen >= ms - ${REDIS_HANDOFF_RECENT_MS} then
     redis.call('PEXPIRE', KEYS[2], ${REDIS_HANDOFF_CONFIRM_MS})
     redis.call('ZREM', KEYS[3], head)
     redis.call('ZREM', KEYS[4], head)
-    redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. redis.sha1hex(head) .. nul .. st[2] .. nul .. counter)
-    return 'RELEASED'
+    local hash = redis.sha1hex(head)
+    redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. hash .. nul .. st[2] .. nul .. counter)
+    return {'HANDED', hash, st[2], counter}
   end
 end
 if seen >= ms - ${REDIS_QUEUE_STALE_MS} then
@@ -94,12 +98,29 @@ return 'LEFT'
 `;
 
 /** @internal */
-export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV4', lua: RELEASE_LUA, numberOfKeys: 5 };
+export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV5', lua: RELEASE_LUA, numberOfKeys: 5 };
 /** @internal */
 export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV2', lua: LEAVE_LUA, numberOfKeys: 4 };
 
-/** @internal Frees the lock if `token` holds it; true if it did. */
-export async function runRelease(run: RunScript, keys: RedisKeyNames, name: string, token: string): Promise<boolean> {
+/**
+ * @internal What a release did: nothing (`token` did not hold the lock),
+ * freed it, or handed it over to the waiter whose token hashes to `hash`
+ * (what it published to that waiter, for a waiter in this process).
+ */
+export type ReleaseReply =
+  | { readonly released: false }
+  | { readonly released: true; readonly handed?: { hash: string; epoch: string; counter: string } };
+
+const NOT_RELEASED: ReleaseReply = { released: false };
+const RELEASED: ReleaseReply = { released: true };
+
+/** @internal Frees the lock if `token` holds it, handing it over to a live head of the line. */
+export async function runRelease(
+  run: RunScript,
+  keys: RedisKeyNames,
+  name: string,
+  token: string,
+): Promise<ReleaseReply> {
   const reply = await run(RELEASE_SCRIPT, [
     keys.lock(name),
     keys.grant(name),
@@ -110,7 +131,11 @@ export async function runRelease(run: RunScript, keys: RedisKeyNames, name: stri
     keys.channel,
     name,
   ]);
-  return reply === 'RELEASED';
+  if (reply === 'RELEASED') return RELEASED;
+  if (Array.isArray(reply) && reply[0] === 'HANDED') {
+    return { released: true, handed: { hash: String(reply[1]), epoch: String(reply[2]), counter: String(reply[3]) } };
+  }
+  return NOT_RELEASED;
 }
 
 /** @internal Drops `token` from the lock's queue. */
