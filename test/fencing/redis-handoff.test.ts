@@ -101,29 +101,37 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     expect(await backend.confirm?.('baton', waiter, 30_000, 'W', grant?.fence as Fence)).toBe(true);
   });
 
-  it('waiting acquires get the lock handed over in line order with increasing fences, and their leases are confirmed', async () => {
-    const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
-    const holder = await manager.acquire('relay', { ttlMs: 30_000 });
-    const others = [open(), open(), open()];
-    const leases: Promise<Lease>[] = [];
-    for (const [i, m] of others.entries()) {
-      leases.push(m.acquire('relay', { ttlMs: 30_000, waitMs: 20_000, holder: `W${i}` }));
-      await until(`${i + 1} waiters in line`, async () => (await redis.zcard(keys.queue('relay'))) === i + 1);
-    }
-    expect(await holder.release()).toBe('released');
-    const fences: bigint[] = [holder.fence];
-    for (const [i, pending] of leases.entries()) {
-      const lease = await pending;
-      fences.push(lease.fence);
-      // Its manager's client sent the confirmation before this inspect: the label is there.
-      expect((await others[i]?.inspect('relay'))?.holder).toBe(`W${i}`);
-      expect(await redis.pttl(keys.lock('relay'))).toBeGreaterThan(REDIS_HANDOFF_CONFIRM_MS);
-      expect(lease.signal.aborted).toBe(false);
-      expect(await lease.release()).toBe('released');
-    }
-    for (let k = 1; k < fences.length; k++) expect(fences[k] as bigint).toBeGreaterThan(fences[k - 1] as bigint);
-    expect(splitRedisFence(fences[3] as Fence).epoch).toBe(splitRedisFence(fences[0] as Fence).epoch);
-  });
+  // Waiters on managers of their own wake by the published message; waiters on the releasing manager itself
+  // take their turn from each release's reply (its own and each other's), which must pick the right one.
+  it.each([
+    ['on managers of their own', false],
+    ['on the releasing manager', true],
+  ] as const)(
+    'waiting acquires %s get the lock handed over in line order with increasing fences, and their leases are confirmed',
+    async (_, shared) => {
+      const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
+      const holder = await manager.acquire('relay', { ttlMs: 30_000 });
+      const others = shared ? [manager, manager, manager] : [open(), open(), open()];
+      const leases: Promise<Lease>[] = [];
+      for (const [i, m] of others.entries()) {
+        leases.push(m.acquire('relay', { ttlMs: 30_000, waitMs: 20_000, holder: `W${i}` }));
+        await until(`${i + 1} waiters in line`, async () => (await redis.zcard(keys.queue('relay'))) === i + 1);
+      }
+      expect(await holder.release()).toBe('released');
+      const fences: bigint[] = [holder.fence];
+      for (const [i, pending] of leases.entries()) {
+        const lease = await pending;
+        fences.push(lease.fence);
+        // Its manager's client sent the confirmation before this inspect: the label is there.
+        expect((await others[i]?.inspect('relay'))?.holder).toBe(`W${i}`);
+        expect(await redis.pttl(keys.lock('relay'))).toBeGreaterThan(REDIS_HANDOFF_CONFIRM_MS);
+        expect(lease.signal.aborted).toBe(false);
+        expect(await lease.release()).toBe('released');
+      }
+      for (let k = 1; k < fences.length; k++) expect(fences[k] as bigint).toBeGreaterThan(fences[k - 1] as bigint);
+      expect(splitRedisFence(fences[3] as Fence).epoch).toBe(splitRedisFence(fences[0] as Fence).epoch);
+    },
+  );
 
   it('a handed-over waiter that stopped holds the lock no longer than the confirmation window; one that gives up hands it back', async () => {
     const { manager, namespace, test, redis, keys, open } = await redisScenario(REDIS_URL);
