@@ -19,7 +19,9 @@ import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { drivers, type TestDatabase } from '../support/databases.js';
+import { drivers, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 import { uniqueName } from './fixtures.js';
 
 const f = toFence;
@@ -391,5 +393,63 @@ describe("drizzle's casing option (not supported, README 'The write path')", () 
     } finally {
       await client.close();
     }
+  });
+});
+
+describe.runIf(needs('DATABASE_URL'))('purges of one table take turns (real Postgres)', () => {
+  let test: TestDatabase;
+  beforeAll(async () => {
+    test = await postgresDatabase();
+    await migrate(test.db);
+  });
+  afterAll(() => test?.close());
+
+  it('a purge through an inheritance parent waits for an open purge through its child, then purges what is left, no deadlock', async () => {
+    const { db } = test;
+    const name = uniqueName('turns');
+    await db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
+    await db.execute(sql.raw(`create table ${name}_c (primary key (id)) inherits (${name})`));
+    await db.execute(
+      sql.raw(`insert into ${name}_c select 'k' || g, 0, g, now() - interval '1 hour' from generate_series(1, 40) g`),
+    );
+    const later = new Date(Date.now() + 60_000);
+    let release: () => void = () => {};
+    const held = new Promise<void>((resolve) => {
+      release = resolve;
+    });
+    let childPurged = 0;
+    const child = db.transaction(async (tx) => {
+      childPurged = await fencedRepository(tx as unknown as Database, accTable(`${name}_c`)).purgeTombstones(later, {
+        batchSize: 25,
+      });
+      await held;
+    });
+    const parent = (async () => {
+      // Started once the child's purge holds its turn (its rows are gone for its own transaction only).
+      for (let i = 0; i < 200 && childPurged === 0; i++) await sleep(10);
+      return fencedRepository(db, accTable(name)).purgeTombstones(later);
+    })();
+    // Bounded: the parent's purge is seen waiting for the child's advisory lock.
+    let waiting = 0;
+    for (let i = 0; i < 200 && waiting === 0; i++) {
+      const [row] = await rows(
+        db,
+        sql`select count(*)::int as n from pg_stat_activity
+            where datname = current_database() and wait_event_type = 'Lock' and wait_event = 'advisory'`,
+      );
+      waiting = Number(row?.n);
+      if (waiting === 0) await sleep(20);
+    }
+    release();
+    await child;
+    expect(waiting).toBe(1);
+    expect(childPurged).toBe(25);
+    expect(await parent).toBe(15);
+    expect(await rows(db, sql.raw(`select count(*)::int as n from ${name}`))).toEqual([{ n: 0 }]);
+    const [floor] = await rows(
+      db,
+      sql.raw(`select floor::int as floor from palisade.tombstone_floors where fenced_table = '${name}_c'::regclass`),
+    );
+    expect(floor).toEqual({ floor: 40 });
   });
 });
