@@ -29,7 +29,7 @@ import {
   returningOf,
   type WriteCore,
 } from './lock-scope.js';
-import { purgeStatement } from './purge.js';
+import { PURGE_ATTEMPTS, purgeStatement } from './purge.js';
 import { refusals } from './refusals.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
 
@@ -310,8 +310,15 @@ export function fencedRepository<T extends FencedTable>(
     updateWhere: async (where, fence, patch, opts) => rowScoped().updateWhere(where, fence, patch, opts, undefined),
 
     async purgeTombstones(olderThan, opts = {}) {
-      const rows = await execute(on(db), purgeStatement(info, olderThan, opts.batchSize ?? 1000));
-      return count(rows[0]?.n);
+      const statement = purgeStatement(info, olderThan, opts.batchSize ?? 1000);
+      // A batch can find every tombstone it chose gone — another purge removed them while this one
+      // waited, or a writer brought them back — though others remain: it picks again (a new statement
+      // sees what is left), a bounded number of times, so that 0 means none was left to purge.
+      for (let attempt = 1; ; attempt++) {
+        const [row] = await execute(on(db), statement);
+        const n = count(row?.n);
+        if (n > 0 || count(row?.picked) === 0 || attempt === PURGE_ATTEMPTS) return n;
+      }
     },
 
     with(holder) {

@@ -396,7 +396,7 @@ describe("drizzle's casing option (not supported, README 'The write path')", () 
   });
 });
 
-describe.runIf(needs('DATABASE_URL'))('purges of one table take turns (real Postgres)', () => {
+describe.runIf(needs('DATABASE_URL'))('concurrent purges of one table (real Postgres)', () => {
   let test: TestDatabase;
   beforeAll(async () => {
     test = await postgresDatabase();
@@ -404,52 +404,109 @@ describe.runIf(needs('DATABASE_URL'))('purges of one table take turns (real Post
   });
   afterAll(() => test?.close());
 
-  it('a purge through an inheritance parent waits for an open purge through its child, then purges what is left, no deadlock', async () => {
-    const { db } = test;
-    const name = uniqueName('turns');
-    await db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
-    await db.execute(sql.raw(`create table ${name}_c (primary key (id)) inherits (${name})`));
-    await db.execute(
-      sql.raw(`insert into ${name}_c select 'k' || g, 0, g, now() - interval '1 hour' from generate_series(1, 40) g`),
-    );
-    const later = new Date(Date.now() + 60_000);
+  /** A purge started while `first` (run in a transaction held open until released) has purged. */
+  async function behindAnOpenPurge(first: (tx: Database) => Promise<number>, second: () => Promise<number>) {
     let release: () => void = () => {};
     const held = new Promise<void>((resolve) => {
       release = resolve;
     });
-    let childPurged = 0;
-    const child = db.transaction(async (tx) => {
-      childPurged = await fencedRepository(tx as unknown as Database, accTable(`${name}_c`)).purgeTombstones(later, {
-        batchSize: 25,
-      });
+    let firstPurged = -1;
+    const firstDone = test.db.transaction(async (tx) => {
+      firstPurged = await first(tx as unknown as Database);
       await held;
     });
-    const parent = (async () => {
-      // Started once the child's purge holds its turn (its rows are gone for its own transaction only).
-      for (let i = 0; i < 200 && childPurged === 0; i++) await sleep(10);
-      return fencedRepository(db, accTable(name)).purgeTombstones(later);
-    })();
-    // Bounded: the parent's purge is seen waiting for the child's advisory lock.
+    for (let i = 0; i < 200 && firstPurged < 0; i++) await sleep(10);
+    const secondDone = second();
+    // Bounded: the second purge is seen waiting for the first one's rows.
     let waiting = 0;
     for (let i = 0; i < 200 && waiting === 0; i++) {
       const [row] = await rows(
-        db,
+        test.db,
         sql`select count(*)::int as n from pg_stat_activity
-            where datname = current_database() and wait_event_type = 'Lock' and wait_event = 'advisory'`,
+            where datname = current_database() and wait_event_type = 'Lock' and query like '%palisade_row%'`,
       );
       waiting = Number(row?.n);
       if (waiting === 0) await sleep(20);
     }
     release();
-    await child;
+    await firstDone;
+    return { firstPurged, secondPurged: await secondDone, waiting };
+  }
+
+  it('a purge whose whole batch another purge removed while it waited picks again: 0 only when none is left', async () => {
+    const name = uniqueName('again');
+    await test.db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
+    await test.db.execute(
+      sql.raw(`insert into ${name} select 'k' || g, 0, g, now() - interval '1 hour' from generate_series(1, 10) g`),
+    );
+    const later = new Date(Date.now() + 60_000);
+    const purge = (db: Database) => fencedRepository(db, accTable(name)).purgeTombstones(later, { batchSize: 5 });
+    const { firstPurged, secondPurged, waiting } = await behindAnOpenPurge(purge, () => purge(test.db));
     expect(waiting).toBe(1);
-    expect(childPurged).toBe(25);
-    expect(await parent).toBe(15);
-    expect(await rows(db, sql.raw(`select count(*)::int as n from ${name}`))).toEqual([{ n: 0 }]);
+    expect([firstPurged, secondPurged]).toEqual([5, 5]);
+    expect(await rows(test.db, sql.raw(`select count(*)::int as n from ${name}`))).toEqual([{ n: 0 }]);
+  });
+
+  it('purges through an inheritance parent and its child, the child’s held open: no deadlock, every tombstone gone once', async () => {
+    const name = uniqueName('inhp');
+    await test.db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
+    await test.db.execute(sql.raw(`create table ${name}_c (primary key (id)) inherits (${name})`));
+    await test.db.execute(
+      sql.raw(`insert into ${name}_c select 'k' || g, 0, g, now() - interval '1 hour' from generate_series(1, 40) g`),
+    );
+    const later = new Date(Date.now() + 60_000);
+    const { firstPurged, secondPurged, waiting } = await behindAnOpenPurge(
+      (tx) => fencedRepository(tx, accTable(`${name}_c`)).purgeTombstones(later, { batchSize: 25 }),
+      () => fencedRepository(test.db, accTable(name)).purgeTombstones(later),
+    );
+    expect(waiting).toBe(1);
+    expect([firstPurged, secondPurged]).toEqual([25, 15]);
+    expect(await rows(test.db, sql.raw(`select count(*)::int as n from ${name}`))).toEqual([{ n: 0 }]);
     const [floor] = await rows(
-      db,
+      test.db,
       sql.raw(`select floor::int as floor from palisade.tombstone_floors where fenced_table = '${name}_c'::regclass`),
     );
     expect(floor).toEqual({ floor: 40 });
+  });
+
+  it('a caller’s transaction that holds a tombstone and then purges with nothing to purge does not wait for other purges', async () => {
+    const name = uniqueName('holds');
+    await test.db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
+    await test.db.execute(
+      sql.raw(`insert into ${name} select 'k' || g, 0, g, now() - interval '1 hour' from generate_series(1, 4) g`),
+    );
+    const repo = (db: Database) => fencedRepository(db, accTable(name));
+    let release: () => void = () => {};
+    const held = new Promise<void>((resolve) => {
+      release = resolve;
+    });
+    let holding = false;
+    let inTx = -1;
+    const caller = test.db.transaction(async (tx) => {
+      // Brings k2 back: its row stays locked until this transaction ends.
+      expect((await repo(tx as unknown as Database).upsert({ id: 'k2', v: 1 }, f(100))).status).toBe('applied');
+      holding = true;
+      await held;
+      inTx = await repo(tx as unknown as Database).purgeTombstones(new Date(0));
+    });
+    for (let i = 0; i < 200 && !holding; i++) await sleep(10);
+    // Another purge queues on k2.
+    const other = repo(test.db).purgeTombstones(new Date(Date.now() + 60_000));
+    let waiting = 0;
+    for (let i = 0; i < 200 && waiting === 0; i++) {
+      const [row] = await rows(
+        test.db,
+        sql`select count(*)::int as n from pg_stat_activity
+            where datname = current_database() and wait_event_type = 'Lock' and query like '%palisade_row%'`,
+      );
+      waiting = Number(row?.n);
+      if (waiting === 0) await sleep(20);
+    }
+    release();
+    await caller;
+    expect(waiting).toBe(1);
+    expect(inTx).toBe(0);
+    expect(await other).toBe(3);
+    expect(await rows(test.db, sql.raw(`select id from ${name}`))).toEqual([{ id: 'k2' }]);
   });
 });
