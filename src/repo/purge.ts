@@ -13,10 +13,11 @@ export const PURGE_ATTEMPTS = 4;
 /**
  * The purge of up to `batchSize` tombstones deleted before `olderThan`; its
  * one result row's `n` counts them, `picked` the tombstones it chose (some
- * may be gone by the time it deletes them).
+ * may be gone by the time it deletes them). `skipLocked`: it chooses, and
+ * locks, only tombstones no other transaction holds.
  * @throws {InvalidArgumentError} for an invalid date or batch size.
  */
-export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: unknown): SQL {
+export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: unknown, skipLocked = false): SQL {
   if (!(olderThan instanceof Date) || Number.isNaN(olderThan.getTime())) {
     throw new InvalidArgumentError('olderThan must be a valid Date');
   }
@@ -35,8 +36,11 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // Deleting in a join's order (a hash of the batch), two purges of overlapping batches — one through
   // a partition and one through the parent — deadlocked. `ctid = any(…)` is also the condition
   // Postgres re-evaluates on the newest version of a row it waited for.
+  // `skipLocked` is for a batch after one that found everything it chose gone: another purge was
+  // ahead of it on the same rows (it would be again, and again) or writers held them. Locking costs a
+  // write per row, so only such a batch pays it.
   return sql`with picked as materialized (
-      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}
+      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}${skipLocked ? sql` for update skip locked` : sql``}
     ),
     gone as (delete from ${t} where ctid = any(array(select palisade_row from picked))
       and ((tableoid, ctid) in (select palisade_table, palisade_row from picked)) is true

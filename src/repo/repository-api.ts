@@ -138,8 +138,9 @@ export interface FencedRepository<T extends FencedTable> {
    * Removes up to `batchSize` tombstones deleted before `olderThan` and
    * returns how many it removed; call until 0 (a batch that finds what it
    * chose already removed by a concurrent purge picks again, a bounded number
-   * of times, so 0 means none was left). Concurrent purges of one table do
-   * not deadlock with each other. In the same statement it
+   * of times, passing over rows other transactions hold: 0 means none was
+   * left but those). Concurrent purges of one table do not deadlock with
+   * each other, except under multiple inheritance. In the same statement it
    * raises the table's tombstone floor (`palisade.tombstone_floors`) to the
    * highest fence it removed, and an upsert creates a row that does not exist
    * only with a fence above the floor: purging never lowers what a stale

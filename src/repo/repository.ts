@@ -310,12 +310,12 @@ export function fencedRepository<T extends FencedTable>(
     updateWhere: async (where, fence, patch, opts) => rowScoped().updateWhere(where, fence, patch, opts, undefined),
 
     async purgeTombstones(olderThan, opts = {}) {
-      const statement = purgeStatement(info, olderThan, opts.batchSize ?? 1000);
+      const batchSize = opts.batchSize ?? 1000;
       // A batch can find every tombstone it chose gone — another purge removed them while this one
-      // waited, or a writer brought them back — though others remain: it picks again (a new statement
-      // sees what is left), a bounded number of times, so that 0 means none was left to purge.
+      // waited, or a writer brought them back — though others remain: it picks again, a bounded number
+      // of times, passing over rows other transactions hold, so that 0 means none was left to purge.
       for (let attempt = 1; ; attempt++) {
-        const [row] = await execute(on(db), statement);
+        const [row] = await execute(on(db), purgeStatement(info, olderThan, batchSize, attempt > 1));
         const n = count(row?.n);
         if (n > 0 || count(row?.picked) === 0 || attempt === PURGE_ATTEMPTS) return n;
       }

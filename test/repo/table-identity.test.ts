@@ -447,6 +447,36 @@ describe.runIf(needs('DATABASE_URL'))('concurrent purges of one table (real Post
     expect(await rows(test.db, sql.raw(`select count(*)::int as n from ${name}`))).toEqual([{ n: 0 }]);
   });
 
+  it('purge loops run at once, each calling until 0: a loop stops only when what is left is in the other loops’ batches', async () => {
+    const name = uniqueName('loops');
+    await test.db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
+    await test.db.execute(
+      sql.raw(`insert into ${name} select 'k' || g, 0, g, now() - interval '1 hour' from generate_series(1, 6000) g`),
+    );
+    const later = new Date(Date.now() + 60_000);
+    const [loops, batchSize] = [3, 200];
+    const leftAtZero: number[] = [];
+    const purged = await Promise.all(
+      Array.from({ length: loops }, async () => {
+        const repo = fencedRepository(test.db, accTable(name));
+        let total = 0;
+        // Bounded: 6,000 rows in batches of 200 take 30 batches in all.
+        for (let i = 0; i < 200; i++) {
+          const n = await repo.purgeTombstones(later, { batchSize });
+          if (n === 0) break;
+          total += n;
+        }
+        const [row] = await rows(test.db, sql.raw(`select count(*)::int as n from ${name}`));
+        leftAtZero.push(Number(row?.n));
+        return total;
+      }),
+    );
+    // When a loop saw 0, at most the other loops' batches in flight were left (they remove them).
+    for (const left of leftAtZero) expect(left).toBeLessThanOrEqual((loops - 1) * batchSize);
+    expect(purged.reduce((a, b) => a + b, 0)).toBe(6000);
+    expect(await rows(test.db, sql.raw(`select count(*)::int as n from ${name}`))).toEqual([{ n: 0 }]);
+  });
+
   it('purges through an inheritance parent and its child, the child’s held open: no deadlock, every tombstone gone once', async () => {
     const name = uniqueName('inhp');
     await test.db.execute(sql.raw(`create table ${name} ${ACC_DDL}`));
