@@ -71,7 +71,9 @@ export interface LeaseInit {
   readonly maxHoldMs: number | undefined;
   /**
    * A grant a release handed over: held only `withinMs` from `sentAt` until
-   * `run` (sent at once) confirms it, then `ttlMs` from the confirmation's send.
+   * `run` confirms it, then `ttlMs` from the confirmation's send. `run` is
+   * sent once a quarter of what is left of that window has passed, unless the
+   * lease was released or lost first: a short critical section never sends it.
    */
   readonly confirm?: { readonly withinMs: number; readonly run: () => Promise<boolean> };
 }
@@ -91,6 +93,7 @@ export class ActiveLease implements Lease {
   #error: LeaseLostError | undefined;
   #expiresAt: number;
   #deadline: Deadline | undefined;
+  #confirmAt: Deadline | undefined;
   #watchdog: NodeJS.Timeout | undefined;
   #released: Promise<'released' | 'lost'> | undefined;
   #onBackendLost: (() => void) | undefined;
@@ -104,7 +107,16 @@ export class ActiveLease implements Lease {
     this.holder = init.holder;
     this.#expiresAt = init.sentAt + (init.confirm ? Math.min(init.confirm.withinMs, init.ttlMs) : init.ttlMs);
     this.#armDeadline();
-    if (init.confirm) this.#confirm(init.confirm.run);
+    if (init.confirm) {
+      // Deferred, so that a critical section shorter than this spends no command on it; what is left
+      // (at least 3/4 of the rest of the window) bounds the confirmation's own round trip.
+      const run = init.confirm.run;
+      const at = performance.now() + Math.max(0, this.#expiresAt - performance.now()) / 4;
+      this.#confirmAt = atDeadline(at, () => {
+        this.#confirmAt = undefined;
+        if (!this.#aborted) this.#confirm(run);
+      });
+    }
     if (init.backendLost) {
       this.#onBackendLost = () => this.#lose('the backend lost the lock (connection dropped)', 'connection_dropped');
       if (init.backendLost.aborted) this.#onBackendLost();
@@ -263,6 +275,7 @@ export class ActiveLease implements Lease {
 
   #stopTimers(): void {
     cancelDeadline(this.#deadline);
+    cancelDeadline(this.#confirmAt);
     clearTimeout(this.#watchdog);
     if (this.#onBackendLost) this.#init.backendLost?.removeEventListener('abort', this.#onBackendLost);
   }

@@ -176,8 +176,8 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       : Object.freeze({ kind: backend.kind, source: grant.source, namespace: backend.namespace, name });
 
   // A grant a release handed over: the lease starts now, held until the end of the confirmation
-  // window counted from our last send; the confirmation (sent at once, ahead of anything the caller
-  // sends on this lease) gives it the full TTL.
+  // window counted from our last send; the confirmation (deferred by the lease, skipped when it is
+  // released first) gives it the full TTL.
   function handedOver(
     name: string,
     opts: CheckedOptions,

@@ -10,6 +10,8 @@ import {
   redisLockBackend,
   splitRedisFence,
 } from '../../src/fencing/backends/redis/backend.js';
+import { CONFIRM_SCRIPT } from '../../src/fencing/backends/redis/scripts/lease.js';
+import { RELEASE_SCRIPT } from '../../src/fencing/backends/redis/scripts/release.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { connect, redisScenario } from '../support/redis.js';
@@ -122,8 +124,9 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
       for (const [i, pending] of leases.entries()) {
         const lease = await pending;
         fences.push(lease.fence);
-        // Its manager's client sent the confirmation before this inspect: the label is there.
-        expect((await others[i]?.inspect('relay'))?.holder).toBe(`W${i}`);
+        // The lease confirms a little into the window (held that long, it is no short critical section):
+        // then the label is there and the lock has the lease's TTL.
+        await until(`W${i} confirmed its handoff`, async () => (await others[i]?.inspect('relay'))?.holder === `W${i}`);
         expect(await redis.pttl(keys.lock('relay'))).toBeGreaterThan(REDIS_HANDOFF_CONFIRM_MS);
         expect(lease.signal.aborted).toBe(false);
         expect(await lease.release()).toBe('released');
@@ -132,6 +135,44 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
       expect(splitRedisFence(fences[3] as Fence).epoch).toBe(splitRedisFence(fences[0] as Fence).epoch);
     },
   );
+
+  it('a handed-over lease released before a quarter of the confirmation window sends no confirmation; one held longer does', async () => {
+    const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
+    const waiter = open();
+    const monitor = await redis.duplicate().monitor();
+    onTestFinished(() => monitor.disconnect());
+    const scriptsOnLock: string[] = []; // the SHA-1 of each script run on this lock, in order
+    const lockKey = keys.lock('brief');
+    monitor.on('monitor', (_time: string, args: string[]) => {
+      if (args[0]?.toLowerCase() === 'evalsha' && args.includes(lockKey)) scriptsOnLock.push(args[1] ?? '');
+    });
+    const shaOf = (lua: string) => createHash('sha1').update(lua).digest('hex');
+    const [confirmSha, releaseSha] = [shaOf(CONFIRM_SCRIPT.lua), shaOf(RELEASE_SCRIPT.lua)];
+    const releases = () => scriptsOnLock.filter((sha) => sha === releaseSha).length;
+    const confirms = () => scriptsOnLock.filter((sha) => sha === confirmSha).length;
+
+    // Twice: the holder releases to a waiting lease, which releases at once ('brief') or once it confirmed ('long').
+    let briefConfirms = -1;
+    for (const [round, hold] of [
+      [1, 'brief'],
+      [2, 'long'],
+    ] as const) {
+      const holder = await manager.acquire('brief', { ttlMs: 30_000 });
+      const pending = waiter.acquire('brief', { ttlMs: 30_000, waitMs: 20_000, holder: hold });
+      await until('a waiter in line', async () => (await redis.zcard(keys.queue('brief'))) === 1);
+      expect(await holder.release()).toBe('released');
+      const lease = await pending;
+      if (hold === 'long')
+        await until('the lease confirmed', async () => (await manager.inspect('brief'))?.holder === 'long');
+      expect(await lease.release()).toBe('released');
+      await until('the monitor saw both releases', async () => releases() === 2 * round);
+      // Past the point where a confirmation that the release did not cancel would have been sent.
+      await new Promise((r) => setTimeout(r, REDIS_HANDOFF_CONFIRM_MS / 4 + 200));
+      if (hold === 'brief') briefConfirms = confirms();
+    }
+    expect(briefConfirms).toBe(0);
+    expect(confirms()).toBe(1); // the monitor does see a confirmation: the long hold's
+  });
 
   it('a handed-over waiter that stopped holds the lock no longer than the confirmation window; one that gives up hands it back', async () => {
     const { manager, namespace, test, redis, keys, open } = await redisScenario(REDIS_URL);

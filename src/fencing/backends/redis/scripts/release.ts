@@ -5,9 +5,10 @@
  * Direct handoff: a release that finds a live waiter at the head of the
  * line grants the lock to it in the same script (its fence issued under the
  * grant script's checks) and publishes that, so the waiter's wake-up is its
- * grant — no retry round trip, no window for a barger. The waiter then
- * confirms (`palisadeConfirm`, ./lease.ts) while it already works under the
- * lock; until then the lock lives only {@link REDIS_HANDOFF_CONFIRM_MS}. The
+ * grant — no retry round trip, no window for a barger. The waiter
+ * confirms (`palisadeConfirm`, ./lease.ts) if it still holds the lock a
+ * little later (src/fencing/lease.ts); until then the lock lives only
+ * {@link REDIS_HANDOFF_CONFIRM_MS}. The
  * script also replies what it published, for a waiter in the releasing
  * process (../backend.ts).
  */
