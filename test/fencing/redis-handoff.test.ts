@@ -174,6 +174,28 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     expect(confirms()).toBe(1); // the monitor does see a confirmation: the long hold's
   });
 
+  // Found by an attack on the deferred confirmation: the confirmation set the acquire's TTL over a longer
+  // extension, and the lease, which keeps the longer estimate, then believed it held a lock another had taken.
+  it('a handed-over lease that extends itself before it confirms keeps what it extended to', async () => {
+    const { manager, open, redis, keys } = await redisScenario(REDIS_URL);
+    const holder = await manager.acquire('stretch', { ttlMs: 30_000 });
+    const pending = open().acquire('stretch', { ttlMs: 1_000, waitMs: 20_000, holder: 'B' });
+    await until('a waiter in line', async () => (await redis.zcard(keys.queue('stretch'))) === 1);
+    expect(await holder.release()).toBe('released');
+    const lease = await pending;
+    expect(await redis.pttl(keys.lock('stretch'))).toBeLessThanOrEqual(REDIS_HANDOFF_CONFIRM_MS); // not confirmed yet
+    await lease.extend(20_000);
+    await until('the lease confirmed', async () => (await manager.inspect('stretch'))?.holder === 'B');
+    // Redis holds the lock at least as long as the lease believes it does, and far longer than the acquire's TTL.
+    const pttl = await redis.pttl(keys.lock('stretch'));
+    expect(pttl).toBeGreaterThan(10_000);
+    expect(performance.now() + pttl).toBeGreaterThanOrEqual(lease.expiresAt - 50);
+    expect(await redis.pttl(keys.grant('stretch'))).toBeGreaterThan(10_000);
+    expect(await manager.tryAcquire('stretch', { ttlMs: 1_000 })).toBeNull();
+    expect(lease.signal.aborted).toBe(false);
+    expect(await lease.release()).toBe('released');
+  });
+
   it('a handed-over waiter that stopped holds the lock no longer than the confirmation window; one that gives up hands it back', async () => {
     const { manager, namespace, test, redis, keys, open } = await redisScenario(REDIS_URL);
     const client = connect(REDIS_URL);

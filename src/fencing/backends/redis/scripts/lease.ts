@@ -26,22 +26,26 @@ local pttl = redis.call('PTTL', KEYS[1])
 return {'HELD', g[2], g[3], g[4] or '', g[4] and '1' or '0', g[5], tostring(pttl)}
 `;
 
-// A lock handed over by a release becomes the waiter's own: its TTL and holder label.
+// A lock handed over by a release becomes the waiter's own: its TTL and holder label. The TTL only
+// lengthens: the lease may have extended itself further before it confirmed (a shorter TTL here would
+// end the lock before the lease's own estimate, which keeps the longer one).
 // KEYS: lock, grant record. ARGV: token, ttl ms, holder ('' for none, else '=' and the label).
 // Replies: {'OK', epoch, counter} | {'LOST'}.
 const CONFIRM_LUA = `
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'LOST'} end
 local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter')
 if g[1] ~= ARGV[1] then return {'LOST'} end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
 redis.call('HDEL', KEYS[2], 'handoff')
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], 'holder', string.sub(ARGV[3], 2)) end
 return {'OK', g[2], g[3]}
 `;
 
 /** @internal */
-export const CONFIRM_SCRIPT: LuaScript = { name: 'palisadeConfirmV2', lua: CONFIRM_LUA, numberOfKeys: 2 };
+export const CONFIRM_SCRIPT: LuaScript = { name: 'palisadeConfirmV3', lua: CONFIRM_LUA, numberOfKeys: 2 };
 /** @internal */
 export const EXTEND_SCRIPT: LuaScript = { name: 'palisadeExtendV1', lua: EXTEND_LUA, numberOfKeys: 2 };
 /** @internal */
