@@ -39,7 +39,9 @@ export interface Lease {
   readonly expiresAt: number;
   /**
    * Resets the TTL (default: the acquire TTL) if this token still holds the
-   * lock. Never re-acquires a lost lease.
+   * lock. Never re-acquires a lost lease. A shorter TTL lowers `expiresAt`
+   * as it is sent (the server may apply it before its reply arrives); only
+   * the reply of the last extension sent sets it again.
    * @throws {LeaseLostError} if the lease is gone (the signal is aborted too).
    */
   extend(ttlMs?: number): Promise<void>;
@@ -97,6 +99,10 @@ export class ActiveLease implements Lease {
   #watchdog: NodeJS.Timeout | undefined;
   #released: Promise<'released' | 'lost'> | undefined;
   #onBackendLost: (() => void) | undefined;
+  // Extensions sent so far. Redis applies a client's commands in the order sent, so only the reply of
+  // the last one sent may set the estimate (the confirmation only lengthens; it never shortens one).
+  // Elsewhere (a pool, gRPC) two extensions in flight at once may be applied in either order.
+  #extends = 0;
 
   constructor(init: LeaseInit) {
     this.#init = init;
@@ -127,6 +133,7 @@ export class ActiveLease implements Lease {
 
   #confirm(run: () => Promise<boolean>): void {
     const sentAt = performance.now();
+    const extendsBefore = this.#extends;
     run().then(
       (held) => {
         if (this.#aborted) return;
@@ -134,7 +141,8 @@ export class ActiveLease implements Lease {
           this.#lose('the lock handed over by a release was gone before it was confirmed', 'extension_refused');
           return;
         }
-        // A shorter estimate from an extension sent meanwhile stays; the confirmation only lengthens.
+        // The confirmation only lengthens the TTL; an extension sent after it decides (its reply sets the estimate).
+        if (this.#extends !== extendsBefore) return;
         this.#expiresAt = Math.max(this.#expiresAt, sentAt + this.#init.ttlMs);
         this.#armDeadline();
       },
@@ -166,6 +174,12 @@ export class ActiveLease implements Lease {
     const ttl = ttlMs === undefined ? this.#init.ttlMs : checkTtl(ttlMs);
     if (this.#aborted) throw this.#lostError();
     const sentAt = performance.now();
+    const send = ++this.#extends;
+    // The server may apply a shorter TTL long before its reply arrives: the estimate drops as it is sent.
+    if (sentAt + ttl < this.#expiresAt) {
+      this.#expiresAt = sentAt + ttl;
+      this.#armDeadline();
+    }
     let held: boolean;
     try {
       held = await this.#init.backend.extend(this.name, this.token, ttl);
@@ -179,7 +193,8 @@ export class ActiveLease implements Lease {
       throw this.#lostError();
     }
     if (this.#aborted) throw this.#lostError();
-    this.#expiresAt = sentAt + ttl;
+    // An extension sent after this one was applied after it: until its reply, this one only lowers.
+    this.#expiresAt = send === this.#extends ? sentAt + ttl : Math.min(this.#expiresAt, sentAt + ttl);
     this.#armDeadline();
     if (this.#init.events.listens('extended')) {
       this.#init.events.emit('extended', { name: this.name, fence: this.fence, ttlMs: ttl });

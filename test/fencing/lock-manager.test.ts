@@ -108,6 +108,22 @@ describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
     await locks.close();
   });
 
+  // Found by an attack: the server applies a shorter TTL before its reply arrives, and the lease kept
+  // believing the longer one in between (or took it back from an earlier extension's later reply).
+  it("a shorter extension lowers the lease's expiry as it is sent; an earlier, longer one answered after never raises it", async () => {
+    const locks = fresh();
+    const lease = await locks.acquire('shrink', { ttlMs: 60_000 });
+    const longer = lease.extend(30_000);
+    const shorter = lease.extend(5_000);
+    await longer;
+    expect(lease.expiresAt).toBeLessThanOrEqual(performance.now() + 5_000);
+    await shorter;
+    expect(lease.expiresAt).toBeGreaterThan(performance.now());
+    expect(lease.signal.aborted).toBe(false);
+    expect(await lease.release()).toBe('released');
+    await locks.close();
+  });
+
   it('a wait ends with LockUnavailableError: reason timeout after waitMs, reason aborted on the signal', async () => {
     const locks = fresh();
     const held = await locks.acquire('busy', { ttlMs: 60_000 });
