@@ -60,8 +60,17 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the Redis fair line
         const line = placed.sort((a, b) => a.place - b.place);
         const inLine = async (t: string) => (await redis.zscore(keys.queue(name), t)) !== null;
         const heldBy = () => redis.get(keys.lock(name));
-        // A release hands the lock to the head of the line if its waiter is live (it retried just now).
+        // A live waiter keeps retrying (a real one every few hundred ms): before each step its last retry
+        // is recorded as now, by the server's clock, so a slow step of this test never makes it look gone
+        // (a handoff needs a retry within 500 ms; a grant drops places not retried for 1 s).
+        const keepAlive = async () => {
+          const [seconds, micros] = await redis.time();
+          const now = String(Number(seconds) * 1000 + Math.floor(Number(micros) / 1000));
+          for (const e of line) if (e.live) await redis.zadd(keys.seen(name), now, e.token);
+        };
+        // A release hands the lock to the head of the line if its waiter is live.
         const release = async (t: string) => {
+          await keepAlive();
           expect(await backend.release(name, t)).toBe(true);
           const head = line[0];
           if (head?.live) line.shift();
@@ -74,6 +83,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the Redis fair line
           if (left.length === 0) break;
           const t = (left[i % left.length] as { token: string }).token;
           const owner = await heldBy();
+          await keepAlive();
           const grant = await backend.grant(name, t, TTL_MS, null, { waiting: true });
           let due = owner === t;
           if (owner === null) {
