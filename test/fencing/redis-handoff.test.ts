@@ -146,8 +146,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     monitor.on('monitor', (_time: string, args: string[]) => {
       if (args[0]?.toLowerCase() === 'evalsha' && args.includes(lockKey)) scriptsOnLock.push(args[1] ?? '');
     });
-    const shaOf = (lua: string) => createHash('sha1').update(lua).digest('hex');
-    const [confirmSha, releaseSha] = [shaOf(CONFIRM_SCRIPT.lua), shaOf(RELEASE_SCRIPT.lua)];
+    const [confirmSha, releaseSha] = [sha1(CONFIRM_SCRIPT.lua), sha1(RELEASE_SCRIPT.lua)];
     const releases = () => scriptsOnLock.filter((sha) => sha === releaseSha).length;
     const confirms = () => scriptsOnLock.filter((sha) => sha === confirmSha).length;
 
