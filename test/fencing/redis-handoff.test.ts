@@ -5,6 +5,7 @@
  */
 import { createHash, randomBytes } from 'node:crypto';
 import { describe, expect, it, onTestFinished } from 'vitest';
+import { forwardTo, type LockBackend } from '../../src/fencing/backend.js';
 import {
   REDIS_HANDOFF_CONFIRM_MS,
   redisLockBackend,
@@ -14,6 +15,7 @@ import { CONFIRM_SCRIPT } from '../../src/fencing/backends/redis/scripts/lease.j
 import { RELEASE_SCRIPT } from '../../src/fencing/backends/redis/scripts/release.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
+import { createLockManager } from '../../src/fencing/lock-manager.js';
 import { connect, redisScenario } from '../support/redis.js';
 import { needs } from '../support/services.js';
 
@@ -54,6 +56,10 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     expect(before).toBeGreaterThan(0);
     expect(before).toBeLessThanOrEqual(REDIS_HANDOFF_CONFIRM_MS); // only the confirmation window
     expect(await redis.zcard(keys.queue('baton'))).toBe(0); // out of the line
+    // Until it is confirmed, inspect shows the lock taken, with its fence, and no holder label.
+    const unconfirmed = await manager.inspect('baton');
+    expect(unconfirmed?.fence).toBe(grant?.fence);
+    expect(unconfirmed?.holder).toBeNull();
 
     // The confirmation gives it the waiter's TTL and holder label, with the same fence.
     expect(await backend.confirm?.('baton', waiter, 30_000, 'W', grant?.fence as Fence)).toBe(true);
@@ -171,6 +177,49 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     }
     expect(briefConfirms).toBe(0);
     expect(confirms()).toBe(1); // the monitor does see a confirmation: the long hold's
+  });
+
+  // Redis applies the confirmation before the extension sent after it, so the extension's TTL is what the
+  // server holds; a confirmation whose reply comes late must not give the lease back the acquire's longer TTL.
+  it('a confirmation answered after a later, shorter extension leaves the lease at what the extension set', async () => {
+    const { namespace, redis, keys, backend } = await redisScenario(REDIS_URL);
+    const inner = backend();
+    let confirmSent = () => {};
+    const sent = new Promise<void>((resolve) => {
+      confirmSent = resolve;
+    });
+    let answer = () => {};
+    const answered = new Promise<void>((resolve) => {
+      answer = resolve;
+    });
+    const confirm = inner.confirm as NonNullable<LockBackend['confirm']>;
+    const manager = createLockManager({
+      ...forwardTo(inner, namespace),
+      // Sent at once (Redis applies it in order); its reply reaches the lease only when the test says so.
+      async confirm(name, token, ttlMs, holder, fence) {
+        const held = confirm(name, token, ttlMs, holder, fence);
+        confirmSent();
+        const result = await held;
+        await answered;
+        return result;
+      },
+    });
+    onTestFinished(() => manager.close());
+    const holder = await manager.acquire('late', { ttlMs: 60_000 });
+    const pending = manager.acquire('late', { ttlMs: 60_000, waitMs: 20_000 });
+    await until('a waiter in line', async () => (await redis.zcard(keys.queue('late'))) === 1);
+    expect(await holder.release()).toBe('released');
+    const lease = await pending;
+    await sent;
+    await lease.extend(5_000);
+    answer();
+    await new Promise((r) => setTimeout(r, 50)); // the confirmation's reply is handled
+    const pttl = await redis.pttl(keys.lock('late'));
+    expect(pttl).toBeLessThanOrEqual(5_000);
+    // The lease's estimate stays at or below what Redis holds, not the acquire's 60 s.
+    expect(lease.expiresAt).toBeLessThanOrEqual(performance.now() + pttl);
+    expect(lease.signal.aborted).toBe(false);
+    expect(await lease.release()).toBe('released');
   });
 
   // Found by an attack on the deferred confirmation: the confirmation set the acquire's TTL over a longer
