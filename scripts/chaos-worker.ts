@@ -127,7 +127,9 @@ interface Managers {
 
 async function openManagers(args: ChaosWorkerArgs, slots: ChaosSlot[]): Promise<Managers> {
   if (args.kind === 'postgres' || args.kind === 'advisory') {
-    const client = postgres(args.databaseUrl, { max: 4, onnotice: () => {} });
+    // fetch_types: false, as the README advises for every postgres.js client: a kill at connect would
+    // otherwise end the worker with the driver's unhandled rejection (test/repo/kill-at-connect.test.ts).
+    const client = postgres(args.databaseUrl, { max: 4, fetch_types: false, onnotice: () => {} });
     const db = drizzle(client) as unknown as Database;
     // A partition freezes the worker's connections for 1.2–3 TTLs. With the defaults (5 s of server-side
     // lock wait, then 10 s of commandTimeoutMs) a frozen release would stay pending for 15 s, and a frozen
@@ -150,7 +152,7 @@ async function openManagers(args: ChaosWorkerArgs, slots: ChaosSlot[]): Promise<
   }
   if (args.kind !== 'redis') throw new Error(`the chaos run has no ${args.kind} backend`);
   // One loop per namespace shares this pool: wide enough that a statement rarely waits past its bound for a connection.
-  const client = postgres(args.databaseUrl, { max: slots.length > 1 ? 10 : 4, onnotice: () => {} });
+  const client = postgres(args.databaseUrl, { max: slots.length > 1 ? 10 : 4, fetch_types: false, onnotice: () => {} });
   const db = drizzle(client) as unknown as Database;
   const ports = args.redisPorts ?? [Number(new URL(args.redisUrl ?? '').port)];
   const clients = new Map<number, Redis>();
