@@ -3,14 +3,19 @@
  * random TTLs are sent (each applied by Redis as it arrives) while
  * fast-check's scheduler decides when each reply reaches the lease, in any
  * order. After every step the lease must not expect to hold the lock longer
- * than Redis will keep it (read by PTTL).
+ * than Redis will keep it (read by PTTL). Then the same for a lease a
+ * release handed over, whose confirmation is sent among the extensions and
+ * answered, like them, whenever the scheduler says.
  */
 import { fc } from '@fast-check/vitest';
 import { describe, expect, it } from 'vitest';
-import { forwardTo } from '../../src/fencing/backend.js';
+import { forwardTo, type LockBackend } from '../../src/fencing/backend.js';
+import { REDIS_HANDOFF_CONFIRM_MS } from '../../src/fencing/backends/redis/backend.js';
+import type { Lease } from '../../src/fencing/lease.js';
 import { createLockManager } from '../../src/fencing/lock-manager.js';
-import { redisScenario } from '../support/redis.js';
+import { type RedisScenario, redisScenario } from '../support/redis.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
 const REDIS_URL = process.env.REDIS_URL ?? '';
@@ -26,6 +31,16 @@ const stepsArb = fc.array(
     maxLength: 12,
   },
 );
+
+// Redis read the TTL at some moment of the round trip (and rounds it down to the ms): the lock expires
+// no later than the round trip's end plus PTTL plus 1 ms. An estimate beyond that is wrong.
+async function withinRedis(redis: RedisScenario['redis'], lockKey: string, lease: Lease): Promise<void> {
+  const pttl = await redis.pttl(lockKey);
+  const after = performance.now();
+  if (lease.signal.aborted) return;
+  expect(pttl).toBeGreaterThan(0);
+  expect(after + pttl + 1).toBeGreaterThanOrEqual(lease.expiresAt);
+}
 
 describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry estimate, searched', () => {
   it('never runs past what Redis holds, whatever order the extensions and their replies come in', {
@@ -44,15 +59,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry es
           extend: (n, token, ttlMs) => s.schedule(backend.extend(n, token, ttlMs)),
         });
         const lease = await manager.acquire(name, { ttlMs: 30_000 });
-        // Redis read the TTL at some moment of the round trip (and rounds it down to the ms): the lock
-        // expires no later than the round trip's end plus PTTL plus 1 ms. An estimate beyond that is wrong.
-        const check = async () => {
-          const pttl = await redis.pttl(keys.lock(name));
-          const after = performance.now();
-          if (lease.signal.aborted) return;
-          expect(pttl).toBeGreaterThan(0);
-          expect(after + pttl + 1).toBeGreaterThanOrEqual(lease.expiresAt);
-        };
+        const check = () => withinRedis(redis, keys.lock(name), lease);
         const sent: Promise<unknown>[] = [];
         for (const step of steps) {
           if ('extend' in step) sent.push(lease.extend(step.extend));
@@ -69,5 +76,69 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry es
       }),
       propertyParams({ numRuns: propertyRuns(100) }),
     );
+  });
+
+  it('a handed-over lease: its confirmation among the extensions, all answered in any order, never runs past Redis', {
+    timeout: propertyTimeout(300_000),
+  }, async () => {
+    const scenario = await redisScenario(REDIS_URL);
+    const { redis, keys, namespace } = scenario;
+    const backend = scenario.backend();
+    const confirm = backend.confirm as NonNullable<LockBackend['confirm']>;
+    let run = 0;
+    let confirmed = 0;
+    await fc.assert(
+      fc.asyncProperty(fc.scheduler(), stepsArb, fc.nat({ max: 12 }), async (s, steps, confirmAt) => {
+        const name = `handed-${run++}`;
+        let confirmSent = () => {};
+        const sent = new Promise<true>((resolve) => {
+          confirmSent = () => resolve(true);
+        });
+        // The confirmation and each extension reach Redis at once; their replies, when the scheduler says.
+        const manager = createLockManager(
+          {
+            ...forwardTo(backend, namespace),
+            extend: (n, token, ttlMs) => s.schedule(backend.extend(n, token, ttlMs)),
+            confirm: (n, token, ttlMs, holder, fence) => {
+              const reply = confirm(n, token, ttlMs, holder, fence);
+              confirmSent();
+              return s.schedule(reply);
+            },
+          },
+          { queuedRetryMs: { min: 150, max: 150 } }, // as redisLockManager's waiters
+        );
+        const holder = await manager.acquire(name, { ttlMs: 30_000 });
+        const pending = manager.acquire(name, { ttlMs: 30_000, waitMs: 10_000 });
+        for (let i = 0; i < 500 && (await redis.zcard(keys.queue(name))) === 0; i++) await sleep(5);
+        expect(await holder.release()).toBe('released');
+        const lease = await pending;
+        const check = () => withinRedis(redis, keys.lock(name), lease);
+        await check();
+        // The lease sends its confirmation a little into the window; a waiter whose own retry landed first
+        // took the lock by its grant, and sends none (then this run searches extensions only).
+        const confirmation = async () => {
+          const wasSent = await Promise.race([sent, sleep(REDIS_HANDOFF_CONFIRM_MS).then(() => false)]);
+          if (wasSent) confirmed++;
+          await check();
+        };
+        const replies: Promise<unknown>[] = [];
+        for (const [i, step] of steps.entries()) {
+          if (i === confirmAt) await confirmation();
+          if ('extend' in step) replies.push(lease.extend(step.extend));
+          else if (s.count() > 0) await s.waitOne();
+          await check();
+        }
+        if (confirmAt >= steps.length) await confirmation();
+        while (s.count() > 0) {
+          await s.waitOne();
+          await check();
+        }
+        await Promise.all(replies);
+        expect(lease.signal.aborted).toBe(false);
+        expect(await lease.release()).toBe('released');
+      }),
+      propertyParams({ numRuns: propertyRuns(30) }),
+    );
+    expect(confirmed).toBeGreaterThan(0); // the search did reach the confirmation
   });
 });
