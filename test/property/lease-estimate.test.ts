@@ -21,7 +21,7 @@ import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 const REDIS_URL = process.env.REDIS_URL ?? '';
 // Far apart, so a wrong estimate is off by seconds, never by the milliseconds a round trip takes.
 const ttlArb = fc.constantFrom(2_000, 5_000, 30_000, 60_000);
-const stepsArb = fc.array(
+const stepsArb: fc.Arbitrary<Step[]> = fc.array(
   fc.oneof(
     ttlArb.map((ttl) => ({ extend: ttl })),
     fc.constant({ reply: true as const }),
@@ -42,6 +42,37 @@ async function withinRedis(redis: RedisScenario['redis'], lockKey: string, lease
   expect(after + pttl + 1).toBeGreaterThanOrEqual(lease.expiresAt);
 }
 
+type Step = { extend: number } | { reply: true };
+
+/**
+ * Sends the steps' extensions and lets the scheduler answer one pending call per `reply` step (then
+ * all that are left), checking the estimate after each; `before` runs once, ahead of step `at` (or
+ * after the last one). Every extension must have held, and the lease still holds at the end.
+ */
+async function play(
+  s: fc.Scheduler,
+  steps: readonly Step[],
+  lease: Lease,
+  check: () => Promise<void>,
+  before?: { at: number; run: () => Promise<void> },
+): Promise<void> {
+  const replies: Promise<unknown>[] = [];
+  for (const [i, step] of [...steps, undefined].entries()) {
+    if (i === before?.at) await before.run();
+    if (!step) break;
+    if ('extend' in step) replies.push(lease.extend(step.extend));
+    else if (s.count() > 0) await s.waitOne();
+    await check();
+  }
+  while (s.count() > 0) {
+    await s.waitOne();
+    await check();
+  }
+  await Promise.all(replies);
+  expect(lease.signal.aborted).toBe(false);
+  expect(await lease.release()).toBe('released');
+}
+
 describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry estimate, searched', () => {
   it('never runs past what Redis holds, whatever order the extensions and their replies come in', {
     timeout: propertyTimeout(120_000),
@@ -60,19 +91,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry es
         });
         const lease = await manager.acquire(name, { ttlMs: 30_000 });
         const check = () => withinRedis(redis, keys.lock(name), lease);
-        const sent: Promise<unknown>[] = [];
-        for (const step of steps) {
-          if ('extend' in step) sent.push(lease.extend(step.extend));
-          else if (s.count() > 0) await s.waitOne();
-          await check();
-        }
-        while (s.count() > 0) {
-          await s.waitOne();
-          await check();
-        }
-        await Promise.all(sent);
-        expect(lease.signal.aborted).toBe(false);
-        expect(await lease.release()).toBe('released');
+        await play(s, steps, lease, check);
       }),
       propertyParams({ numRuns: propertyRuns(100) }),
     );
@@ -121,21 +140,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry es
           if (wasSent) confirmed++;
           await check();
         };
-        const replies: Promise<unknown>[] = [];
-        for (const [i, step] of steps.entries()) {
-          if (i === confirmAt) await confirmation();
-          if ('extend' in step) replies.push(lease.extend(step.extend));
-          else if (s.count() > 0) await s.waitOne();
-          await check();
-        }
-        if (confirmAt >= steps.length) await confirmation();
-        while (s.count() > 0) {
-          await s.waitOne();
-          await check();
-        }
-        await Promise.all(replies);
-        expect(lease.signal.aborted).toBe(false);
-        expect(await lease.release()).toBe('released');
+        await play(s, steps, lease, check, { at: Math.min(confirmAt, steps.length), run: confirmation });
       }),
       propertyParams({ numRuns: propertyRuns(30) }),
     );
