@@ -22,7 +22,6 @@
  * Redis and etcd when their service or binary is there).
  */
 import { randomBytes } from 'node:crypto';
-import { PGlite } from '@electric-sql/pglite';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
@@ -43,6 +42,7 @@ import { withQueryLog } from './repo/fixtures.js';
 import { drivers, postgresDatabase, type TestDatabase } from './support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from './support/etcd-cluster.js';
 import { type BackendKind, openManager } from './support/managers.js';
+import { newPglite } from './support/pglite.js';
 import { needs } from './support/services.js';
 
 /** Runs `call` and returns what it threw (synchronously or as a rejection), or `undefined`. */
@@ -383,7 +383,7 @@ interface Backend {
 const FENCE_SEQ = sql`select last_value::text as v, is_called from palisade.fence_seq`;
 
 async function pgliteLeaseBackend(): Promise<Backend> {
-  const client = new PGlite();
+  const client = newPglite();
   const db = drizzlePglite(client) as unknown as Database;
   await migrate(db);
   const namespace = `bad-${randomBytes(4).toString('hex')}`;
@@ -673,7 +673,7 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
   });
 
   it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll), a bad lockTimeoutMs or commandTimeoutMs', async () => {
-    const client = new PGlite();
+    const client = newPglite();
     try {
       const db = drizzlePglite(client) as unknown as Database;
       for (const lockTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', MAX_TTL_MS + 1]) {
@@ -709,7 +709,7 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
   });
 
   it('a transaction is refused as the lease client, the Redis epochs database and claimRegisters.db: what it records would be seen by no other process', async () => {
-    const client = new PGlite();
+    const client = newPglite();
     // Never connects: the options are refused before anything is sent.
     const redis = new Redis({ lazyConnect: true, host: '127.0.0.1', port: 1 });
     try {
