@@ -21,8 +21,8 @@ function suitesNeeding(variable: string): string[] {
 
 /**
  * In CI every service must be configured; elsewhere, name each suite that will skip. Then the programs
- * tests start in child processes are transformed once (./programs.ts) and a fresh PGlite's data directory
- * is saved for the tests' PGlites to start from (./pglite.ts); the teardown removes both.
+ * tests start in child processes are transformed once (./programs.ts); the teardown removes them. The tests'
+ * PGlites start from a fresh one's data directory, saved once per PGlite version (./pglite.ts).
  */
 export default async function setup(): Promise<() => void> {
   for (const service of Object.values(services)) {
@@ -45,10 +45,6 @@ export default async function setup(): Promise<() => void> {
       console.warn(`skipped (install ${program.debianPackage} to run them): ${suites.join(', ')}`);
     }
   }
-  const removePrograms = buildPrograms(process.cwd());
-  const removePglite = await preparePglite(process.cwd());
-  return () => {
-    removePrograms();
-    removePglite();
-  };
+  await preparePglite(process.cwd());
+  return buildPrograms(process.cwd());
 }

@@ -6,16 +6,16 @@
  * starts about 30 of them. A PGlite started from the data directory of a
  * fresh one (`loadDataDir`) skips initdb and is ready in about a second
  * (`new PGlite()` 13.4 s against 2.5 s, measured side by side under load).
- * So the global setup starts one fresh PGlite per run, before anything
- * touches it, and saves its data directory; every test's PGlite starts from
- * that copy: the same empty cluster a `new PGlite()` builds, a separate
- * in-memory instance each time.
+ * So the global setup saves the data directory of one fresh PGlite, and
+ * every test's PGlite starts from that copy: the same empty cluster a
+ * `new PGlite()` builds, a separate in-memory instance each time. The copy is
+ * kept between runs, one per PGlite version (a new version initdb's anew).
  */
-import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, renameSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { PGlite } from '@electric-sql/pglite';
 
-/** The variable that names this run's saved data directory of a fresh PGlite. */
+/** The variable that names the saved data directory of a fresh PGlite (a tar file). */
 const VARIABLE = 'PALISADE_TEST_PGLITE';
 
 /**
@@ -28,20 +28,29 @@ export function newPglite(): PGlite {
   return new PGlite({ loadDataDir: new Blob([readFileSync(file)]) });
 }
 
-/** Starts one fresh PGlite, saves its data directory for this run's tests and names it; the teardown removes it. */
-export async function preparePglite(root: string): Promise<() => void> {
-  const dir = resolve(root, 'node_modules', '.cache', `palisade-test-pglite-${process.pid}`);
-  rmSync(dir, { recursive: true, force: true });
-  mkdirSync(dir, { recursive: true });
-  const fresh = new PGlite();
-  try {
-    await fresh.waitReady;
-    const data = await fresh.dumpDataDir('none');
-    const file = join(dir, 'fresh.tar');
-    writeFileSync(file, Buffer.from(await data.arrayBuffer()));
-    process.env[VARIABLE] = file;
-  } finally {
-    await fresh.close();
+/**
+ * Names this run's copy of a fresh PGlite's data directory for the tests, first saving it if this PGlite
+ * version has none yet (written aside, then renamed: a run that sees the file sees all of it).
+ */
+export async function preparePglite(root: string): Promise<void> {
+  const modules = resolve(root, 'node_modules');
+  const { version } = JSON.parse(readFileSync(join(modules, '@electric-sql', 'pglite', 'package.json'), 'utf8')) as {
+    version: string;
+  };
+  const dir = join(modules, '.cache', 'palisade-test-pglite');
+  const file = join(dir, `fresh-${version}.tar`);
+  if (!existsSync(file)) {
+    mkdirSync(dir, { recursive: true });
+    const fresh = new PGlite();
+    try {
+      await fresh.waitReady;
+      const data = await fresh.dumpDataDir('none');
+      const partial = `${file}.${process.pid}`;
+      writeFileSync(partial, Buffer.from(await data.arrayBuffer()));
+      renameSync(partial, file);
+    } finally {
+      await fresh.close();
+    }
   }
-  return () => rmSync(dir, { recursive: true, force: true });
+  process.env[VARIABLE] = file;
 }
