@@ -22,7 +22,6 @@
  * Redis and etcd when their service or binary is there).
  */
 import { randomBytes } from 'node:crypto';
-import { PGlite } from '@electric-sql/pglite';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
@@ -43,7 +42,27 @@ import { withQueryLog } from './repo/fixtures.js';
 import { drivers, postgresDatabase, type TestDatabase } from './support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from './support/etcd-cluster.js';
 import { type BackendKind, openManager } from './support/managers.js';
+import { newPglite } from './support/pglite.js';
 import { needs } from './support/services.js';
+
+/**
+ * The file's one PGlite (each takes a second and hundreds of MB to start), opened at first use and closed after the
+ * last test: the repository tables (their own tables), the lease backend on PGlite (a namespace of its own) and the
+ * constructor checks share it. Its `close()` for a suite leaves it open.
+ */
+let lite: ReturnType<typeof newPglite> | undefined;
+function filePglite(): ReturnType<typeof newPglite> {
+  lite ??= newPglite();
+  return lite;
+}
+afterAll(async () => {
+  await lite?.close();
+});
+
+/** The file's PGlite as a test database, for the suites that run on every driver. */
+async function filePgliteDatabase(): Promise<TestDatabase> {
+  return { driver: 'pglite', db: drizzlePglite(filePglite()) as unknown as Database, close: async () => {} };
+}
 
 /** Runs `call` and returns what it threw (synchronously or as a rejection), or `undefined`. */
 async function thrown(call: () => unknown): Promise<unknown> {
@@ -195,7 +214,9 @@ const BAD_KEYS: [string, unknown][] = [
   ['an SQL expression as the key value', { id: sql`'a'` }],
 ];
 
-describe.each(drivers)('repository bad input on $name', ({ open }) => {
+const repositoryDrivers = drivers.map((d) => (d.name === 'pglite' ? { ...d, open: filePgliteDatabase } : d));
+
+describe.each(repositoryDrivers)('repository bad input on $name', ({ open }) => {
   let test: TestDatabase;
   let logged: { db: Database; queries: string[] };
   let repo: FencedRepository<typeof items>;
@@ -383,8 +404,7 @@ interface Backend {
 const FENCE_SEQ = sql`select last_value::text as v, is_called from palisade.fence_seq`;
 
 async function pgliteLeaseBackend(): Promise<Backend> {
-  const client = new PGlite();
-  const db = drizzlePglite(client) as unknown as Database;
+  const db = drizzlePglite(filePglite()) as unknown as Database;
   await migrate(db);
   const namespace = `bad-${randomBytes(4).toString('hex')}`;
   const manager = postgresLockManager({ client: db, namespace });
@@ -403,7 +423,6 @@ async function pgliteLeaseBackend(): Promise<Backend> {
       ).map((r) => String(r.name)),
     async close() {
       await manager.close();
-      await client.close();
     },
   };
 }
@@ -673,47 +692,41 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
   });
 
   it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll), a bad lockTimeoutMs or commandTimeoutMs', async () => {
-    const client = new PGlite();
-    try {
-      const db = drizzlePglite(client) as unknown as Database;
-      for (const lockTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', MAX_TTL_MS + 1]) {
-        let err: unknown;
-        try {
-          postgresLockManager({ client: db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
-        } catch (e) {
-          err = e;
-        }
-        expectInvalid(err);
+    const db = drizzlePglite(filePglite()) as unknown as Database;
+    for (const lockTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', MAX_TTL_MS + 1]) {
+      let err: unknown;
+      try {
+        postgresLockManager({ client: db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
+      } catch (e) {
+        err = e;
       }
-      for (const commandTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', 600_001]) {
-        let err: unknown;
-        try {
-          postgresLockManager({ client: db, namespace: 'ns', commandTimeoutMs: commandTimeoutMs as never });
-        } catch (e) {
-          err = e;
-        }
-        expectInvalid(err);
+      expectInvalid(err);
+    }
+    for (const commandTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', 600_001]) {
+      let err: unknown;
+      try {
+        postgresLockManager({ client: db, namespace: 'ns', commandTimeoutMs: commandTimeoutMs as never });
+      } catch (e) {
+        err = e;
       }
-      for (const listen of [{}, 'yes', true, 1]) {
-        let err: unknown;
-        try {
-          postgresLockManager({ client: db, namespace: 'ns', listen: listen as never });
-        } catch (e) {
-          err = e;
-        }
-        expectInvalid(err);
+      expectInvalid(err);
+    }
+    for (const listen of [{}, 'yes', true, 1]) {
+      let err: unknown;
+      try {
+        postgresLockManager({ client: db, namespace: 'ns', listen: listen as never });
+      } catch (e) {
+        err = e;
       }
-    } finally {
-      await client.close();
+      expectInvalid(err);
     }
   });
 
   it('a transaction is refused as the lease client, the Redis epochs database and claimRegisters.db: what it records would be seen by no other process', async () => {
-    const client = new PGlite();
     // Never connects: the options are refused before anything is sent.
     const redis = new Redis({ lazyConnect: true, host: '127.0.0.1', port: 1 });
     try {
-      const db = drizzlePglite(client) as unknown as Database;
+      const db = drizzlePglite(filePglite()) as unknown as Database;
       await migrate(db);
       const errors = await db.transaction(async (tx) => {
         const caught: unknown[] = [];
@@ -740,7 +753,6 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
       await redisLockManager({ client: redis, namespace: 'ns', epochs: db }).close();
     } finally {
       redis.disconnect();
-      await client.close();
     }
   });
 });

@@ -89,16 +89,12 @@ describe('palisade fence-trigger', () => {
         custom += run.stdout; // `>>`
       }
       writeFileSync(join(dir, '0001_fence_triggers.sql'), custom);
-      const lite = await pgliteDatabase();
-      try {
-        await migrate(lite.db, { migrationsFolder: dir });
-        for (const name of ['first', 'second']) {
-          await execute(lite.db, sql.raw(`insert into "${name}" (id, n) values (1, 1)`));
-          const error = await execute(lite.db, sql.raw(`update "${name}" set n = 2`)).catch((e: unknown) => e);
-          expect((error as DatabaseError).sqlState).toBe(FENCE_TRIGGER_SQLSTATE);
-        }
-      } finally {
-        await lite.close();
+      // On the suite's PGlite: the tables "first" and "second" are this test's own.
+      await migrate(test.db, { migrationsFolder: dir });
+      for (const name of ['first', 'second']) {
+        await execute(test.db, sql.raw(`insert into "${name}" (id, n) values (1, 1)`));
+        const error = await execute(test.db, sql.raw(`update "${name}" set n = 2`)).catch((e: unknown) => e);
+        expect((error as DatabaseError).sqlState).toBe(FENCE_TRIGGER_SQLSTATE);
       }
     } finally {
       rmSync(dir, { recursive: true, force: true });

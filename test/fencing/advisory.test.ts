@@ -5,7 +5,6 @@
  * has its own database and namespace. PGlite is refused (its advisory locks
  * always succeed), which the last block checks without a server.
  */
-import { PGlite } from '@electric-sql/pglite';
 import { PGLiteSocketServer } from '@electric-sql/pglite-socket';
 import { sql } from 'drizzle-orm';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
@@ -28,6 +27,7 @@ import {
   request,
   resourceRow,
 } from '../support/lock-workers.js';
+import { newPglite } from '../support/pglite.js';
 import { killAllWorkers, type Message } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
@@ -328,7 +328,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
 
 describe('advisory backend refuses PGlite (its advisory locks always succeed)', () => {
   it('refuses a PGlite instance or a drizzle database, and PGlite served over a socket at first use', async () => {
-    const lite = new PGlite();
+    const lite = newPglite();
     try {
       const db = drizzlePglite(lite) as unknown as Database;
       for (const wrong of [lite, db, {}, undefined]) {

@@ -5,7 +5,7 @@
  * it needs no server.
  */
 import { AsyncLocalStorage } from 'node:async_hooks';
-import { PGlite } from '@electric-sql/pglite';
+import type { PGlite } from '@electric-sql/pglite';
 import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
@@ -14,6 +14,7 @@ import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/b
 import type { LockEvents } from '../../src/fencing/events.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
+import { newPglite } from '../support/pglite.js';
 import { uniqueNamespace } from '../support/scenario.js';
 
 /** Resolves with the signal's reason once it aborts (bounded by the test's timeout). */
@@ -30,7 +31,7 @@ describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
   let manager: LockManager;
 
   beforeAll(async () => {
-    client = new PGlite();
+    client = newPglite();
     db = drizzle(client) as unknown as Database;
     await migrate(db);
   });
@@ -154,7 +155,7 @@ describe('createLockManager (on the Postgres lease backend, PGlite)', () => {
  */
 describe('using() when release fails (PGlite closed under the lease)', () => {
   async function closingManager(): Promise<{ locks: LockManager; client: PGlite; lost: LockEvents['lost'][] }> {
-    const client = new PGlite();
+    const client = newPglite();
     const db = drizzle(client) as unknown as Database;
     await migrate(db);
     const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('using'), listen: false });

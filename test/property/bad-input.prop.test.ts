@@ -17,7 +17,7 @@
  * Left out on purpose (known bug, see test/bad-input.test.ts): patch objects
  * with a null prototype or with inherited member names such as `toString`.
  */
-import { PGlite } from '@electric-sql/pglite';
+import type { PGlite } from '@electric-sql/pglite';
 import { fc, test } from '@fast-check/vitest';
 import { is, SQL, sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
@@ -32,6 +32,7 @@ import { MAX_NAME_BYTES, MAX_TTL_MS } from '../../src/fencing/options.js';
 import { migrate } from '../../src/migrate.js';
 import { type FencedRepository, fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { newPglite } from '../support/pglite.js';
 import { propertyParams, propertyTimeout } from './support.js';
 
 const items = pgTable('fuzz_items', {
@@ -94,7 +95,7 @@ describe('fuzzing the bad-input surface', () => {
   const NS = 'fuzz';
 
   beforeAll(async () => {
-    client = new PGlite();
+    client = newPglite();
     const plain = drizzle(client) as unknown as Database;
     await migrate(plain);
     await plain.execute(sql`create table fuzz_items (

@@ -12,7 +12,7 @@
  * On PGlite, one instance for the file. 1000 runs by default; see
  * ./support.ts for PALISADE_PROPERTY_RUNS and replaying a failure.
  */
-import { PGlite } from '@electric-sql/pglite';
+import type { PGlite } from '@electric-sql/pglite';
 import { fc, test } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
@@ -23,6 +23,7 @@ import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { newPglite } from '../support/pglite.js';
 import { propertyParams, propertyTimeout } from './support.js';
 
 // Plans belong to a table object: each repository below gets a table object of its own.
@@ -100,7 +101,7 @@ describe('a planned update decides as the full path does', () => {
   const queries: string[] = [];
 
   beforeAll(async () => {
-    client = new PGlite();
+    client = newPglite();
     db = drizzle(client, { logger: { logQuery: (q) => queries.push(q) } }) as unknown as Database;
     await migrate(db);
     await execute(

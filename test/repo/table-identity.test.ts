@@ -8,7 +8,6 @@
  * every driver (PGlite always, the real Postgres when DATABASE_URL is set).
  * test/property/table-shapes.test.ts searches for more such definitions.
  */
-import { PGlite } from '@electric-sql/pglite';
 import { sql } from 'drizzle-orm';
 import { alias, customType, integer, pgSchema, pgTable, primaryKey, text } from 'drizzle-orm/pg-core';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
@@ -20,6 +19,7 @@ import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { drivers, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { newPglite } from '../support/pglite.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 import { uniqueName } from './fixtures.js';
@@ -370,7 +370,7 @@ describe.each(drivers)('which rows a write touches, on $name', ({ open }) => {
 
 describe("drizzle's casing option (not supported, README 'The write path')", () => {
   it('a column named by casing alone: the write fails with 42703 and writes nothing, nowhere else', async () => {
-    const client = new PGlite();
+    const client = newPglite();
     try {
       const db = drizzlePglite(client, { casing: 'snake_case' }) as unknown as Database;
       await migrate(db);

@@ -1,10 +1,10 @@
-import { PGlite } from '@electric-sql/pglite';
 import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import pg from 'pg';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
+import { newPglite } from './pglite.js';
 import { createScratchDatabase } from './scratch-database.js';
 import { services } from './services.js';
 
@@ -17,9 +17,9 @@ export interface TestDatabase {
   close(): Promise<void>;
 }
 
-/** An in-memory PGlite: one per test file (each takes seconds and hundreds of MB). */
+/** An in-memory PGlite (./pglite.ts): one per test file or suite, not per test (each takes a second and hundreds of MB). */
 export async function pgliteDatabase(): Promise<TestDatabase> {
-  const client = new PGlite();
+  const client = newPglite();
   const db = drizzlePglite(client) as unknown as Database;
   return { driver: 'pglite', db, close: () => client.close() };
 }

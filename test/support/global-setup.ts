@@ -1,5 +1,6 @@
 import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { preparePglite } from './pglite.js';
 import { buildPrograms } from './programs.js';
 import { binaries, services } from './services.js';
 
@@ -20,9 +21,10 @@ function suitesNeeding(variable: string): string[] {
 
 /**
  * In CI every service must be configured; elsewhere, name each suite that will skip. Then the programs
- * tests start in child processes are transformed once (./programs.ts); the teardown removes them.
+ * tests start in child processes are transformed once (./programs.ts); the teardown removes them. The tests'
+ * PGlites start from a fresh one's data directory, saved once per PGlite version (./pglite.ts).
  */
-export default function setup(): () => void {
+export default async function setup(): Promise<() => void> {
   for (const service of Object.values(services)) {
     if (service.url) continue;
     if (process.env.CI) {
@@ -43,5 +45,6 @@ export default function setup(): () => void {
       console.warn(`skipped (install ${program.debianPackage} to run them): ${suites.join(', ')}`);
     }
   }
+  await preparePglite(process.cwd());
   return buildPrograms(process.cwd());
 }

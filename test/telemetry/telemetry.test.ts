@@ -4,7 +4,7 @@
  * outcomes, what is never recorded (lock names, row values) — on the
  * Postgres lease backend over PGlite, so it needs no server.
  */
-import { PGlite } from '@electric-sql/pglite';
+import type { PGlite } from '@electric-sql/pglite';
 import { getTableName, sql } from 'drizzle-orm';
 import { drizzle } from 'drizzle-orm/pglite';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -17,6 +17,7 @@ import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { configureTelemetry } from '../../src/telemetry/otel.js';
 import { createAccounts } from '../repo/fixtures.js';
+import { newPglite } from '../support/pglite.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { exportedText, type TestSdk, testSdk } from './support.js';
 
@@ -33,7 +34,7 @@ describe('telemetry through the real OpenTelemetry SDK (PGlite)', () => {
   let sdk: TestSdk;
 
   beforeAll(async () => {
-    client = new PGlite();
+    client = newPglite();
     db = drizzle(client) as unknown as Database;
     await migrate(db);
     sdk = testSdk();

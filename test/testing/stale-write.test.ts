@@ -8,7 +8,7 @@
  * on a write path that ignores the fence, so a green first test means
  * something.
  */
-import { PGlite } from '@electric-sql/pglite';
+import type { PGlite } from '@electric-sql/pglite';
 import { eq, sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/pglite';
@@ -17,6 +17,7 @@ import type { Database } from '../../src/driver.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import { fenceColumns, fencedRepository, migrate, postgresLockManager } from '../../src/index.js';
 import { assertStaleWriteRefused } from '../../src/testing/index.js';
+import { newPglite } from '../support/pglite.js';
 
 const accounts = pgTable('accounts', {
   id: text('id').primaryKey(),
@@ -29,7 +30,7 @@ describe('assertStaleWriteRefused on PGlite with the Postgres lease lock manager
   let db: Database;
 
   beforeAll(async () => {
-    client = new PGlite();
+    client = newPglite();
     db = drizzle(client) as unknown as Database;
     await migrate(db);
     await db.execute(sql`create table accounts (
