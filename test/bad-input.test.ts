@@ -74,6 +74,16 @@ async function thrown(call: () => unknown): Promise<unknown> {
   }
 }
 
+/** What `make` threw at once (a constructor's refusal), or `undefined`: a rejection later does not count. */
+function thrownAtOnce(make: () => unknown): unknown {
+  try {
+    make();
+    return undefined;
+  } catch (err) {
+    return err;
+  }
+}
+
 /** The refusal every bad input must get: an InvalidArgumentError with code `invalid_argument`. */
 function expectInvalid(err: unknown): void {
   expect(err).toBeInstanceOf(InvalidArgumentError);
@@ -682,43 +692,25 @@ describe('lock manager constructors refuse what is not a client, at once', () =>
     ['an object with only execute as db', { db: { execute: async () => [] }, namespace: 'ns' }],
     ['no options', undefined],
   ])('postgresLockManager refuses %s', (_label, options) => {
-    let err: unknown;
-    try {
-      postgresLockManager(options as never);
-    } catch (e) {
-      err = e;
-    }
-    expectInvalid(err);
+    expectInvalid(thrownAtOnce(() => postgresLockManager(options as never)));
   });
 
   it('postgresLockManager refuses a listen client that cannot LISTEN (it would silently poll), a bad lockTimeoutMs or commandTimeoutMs', async () => {
     const db = drizzlePglite(filePglite()) as unknown as Database;
     for (const lockTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', MAX_TTL_MS + 1]) {
-      let err: unknown;
-      try {
-        postgresLockManager({ client: db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never });
-      } catch (e) {
-        err = e;
-      }
-      expectInvalid(err);
+      expectInvalid(
+        thrownAtOnce(() => postgresLockManager({ client: db, namespace: 'ns', lockTimeoutMs: lockTimeoutMs as never })),
+      );
     }
     for (const commandTimeoutMs of [0, -1, 1.5, Number.NaN, '5000', 600_001]) {
-      let err: unknown;
-      try {
-        postgresLockManager({ client: db, namespace: 'ns', commandTimeoutMs: commandTimeoutMs as never });
-      } catch (e) {
-        err = e;
-      }
-      expectInvalid(err);
+      expectInvalid(
+        thrownAtOnce(() =>
+          postgresLockManager({ client: db, namespace: 'ns', commandTimeoutMs: commandTimeoutMs as never }),
+        ),
+      );
     }
     for (const listen of [{}, 'yes', true, 1]) {
-      let err: unknown;
-      try {
-        postgresLockManager({ client: db, namespace: 'ns', listen: listen as never });
-      } catch (e) {
-        err = e;
-      }
-      expectInvalid(err);
+      expectInvalid(thrownAtOnce(() => postgresLockManager({ client: db, namespace: 'ns', listen: listen as never })));
     }
   });
 
