@@ -22,9 +22,9 @@ export default defineConfig({
     testTimeout: 60_000,
     hookTimeout: 120_000,
     pool: 'forks',
-    // Three files at once on this 2-core machine: the whole suite took 319 s wall with 3, 335 s with 4 (module
-    // loading slows down as processes crowd the cores) and 384 s with 2 (one run each, 2026-12-04, a quiet machine).
-    maxWorkers: 3,
+    // Four files at once on this 2-core machine: the whole suite took 335–364 s wall with 4, 319–389 s with 3 and
+    // 384 s with 2 (2026-12-04: warm and cold caches, CI runs; no worker count won beyond the runs' spread).
+    maxWorkers: 4,
     // Every property at half its count here; `npm run test:slow` runs them at the full counts (test/property/support.ts).
     env: { PALISADE_PROPERTY_SCALE: process.env.PALISADE_PROPERTY_SCALE ?? '0.5' },
     sequence: { sequencer: LongestFirstSequencer },

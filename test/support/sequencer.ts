@@ -10,7 +10,7 @@ import { BaseSequencer, type TestSpecification } from 'vitest/node';
 
 /**
  * Longest first, each over ~25 s on a loaded 2-core machine: seconds per file in one `npm test`
- * (`vitest run --reporter=json`, then 4 workers, this machine shared with another run; 2026-12-04).
+ * (`vitest run --reporter=json`, 4 workers, this machine shared with another run; 2026-12-04).
  */
 const LONG_FILES = [
   'test/fencing/contract.test.ts', // 145
