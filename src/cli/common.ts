@@ -84,6 +84,7 @@ export async function connect(url: string): Promise<postgres.Sql> {
   return postgres(url, {
     max: 1,
     connect_timeout: 10,
+    fetch_types: false, // a connection killed at connect would otherwise end the process (README)
     onnotice: () => {},
     connection: { application_name: 'palisade-cli' },
   });

@@ -56,7 +56,8 @@ export type WorkerReply =
 
 /** The postgres.js settings of a demo worker: one connection each (the PGlite socket multiplexes a few). */
 export function postgresOptions(connection: DemoConnection) {
-  const common = { max: 1, onnotice: () => {}, connect_timeout: 10 } as const;
+  // fetch_types: false, as every postgres.js client palisade creates (README, the driver faults it names).
+  const common = { max: 1, onnotice: () => {}, connect_timeout: 10, fetch_types: false } as const;
   if (connection.kind === 'socket') {
     // Every connection shares PGlite's single session: keep no named statements in it.
     return {

@@ -71,6 +71,7 @@ export function postgresStage(url: string): Stage {
       const client = postgres(url, {
         max: 1,
         connect_timeout: 10,
+        fetch_types: false, // as every postgres.js client palisade creates (README)
         onnotice: () => {},
         connection: { search_path: schema, application_name: 'palisade-demo' },
       });

@@ -13,6 +13,8 @@
  * the driver's array types.
  */
 import { execFile } from 'node:child_process';
+import { readdirSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { sql } from 'drizzle-orm';
@@ -20,6 +22,8 @@ import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import postgres from 'postgres';
 import { describe, expect, it, onTestFinished } from 'vitest';
+import { connect } from '../../src/cli/common.js';
+import { postgresOptions } from '../../src/cli/demo-shared.js';
 import type { Database } from '../../src/driver.js';
 import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
@@ -103,5 +107,48 @@ describe.runIf(needs('DATABASE_URL'))('postgres.js with fetch_types: false, as t
       { id: 'a', tags: '["red","a,b","q\\"t","blue"]', scores: '[20,30]' },
       { id: 'b', tags: '["new"]', scores: '[]' },
     ]);
+  });
+});
+
+/** Each place in src/ that creates a postgres.js client, with the text of its call. */
+function clientCalls(dir: string): { file: string; call: string }[] {
+  return readdirSync(dir, { withFileTypes: true }).flatMap((entry) => {
+    const file = join(dir, entry.name);
+    if (entry.isDirectory()) return clientCalls(file);
+    if (!entry.name.endsWith('.ts')) return [];
+    const text = readFileSync(file, 'utf8').replace(/^\s*(\/\/|\*).*$/gm, ''); // without comment lines
+    // `postgres(…)` or `(factory as typeof postgres)(…)`, not a local function named postgres called with a label.
+    return [...text.matchAll(/(?<!function )\bpostgres\((?!')|typeof postgres\)\(/g)].map((m) => {
+      let depth = 0;
+      let end = (m.index ?? 0) + m[0].length - 1;
+      for (; end < text.length; end++) {
+        if (text[end] === '(') depth++;
+        else if (text[end] === ')' && --depth === 0) break;
+      }
+      return { file, call: text.slice(m.index, end + 1) };
+    });
+  });
+}
+
+describe('every postgres.js client palisade creates skips the array-type fetch (fetch_types: false)', () => {
+  it("the CLI connection and the demo workers' options say so", async () => {
+    const cli = await connect('postgres://nobody@127.0.0.1:1/none'); // connects lazily: nothing is sent
+    try {
+      expect(cli.options.fetch_types).toBe(false);
+    } finally {
+      await cli.end({ timeout: 0 });
+    }
+    expect(postgresOptions({ kind: 'url', url: 'postgres://x@127.0.0.1/x', schema: 's' } as never).fetch_types).toBe(
+      false,
+    );
+    expect(postgresOptions({ kind: 'socket', dir: '/tmp', port: 5432 } as never).fetch_types).toBe(false);
+  });
+
+  it('so does every call in src/ that creates one', () => {
+    const calls = clientCalls('src');
+    expect(calls.length).toBeGreaterThanOrEqual(5); // the CLI, the demo's stage and workers, the advisory session
+    for (const { file, call } of calls) {
+      expect({ file, skips: /fetch_types: false|postgresOptions\(/.test(call) }).toEqual({ file, skips: true });
+    }
   });
 });
