@@ -5,12 +5,14 @@
  * order. After every step the lease must not expect to hold the lock longer
  * than Redis will keep it (read by PTTL). Then the same for a lease a
  * release handed over, whose confirmation is sent among the extensions and
- * answered, like them, whenever the scheduler says.
+ * answered, like them, whenever the scheduler says — and which, released before
+ * its confirmation is sent, must send none after.
  */
 import { fc } from '@fast-check/vitest';
 import { describe, expect, it } from 'vitest';
 import { forwardTo, type LockBackend } from '../../src/fencing/backend.js';
 import { REDIS_HANDOFF_CONFIRM_MS } from '../../src/fencing/backends/redis/backend.js';
+import type { Fence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { createLockManager } from '../../src/fencing/lock-manager.js';
 import { type RedisScenario, redisScenario } from '../support/redis.js';
@@ -46,8 +48,8 @@ type Step = { extend: number } | { reply: true };
 
 /**
  * Sends the steps' extensions and lets the scheduler answer one pending call per `reply` step (then
- * all that are left), checking the estimate after each; `before` runs once, ahead of step `at` (or
- * after the last one). Every extension must have held, and the lease still holds at the end.
+ * all that are left), checking the estimate after each; `before` runs once, ahead of step `at` (after
+ * the last one when `at` is the number of steps; never when it is more); `releasing` is told just before the release. Every extension must have held, and the lease still holds at the end.
  */
 async function play(
   s: fc.Scheduler,
@@ -55,6 +57,7 @@ async function play(
   lease: Lease,
   check: () => Promise<void>,
   before?: { at: number; run: () => Promise<void> },
+  releasing: () => void = () => {},
 ): Promise<void> {
   const replies: Promise<unknown>[] = [];
   for (const [i, step] of [...steps, undefined].entries()) {
@@ -70,7 +73,30 @@ async function play(
   }
   await Promise.all(replies);
   expect(lease.signal.aborted).toBe(false);
+  releasing();
   expect(await lease.release()).toBe('released');
+}
+
+/**
+ * A lock manager on the real Redis whose extensions — and confirmations, when `confirmed` is given (told
+ * at each send) — reach Redis at once, their replies reaching the lease only when the scheduler says.
+ */
+function scheduledManager(s: fc.Scheduler, backend: LockBackend, namespace: string, confirmed?: () => void) {
+  const confirm = backend.confirm as NonNullable<LockBackend['confirm']>;
+  return createLockManager(
+    {
+      ...forwardTo(backend, namespace),
+      extend: (n, token, ttlMs) => s.schedule(backend.extend(n, token, ttlMs)),
+      ...(confirmed && {
+        confirm: (n: string, token: string, ttlMs: number, holder: string | null, fence: Fence) => {
+          const reply = confirm(n, token, ttlMs, holder, fence);
+          confirmed();
+          return s.schedule(reply);
+        },
+      }),
+    },
+    { queuedRetryMs: { min: 150, max: 150 } }, // as redisLockManager's waiters
+  );
 }
 
 describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry estimate, searched', () => {
@@ -84,11 +110,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry es
     await fc.assert(
       fc.asyncProperty(fc.scheduler(), stepsArb, async (s, steps) => {
         const name = `estimate-${run++}`;
-        // Each extension reaches Redis at once; its reply reaches the lease when the scheduler says.
-        const manager = createLockManager({
-          ...forwardTo(backend, namespace),
-          extend: (n, token, ttlMs) => s.schedule(backend.extend(n, token, ttlMs)),
-        });
+        const manager = scheduledManager(s, backend, namespace);
         const lease = await manager.acquire(name, { ttlMs: 30_000 });
         const check = () => withinRedis(redis, keys.lock(name), lease);
         await play(s, steps, lease, check);
@@ -97,35 +119,32 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry es
     );
   });
 
-  it('a handed-over lease: its confirmation among the extensions, all answered in any order, never runs past Redis', {
+  // The confirmation is waited for at a random step, or never (a step past the last): then the lease is
+  // often released before its confirmation falls due, and must send none after its release.
+  it('a handed-over lease: its confirmation among the extensions, all answered in any order, never runs past Redis; released first, it sends none', {
     timeout: propertyTimeout(300_000),
   }, async () => {
     const scenario = await redisScenario(REDIS_URL);
     const { redis, keys, namespace } = scenario;
     const backend = scenario.backend();
-    const confirm = backend.confirm as NonNullable<LockBackend['confirm']>;
     let run = 0;
     let confirmed = 0;
+    let releasedFirst = 0;
     await fc.assert(
       fc.asyncProperty(fc.scheduler(), stepsArb, fc.nat({ max: 12 }), async (s, steps, confirmAt) => {
         const name = `handed-${run++}`;
+        let released = false;
+        let sentBeforeRelease = false;
+        let sentAfterRelease = 0;
         let confirmSent = () => {};
         const sent = new Promise<true>((resolve) => {
           confirmSent = () => resolve(true);
         });
-        // The confirmation and each extension reach Redis at once; their replies, when the scheduler says.
-        const manager = createLockManager(
-          {
-            ...forwardTo(backend, namespace),
-            extend: (n, token, ttlMs) => s.schedule(backend.extend(n, token, ttlMs)),
-            confirm: (n, token, ttlMs, holder, fence) => {
-              const reply = confirm(n, token, ttlMs, holder, fence);
-              confirmSent();
-              return s.schedule(reply);
-            },
-          },
-          { queuedRetryMs: { min: 150, max: 150 } }, // as redisLockManager's waiters
-        );
+        const manager = scheduledManager(s, backend, namespace, () => {
+          if (released) sentAfterRelease++;
+          else sentBeforeRelease = true;
+          confirmSent();
+        });
         const holder = await manager.acquire(name, { ttlMs: 30_000 });
         const pending = manager.acquire(name, { ttlMs: 30_000, waitMs: 10_000 });
         for (let i = 0; i < 500 && (await redis.zcard(keys.queue(name))) === 0; i++) await sleep(5);
@@ -146,10 +165,19 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the lease expiry es
           confirmed++;
           await check();
         };
-        await play(s, steps, lease, check, { at: Math.min(confirmAt, steps.length), run: confirmation });
+        await play(s, steps, lease, check, { at: confirmAt, run: confirmation }, () => {
+          released = true;
+        });
+        if (handedOver && !sentBeforeRelease) {
+          // Released before its confirmation was sent: past the point where one would have been sent, none was.
+          releasedFirst++;
+          await sleep(REDIS_HANDOFF_CONFIRM_MS / 4 + 200);
+        }
+        expect(sentAfterRelease).toBe(0);
       }),
       propertyParams({ numRuns: propertyRuns(30) }),
     );
-    expect(confirmed).toBeGreaterThan(0); // the search did reach the confirmation
+    expect(confirmed).toBeGreaterThan(0); // the search did reach the confirmation …
+    expect(releasedFirst).toBeGreaterThan(0); // … and a release before it
   });
 });
