@@ -17,7 +17,7 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLock } from './lock-scope.js';
+import { claimLock, idleBoundSql } from './lock-scope.js';
 import type { FenceHolder } from './repository-api.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
@@ -127,7 +127,7 @@ export async function fencedTransactionOrThrow<R>(
 const p = (name: string) => sql.placeholder(name);
 const claimLocksSql = () =>
   sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered
-    from (select set_config('idle_in_transaction_session_timeout', ${p('idle')}::text, true)) s,
+    from (select ${idleBoundSql()}) s,
     lateral palisade.claim_locks(${p('claims')}::jsonb) c`;
 
 /**

@@ -18,10 +18,18 @@ import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 const p = (name: string) => sql.placeholder(name);
 const claimSql = () =>
   sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered`;
-// The same claim, and the transaction it opens may sit idle at most `idle` ms (then the server ends it).
+/**
+ * @internal Bounds the rest of the transaction's idle time to `idle` ms (then the server ends the
+ * session), unless it is bounded tighter already: a write inside a fenced transaction, or in a
+ * caller's transaction that set its own bound, must not loosen it (a modify inside a fenced
+ * transaction once raised its bound to 60 s, and a paused holder kept every grant out that long).
+ */
+export const idleBoundSql = () =>
+  sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
+// The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
 const boundedClaimSql = () =>
   sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered,
-    set_config('idle_in_transaction_session_timeout', ${p('idle')}::text, true) as idle`;
+    ${idleBoundSql()} as idle`;
 
 /** The most a claim's transaction may sit idle for a holder without an expiry estimate, as in fencedTransaction. */
 const DEFAULT_IDLE_MS = 60_000;

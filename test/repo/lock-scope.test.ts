@@ -121,6 +121,14 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
       inside: 'applied',
     },
     { what: "a lock-scoped modify's function", cmd: 'pausedModify', ends: 'modify', inside: 'claimed' },
+    // The modify's own claim once raised the transaction's 1 s bound to its holder's 60 s (found by a
+    // chaos run: a paused holder kept every grant out for seconds).
+    {
+      what: 'a fenced transaction bounded by idleTimeoutMs, after a lock-scoped modify in it',
+      cmd: 'pausedModifyInTransaction',
+      ends: 'transaction',
+      inside: 'applied',
+    },
   ] as const;
   for (const { what, cmd, ends, inside } of paused) {
     it(`a holder SIGSTOPped inside ${what}; the next acquire succeeds, nothing it wrote is visible`, async () => {
@@ -132,7 +140,7 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
           await holder.next((m) => m.event === 'ready');
           holder.send({ cmd: 'acquire', lock: 'L' });
           await holder.next((m) => m.event === 'acquired');
-          holder.send({ cmd, lock: 'L', id: 1, value: 'paused', idleMs: 60_000 });
+          holder.send({ cmd, lock: 'L', id: 1, value: 'paused', idleMs: 60_000, txIdleMs: 1_000 });
           expect((await holder.next((m) => m.event === 'inside')).status).toBe(inside);
           holder.pause();
           // TTL 1.5 s + an idle timeout ≤ the TTL left: bounded by waitMs, never asserted on time.
@@ -150,6 +158,38 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
       });
     });
   }
+
+  it("a lock-scoped write in a caller's transaction bounds its idle time, and never loosens a tighter bound", async () => {
+    await withScenario(2, async (url) => {
+      const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('idle'), databaseUrl: url });
+      try {
+        const lease = await m.manager.acquire('L', { ttlMs: 60_000 });
+        const bound = async (tx: typeof m.db) => {
+          const rows = await tx.execute(sql`select current_setting('idle_in_transaction_session_timeout') as v`);
+          return String((rows as unknown as { v: string }[])[0]?.v);
+        };
+        await m.db.transaction(async (tx) => {
+          const r = await fencedRepository(tx, resource)
+            .with(lease)
+            .modify({ id: 1 }, () => ({ value: 'a' }));
+          expect(r.status).toBe('applied');
+          // The lease's TTL left, under a minute: not the server's default (no bound).
+          expect(['0', '1min']).not.toContain(await bound(tx));
+        });
+        await m.db.transaction(async (tx) => {
+          await tx.execute(sql`select set_config('idle_in_transaction_session_timeout', '250', true)`);
+          const r = await fencedRepository(tx, resource)
+            .with(lease)
+            .modify({ id: 2 }, () => ({ value: 'b' }));
+          expect(r.status).toBe('applied');
+          expect(await bound(tx)).toBe('250ms');
+        });
+        await lease.release();
+      } finally {
+        await m.close();
+      }
+    });
+  });
 
   it('Promise.all of 16 lock-scoped writes under one lease all apply', async () => {
     await withScenario(16, async (url) => {

@@ -70,6 +70,28 @@ const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = 
       say('transaction', { status: 'error', code: (err as { code?: unknown }).code ?? null });
     }
   },
+  async pausedModifyInTransaction(c) {
+    // A lock-scoped modify of row `id` inside a fenced transaction bounded by `txIdleMs`, for a holder
+    // without an expiry estimate (its own bound would be 60 s); says so, then idles (SIGSTOPped there).
+    const { fence, lock } = leaseOf(c.lock);
+    const holder = { fence, lock, signal: new AbortController().signal };
+    try {
+      const result = await fencedTransaction(
+        db,
+        holder,
+        async () => {
+          const written = await repo.with(holder).modify({ id: Number(c.id) }, () => ({ value: String(c.value) }));
+          say('inside', { status: written.status });
+          await new Promise((resolve) => setTimeout(resolve, Number(c.idleMs ?? 3_000)));
+          return written.status;
+        },
+        { idleTimeoutMs: Number(c.txIdleMs) },
+      );
+      say('transaction', { status: result.status });
+    } catch (err) {
+      say('transaction', { status: 'error', code: (err as { code?: unknown }).code ?? null });
+    }
+  },
   async pausedModify(c) {
     // A lock-scoped modify of row `id` whose function says so, then idles (the parent SIGSTOPs us there).
     const lease = leaseOf(c.lock);
