@@ -223,6 +223,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
   const replication = { failovers: 0, failbacks: 0 };
   /** Grants the workers reported, per Redis server (their `acquired` lines), as they happen. */
   const grantsSeen = new Map<string, number>();
+  /** The highest fence any worker reported written (`applied`): a paused holder below it will write stale. */
+  let newestApplied = -1n;
   const splitBrains: { from: number; to: number; old: string; new: string }[] = [];
   const handles: Handle[] = [];
   const crashes: string[] = [];
@@ -308,7 +310,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       handle.ready = new Promise((resolve) => {
         child.once('exit', () => resolve());
         createInterface({ input: child.stdout as NodeJS.ReadableStream }).on('line', (line) => {
-          let m: { event?: string; fence?: string; server?: string };
+          let m: { event?: string; fence?: string; server?: string; status?: string };
           try {
             m = JSON.parse(line);
           } catch {
@@ -321,8 +323,10 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
             handle.state = 'holding';
             handle.fence = m.fence;
             if (m.server) grantsSeen.set(m.server, (grantsSeen.get(m.server) ?? 0) + 1);
-          } else if (m.event === 'wrote' || m.event === 'skipped') handle.state = 'wrote';
-          else if (m.event === 'released') handle.state = 'idle';
+          } else if (m.event === 'wrote' || m.event === 'skipped') {
+            handle.state = 'wrote';
+            if (m.status === 'applied' && m.fence && BigInt(m.fence) > newestApplied) newestApplied = BigInt(m.fence);
+          } else if (m.event === 'released') handle.state = 'idle';
         });
       });
       void handle.exited.then(() => {
@@ -496,6 +500,14 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         fault('pause', `${h.label} (${h.state}${h.state === 'holding' ? ` fence ${h.fence}` : ''}) for ${ms} ms`);
         h.child.kill('SIGSTOP');
         await sleep(ms);
+        // A pause that outlasted the lease can still miss: the next holder may not have written yet, and then
+        // the paused one's write is simply first (a run once saw no stale write at all). So a paused holder
+        // stays stopped until a newer fence's write landed, as a long GC pause would, at most 3 TTLs more.
+        const fence = h.state === 'holding' && h.fence !== undefined ? BigInt(h.fence) : undefined;
+        const until = Date.now() + 3 * o.ttlMs;
+        while (fence !== undefined && newestApplied <= fence && Date.now() < until) await sleep(10);
+        if (fence !== undefined)
+          log(`nemesis: ${h.label} resumed ${newestApplied > fence ? 'after' : 'before'} a newer write`);
         h.child.kill('SIGCONT');
       } else if (kind === 'partition') {
         // Mostly the holder: its write is held up and reaches the database late, stale. One drawn partition
