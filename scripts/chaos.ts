@@ -10,7 +10,8 @@
  *
  * Faults, at random intervals (seeded; the timing itself is the machine's):
  * - SIGSTOP of the worker that holds the lock, between its acquire and its
- *   write, for 1.2–3 TTLs, then SIGCONT — it wakes up stale and writes;
+ *   write, for 1.2–3 TTLs and on until a newer holder's write landed (at
+ *   most 3 TTLs more), then SIGCONT — it wakes up stale and writes;
  * - kill -9 of a worker (often the holder), restarted under the same label;
  * - redis: FLUSHDB of, or kill -9 and restart of, a redis-server this runner
  *   started itself on a free loopback port (the shared 6379 is never used);
