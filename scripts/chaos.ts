@@ -373,6 +373,9 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     // Pauses and partitions that caught a worker holding the lock: the faults that make stale writes.
     const holderFaults: Record<string, number> = {};
     const caught = (kind: string) => holderFaults[kind] ?? 0;
+    // Holder pauses that ended with no newer write landed, 3 TTLs past their length: the lock stayed out of
+    // reach for that long (a paused holder wedging it, or a machine too loaded). Reported, not judged.
+    let unfollowedPauses = 0;
     /** Partitions that caught a holder: who, its fence, and when (on the history's clock). */
     const holderPartitions: { label: string; fence: string | undefined; to: number }[] = [];
     const tell = (to: readonly Handle[], server: PrivateRedis) => {
@@ -507,6 +510,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         const fence = h.state === 'holding' && h.fence !== undefined ? BigInt(h.fence) : undefined;
         const until = Date.now() + 3 * o.ttlMs;
         while (fence !== undefined && newestApplied <= fence && Date.now() < until) await sleep(10);
+        if (fence !== undefined && newestApplied <= fence) unfollowedPauses++;
         if (fence !== undefined)
           log(`nemesis: ${h.label} resumed ${newestApplied > fence ? 'after' : 'before'} a newer write`);
         h.child.kill('SIGCONT');
@@ -696,7 +700,12 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     const faultLine = Object.entries(faults)
       .map(([k, n]) => {
         const ofHolder = holderFaults[k] === undefined ? '' : `${holderFaults[k]} of the lock holder`;
-        const heldUp = k === 'partition' ? `; writes held up past the heal: ${partitionedWrites}` : '';
+        const heldUp =
+          k === 'partition'
+            ? `; writes held up past the heal: ${partitionedWrites}`
+            : k === 'pause'
+              ? `; no newer write within 3 TTLs after: ${unfollowedPauses}`
+              : '';
         return `${n} ${k}${ofHolder ? ` (${ofHolder}${heldUp})` : ''}`;
       })
       .join(', ');
