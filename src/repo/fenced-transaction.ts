@@ -17,7 +17,7 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLock, idleBoundSql } from './lock-scope.js';
+import { claimLock, idleBoundSql, noteBounded } from './lock-scope.js';
 import type { FenceHolder } from './repository-api.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
@@ -143,6 +143,7 @@ async function claimAll(tx: Database, list: readonly Checked[], idleMs: number):
   }
   const claims = JSON.stringify(list.map(({ lock, fence }) => ({ ...lock, fence: fence.toString() })));
   const rows = await prepared(tx, 'palisade.claim_locks_bounded', claimLocksSql).rows({ idle: String(idleMs), claims });
+  for (const { lock } of list) noteBounded(tx, lock);
   const key = (l: LockIdentity, fence: unknown) =>
     JSON.stringify([l.kind, l.source, l.namespace, l.name, String(fence)]);
   const registered = new Map<string, bigint>();

@@ -4,11 +4,12 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, type Database, int8, transaction } from '../driver.js';
+import { assertSupportedDriver, type Database, int8, isTransaction, transaction } from '../driver.js';
 import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
+import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
@@ -51,6 +52,37 @@ export interface LockScope {
 // and falls to the refusal path, which claims.
 const claimedAt = new WeakMap<LockIdentity, bigint>();
 
+// The locks whose claim bounded a transaction's idle time (a fenced transaction's leases, a claim's own
+// savepoint). A lock-scoped write in a transaction bounds it for its own lock first when that lock is not
+// here: a transaction palisade opened for another reason (a row-scoped modify), bounded by another lease,
+// or the caller's own would otherwise let a holder paused in it keep this lock's register row locked.
+const boundedBy = new WeakMap<Database, Set<string>>();
+// A lock by value (its parts hold no NUL): an identity given as an open object is a new one on every check.
+const lockText = (l: LockIdentity) => `${l.kind}\u0000${l.source}\u0000${l.namespace}\u0000${l.name}`;
+
+/** @internal Notes that `tx`'s idle time is bounded for `lock` (by the lease that claimed it). */
+export function noteBounded(tx: Database, lock: LockIdentity): void {
+  const locks = boundedBy.get(tx);
+  if (locks) locks.add(lockText(lock));
+  else boundedBy.set(tx, new Set([lockText(lock)]));
+}
+
+const boundSql = () => sql`select ${idleBoundSql()} as idle`;
+
+/**
+ * @internal Whether a lock-scoped write of `scope` on `on` must first bound its idle time: not outside a
+ * transaction (a single statement holds the register only while it runs), nor where a claim of that
+ * lock bounded it already.
+ */
+export const needsIdleBound = (on: Database, scope: LockScope): boolean =>
+  !boundedBy.get(on)?.has(lockText(scope.lock)) && isTransaction(on);
+
+/** @internal Bounds `tx`'s idle time to `scope`'s TTL left, in one statement (never loosening a tighter bound). */
+export async function boundIdle(tx: Database, scope: LockScope): Promise<void> {
+  await prepared(tx, 'palisade.idle_bound', boundSql).rows({ idle: String(scope.idleMs()) });
+  noteBounded(tx, scope.lock);
+}
+
 /** @internal Notes what a claim of `lock` for `fence` found: the register's fence. */
 export function noteClaim(lock: LockIdentity, fence: Fence, registered: bigint): void {
   if (registered === fence) claimedAt.set(lock, fence);
@@ -82,7 +114,42 @@ export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, 
     idleMs === undefined
       ? await prepared(on, 'palisade.claim_lock', claimSql).rows(values)
       : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({ ...values, idle: String(idleMs) });
+  if (idleMs !== undefined) noteBounded(on, lock);
   const registered = int8(row?.registered) ?? 0n;
+  noteClaim(lock, fence, registered);
+  if (registered < fence) throw new FenceNotIssuedError(registered, fence);
+  return registered as Fence;
+}
+
+// The claim, waiting at most `wait` ms for a register row another transaction holds (`lock_timeout`, set by
+// the only row the claim is evaluated on, so before it).
+const claimWithinSql = () =>
+  sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered
+    from (select set_config('lock_timeout', ${p('wait')}::text, true) as lock_timeout) s`;
+
+/**
+ * @internal {@link claimLock} in a statement of its own that waits at most `waitMs` (at least 1 ms) for a
+ * register row locked by another transaction (a holder paused inside a fenced transaction); `null` when
+ * the wait ran out (SQLSTATE 55P03) and nothing was claimed.
+ */
+export async function claimLockWithin(db: Database, lock: LockIdentity, fence: Fence, waitMs: number) {
+  const { kind, source, namespace, name } = lock;
+  const wait = String(Math.max(1, Math.ceil(waitMs)));
+  let rows: Record<string, unknown>[];
+  try {
+    rows = await prepared(db, 'palisade.claim_lock_within', claimWithinSql).rows({
+      kind,
+      source,
+      namespace,
+      name,
+      fence: fence.toString(),
+      wait,
+    });
+  } catch (err) {
+    if (sqlStateOf(err) === '55P03') return null;
+    throw err;
+  }
+  const registered = int8(rows[0]?.registered) ?? 0n;
   noteClaim(lock, fence, registered);
   if (registered < fence) throw new FenceNotIssuedError(registered, fence);
   return registered as Fence;
@@ -187,7 +254,11 @@ export function returningOf(options: unknown): Returning {
  * from then on every lock-scoped write of a lower fence of the lock is
  * refused, even on rows this holder never writes. Returns `claimed`, or
  * `stale` with the register's fence when a higher fence claimed it first.
- * Takes no lock beyond its own statement.
+ * On a database it holds no lock past its own statement; in a transaction
+ * it holds the register row until that ends, and bounds the transaction's
+ * idle time to the holder's TTL left (as a lock-scoped write does). Does
+ * not wait for a register row another transaction holds any less than
+ * Postgres's `lock_timeout` says.
  * @throws {LockScopeError} for a holder without `lock`; {@link FenceNotIssuedError}
  * for a fence above the latest grant of a lock whose grants claim on `db`.
  */
@@ -200,6 +271,8 @@ export async function claimLockRegister(
   if (holder.lock === undefined || holder.lock === null) {
     throw new LockScopeError('claimLockRegister needs a holder with a lock (every built-in lease has one)');
   }
-  const registered = await claimLock(db, checkLockIdentity(holder.lock), fence);
+  // In a transaction the claim holds the register row until it ends: bounded like a fenced transaction's.
+  const idle = isTransaction(db) ? idleBound(holder as { readonly expiresAt?: unknown }) : undefined;
+  const registered = await claimLock(db, checkLockIdentity(holder.lock), fence, idle);
   return registered === fence ? { status: 'claimed' } : { status: 'stale', currentFence: registered };
 }

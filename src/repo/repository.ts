@@ -21,10 +21,12 @@ import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
 import { joining, on } from './joined.js';
 import {
+  boundIdle,
   claimOf,
   inClaim,
   type LockScope,
   leasedRepository,
+  needsIdleBound,
   noteClaim,
   returningOf,
   type WriteCore,
@@ -111,7 +113,10 @@ export function fencedRepository<T extends FencedTable>(
         .count(w.write.values)
         .then((n) => (n > 0 ? appliedAt(NO_ROW, w, fence) : refusalPath(on, w, fence, scope)));
     };
-    return observeWrite(info.label, w.method, 'UPDATE', fence, attempt);
+    // In a transaction not yet bounded for this lock, the claim would hold the register row unbounded.
+    const bounded =
+      scope !== undefined && needsIdleBound(on, scope) ? () => boundIdle(on, scope).then(attempt) : attempt;
+    return observeWrite(info.label, w.method, 'UPDATE', fence, bounded);
   }
 
   // Off the success path: the refusal statement tries the write again and explains. Lock scope: it

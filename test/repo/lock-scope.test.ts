@@ -191,6 +191,53 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
     });
   });
 
+  it("every transaction a lock-scoped update claims in is bounded by that update's lease", async () => {
+    // Found by an attack on the idle bound: the update's claim (in its own statement) set no bound, so in
+    // a transaction palisade opened for a row-scoped modify, in a fenced transaction of another lease, or
+    // around claimLockRegister, a holder paused there kept the register row locked for that lease's TTL
+    // or with no bound at all.
+    await withScenario(4, async (url) => {
+      const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('bound'), databaseUrl: url });
+      try {
+        const short = await m.manager.acquire('S', { ttlMs: 5_000 });
+        const long = await m.manager.acquire('M', { ttlMs: 120_000 });
+        const repo = fencedRepository(m.db, resource);
+        const boundMs = async (tx: typeof m.db) => {
+          const rows = await tx.execute(
+            sql`select extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000 as ms`,
+          );
+          return Number((rows as unknown as { ms: unknown }[])[0]?.ms);
+        };
+        const bounded = (ms: number) => expect(ms > 0 && ms <= 5_000, `idle bound ${ms} ms`).toBe(true);
+
+        const modified = await repo.modify({ id: 1 }, long.fence, async (_row, tx) => {
+          expect((await repo.with(short).update({ id: 2 }, { value: 'in a row-scoped modify' })).status).toBe(
+            'applied',
+          );
+          bounded(await boundMs(tx));
+          return { value: 'modified' };
+        });
+        expect(modified.status).toBe('applied');
+
+        const result = await fencedTransaction(m.db, long, async (tx) => {
+          expect(await boundMs(tx)).toBeGreaterThan(5_000);
+          expect((await repo.with(short).update({ id: 3 }, { value: 'in another lease' })).status).toBe('applied');
+          bounded(await boundMs(tx));
+        });
+        expect(result.status).toBe('applied');
+
+        await m.db.transaction(async (tx) => {
+          expect((await claimLockRegister(tx, short)).status).toBe('claimed');
+          bounded(await boundMs(tx));
+        });
+        await short.release();
+        await long.release();
+      } finally {
+        await m.close();
+      }
+    });
+  });
+
   it('Promise.all of 16 lock-scoped writes under one lease all apply', async () => {
     await withScenario(16, async (url) => {
       const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('p16'), databaseUrl: url });
