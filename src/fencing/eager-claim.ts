@@ -5,7 +5,7 @@
  */
 import { assertSupportedDriver, type Database, isTransaction } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../errors.js';
-import { claimLock } from '../repo/lock-scope.js';
+import { claimLockWithin } from '../repo/lock-scope.js';
 import { forwardTo, type Grant, type LockBackend } from './backend.js';
 
 /** The `claimRegisters` option of the lock managers. */
@@ -48,16 +48,24 @@ export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOptio
     throw new InvalidArgumentError(
       'claimRegisters needs leases with a lock identity (a Redis lock manager gets one only with epochs)',
     );
-  const claimed = async (name: string, token: string, grant: Grant): Promise<Grant> => {
+  // `waitMs`: what is left of the acquire's wait. The claim waits at most half of it for a register row
+  // another transaction holds (a holder paused inside a fenced transaction, until its idle bound ends
+  // it), so its answer comes before the attempt is cut short at the deadline; then the grant is given
+  // back and the lock is busy (`null`) — the next attempt waits half of what is left, and so on.
+  const claimed = async (name: string, token: string, grant: Grant, waitMs: number): Promise<Grant | null> => {
     if (grant.source === undefined) return grant;
     const lock = { kind: backend.kind, source: grant.source, namespace, name };
-    let registered: bigint;
+    let registered: bigint | null;
     try {
-      registered = await claimLock(option.db, lock, grant.fence);
+      registered = await claimLockWithin(option.db, lock, grant.fence, waitMs / 2);
     } catch (err) {
       // Not claimed, so not handed out: the lock frees now rather than at its TTL.
       await backend.release(name, token).catch(() => {});
       throw err;
+    }
+    if (registered === null) {
+      await backend.release(name, token).catch(() => {});
+      return null;
     }
     if (registered === grant.fence) return grant;
     await backend.release(name, token).catch(() => {});
@@ -71,7 +79,7 @@ export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOptio
     ...base,
     async grant(name, token, ttlMs, holder, options) {
       const grant = await base.grant(name, token, ttlMs, holder, options);
-      return grant === null ? null : claimed(name, token, grant);
+      return grant === null ? null : claimed(name, token, grant, options?.waitMs ?? 0);
     },
     ...(handover
       ? {
@@ -79,7 +87,8 @@ export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOptio
           // waiter's next grant call claims again and reports the failure as a grant does.
           async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
             const grant = await handover(...args);
-            return grant === undefined ? undefined : claimed(args[0], args[3], grant).catch(() => undefined);
+            if (grant === undefined) return undefined;
+            return (await claimed(args[0], args[3], grant, 0).catch(() => null)) ?? undefined;
           },
         }
       : {}),

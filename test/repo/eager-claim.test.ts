@@ -131,6 +131,46 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
       });
     });
 
+    it("a claim blocked by another transaction's hold on the register stays within the acquire's wait", async () => {
+      await withRedis(async ({ db, epochs, redis }) => {
+        const namespace = uniqueNamespace('eager-wait');
+        const eager = redisLockManager({ client: redis, namespace, epochs, claimRegisters: { db } });
+        const old = await eager.acquire('L', { ttlMs: 60_000 });
+        // A holder inside a transaction whose claim shares the register row (as one paused there would):
+        // the next grant's claim, which raises it, must wait for that row at most its acquire's waitMs.
+        let end = () => {};
+        const ended = new Promise<void>((resolve) => {
+          end = resolve;
+        });
+        let holding = () => {};
+        const held = new Promise<void>((resolve) => {
+          holding = resolve;
+        });
+        const inside = db.transaction(async (tx) => {
+          expect((await claimLockRegister(tx, unaware(old))).status).toBe('claimed');
+          holding();
+          await ended;
+        });
+        try {
+          await held;
+          await old.release();
+          expect(await eager.tryAcquire('L', { ttlMs: 60_000 })).toBeNull();
+          await expect(eager.acquire('L', { ttlMs: 60_000, waitMs: 300 })).rejects.toMatchObject({
+            code: 'lock_unavailable',
+          });
+          // Given back, not left granted: once the transaction ends, the lock is there to take.
+          end();
+          await inside;
+          const next = await eager.acquire('L', { ttlMs: 60_000, waitMs: 5_000 });
+          expect(next.fence > old.fence).toBe(true);
+          await next.release();
+        } finally {
+          end();
+          await inside.catch(() => {});
+        }
+      });
+    });
+
     it('a bad claimRegisters is refused before anything runs', () => {
       const redis = new Redis(services.redis.url as string, { lazyConnect: true });
       try {
