@@ -88,7 +88,9 @@ export async function fencedTransaction<R>(
   };
   try {
     return await transaction(on(db), async (tx) => {
-      for (const [i, registered] of (await claimAll(tx, list, idleMs)).entries()) {
+      const claimed = await claimAll(tx, list, idleMs);
+      for (const { lock } of list) noteBounded(tx, lock);
+      for (const [i, registered] of claimed.entries()) {
         const { fence } = list[i] as Checked;
         if (registered > fence) {
           refuse({ status: 'stale', table: null, key: null, attemptedFence: fence, currentFence: registered });
@@ -143,7 +145,6 @@ async function claimAll(tx: Database, list: readonly Checked[], idleMs: number):
   }
   const claims = JSON.stringify(list.map(({ lock, fence }) => ({ ...lock, fence: fence.toString() })));
   const rows = await prepared(tx, 'palisade.claim_locks_bounded', claimLocksSql).rows({ idle: String(idleMs), claims });
-  for (const { lock } of list) noteBounded(tx, lock);
   const key = (l: LockIdentity, fence: unknown) =>
     JSON.stringify([l.kind, l.source, l.namespace, l.name, String(fence)]);
   const registered = new Map<string, bigint>();

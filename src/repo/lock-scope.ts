@@ -52,10 +52,12 @@ export interface LockScope {
 // and falls to the refusal path, which claims.
 const claimedAt = new WeakMap<LockIdentity, bigint>();
 
-// The locks whose claim bounded a transaction's idle time (a fenced transaction's leases, a claim's own
-// savepoint). A lock-scoped write in a transaction bounds it for its own lock first when that lock is not
-// here: a transaction palisade opened for another reason (a row-scoped modify), bounded by another lease,
-// or the caller's own would otherwise let a holder paused in it keep this lock's register row locked.
+// The locks whose claim bounded a transaction's idle time in the first statement palisade sent in it (a
+// fenced transaction's leases, a claim's own savepoint): nothing opened inside it yet, so no savepoint's
+// rollback can undo that bound. A lock-scoped update or delete in a transaction bounds it for its own
+// lock first when that lock is not here (one statement): a transaction palisade opened for another
+// reason (a row-scoped modify), bounded by another lease, or the caller's own would otherwise let a
+// holder paused in it keep this lock's register row locked.
 const boundedBy = new WeakMap<Database, Set<string>>();
 // A lock by value (its parts hold no NUL): an identity given as an open object is a new one on every check.
 const lockText = (l: LockIdentity) => `${l.kind}\u0000${l.source}\u0000${l.namespace}\u0000${l.name}`;
@@ -79,8 +81,9 @@ export const needsIdleBound = (on: Database, scope: LockScope): boolean =>
 
 /** @internal Bounds `tx`'s idle time to `scope`'s TTL left, in one statement (never loosening a tighter bound). */
 export async function boundIdle(tx: Database, scope: LockScope): Promise<void> {
+  // Not noted: sent through `tx`, the statement may run inside a savepoint opened on its connection
+  // (yours, or a concurrent write's), whose rollback would undo the bound behind the note's back.
   await prepared(tx, 'palisade.idle_bound', boundSql).rows({ idle: String(scope.idleMs()) });
-  noteBounded(tx, scope.lock);
 }
 
 /** @internal Notes what a claim of `lock` for `fence` found: the register's fence. */
@@ -114,7 +117,6 @@ export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, 
     idleMs === undefined
       ? await prepared(on, 'palisade.claim_lock', claimSql).rows(values)
       : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({ ...values, idle: String(idleMs) });
-  if (idleMs !== undefined) noteBounded(on, lock);
   const registered = int8(row?.registered) ?? 0n;
   noteClaim(lock, fence, registered);
   if (registered < fence) throw new FenceNotIssuedError(registered, fence);
@@ -169,6 +171,7 @@ export function inClaim<R>(
 ): Promise<R> {
   return transaction(on, async (tx) => {
     const registered = await claimLock(tx, scope.lock, fence, scope.idleMs());
+    noteBounded(tx, scope.lock);
     return registered === fence ? run(tx) : refused(registered);
   });
 }

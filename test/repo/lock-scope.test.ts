@@ -226,6 +226,20 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
         });
         expect(result.status).toBe('applied');
 
+        // A bound set inside a savepoint goes when the savepoint rolls back: the write after it bounds again.
+        const rolledBack = await fencedTransaction(m.db, long, async (tx) => {
+          await tx
+            .transaction(async () => {
+              expect((await repo.with(short).update({ id: 4 }, { value: 'rolled back' })).status).toBe('applied');
+              throw new Error('roll the savepoint back');
+            })
+            .catch(() => {});
+          expect(await boundMs(tx)).toBeGreaterThan(5_000);
+          expect((await repo.with(short).update({ id: 4 }, { value: 'after the savepoint' })).status).toBe('applied');
+          bounded(await boundMs(tx));
+        });
+        expect(rolledBack.status).toBe('applied');
+
         await m.db.transaction(async (tx) => {
           expect((await claimLockRegister(tx, short)).status).toBe('claimed');
           bounded(await boundMs(tx));
