@@ -134,7 +134,12 @@ const claimWithinSql = () =>
  * register row locked by another transaction (a holder paused inside a fenced transaction); `null` when
  * the wait ran out (SQLSTATE 55P03) and nothing was claimed.
  */
-export async function claimLockWithin(db: Database, lock: LockIdentity, fence: Fence, waitMs: number) {
+export async function claimLockWithin(
+  db: Database,
+  lock: LockIdentity,
+  fence: Fence,
+  waitMs: number,
+): Promise<Fence | null> {
   const { kind, source, namespace, name } = lock;
   const wait = String(Math.max(1, Math.ceil(waitMs)));
   let rows: Record<string, unknown>[];
@@ -259,9 +264,9 @@ export function returningOf(options: unknown): Returning {
  * `stale` with the register's fence when a higher fence claimed it first.
  * On a database it holds no lock past its own statement; in a transaction
  * it holds the register row until that ends, and bounds the transaction's
- * idle time to the holder's TTL left (as a lock-scoped write does). Does
- * not wait for a register row another transaction holds any less than
- * Postgres's `lock_timeout` says.
+ * idle time to the holder's TTL left (as a lock-scoped write does). Waits
+ * for a register row another transaction holds as long as the session's
+ * `lock_timeout` allows (by default, until that transaction ends).
  * @throws {LockScopeError} for a holder without `lock`; {@link FenceNotIssuedError}
  * for a fence above the latest grant of a lock whose grants claim on `db`.
  */
