@@ -72,12 +72,12 @@ export function noteBounded(tx: Database, lock: LockIdentity): void {
 const boundSql = () => sql`select ${idleBoundSql()} as idle`;
 
 /**
- * @internal Whether a lock-scoped write of `scope` on `on` must first bound its idle time: not outside a
- * transaction (a single statement holds the register only while it runs), nor where a claim of that
- * lock bounded it already.
+ * @internal Whether a lock-scoped write of `scope` in the transaction `tx` must first bound its idle
+ * time: not where a claim of that lock bounded it already. (Outside a transaction a single statement
+ * holds the register only while it runs: the caller asks only in one.)
  */
-export const needsIdleBound = (on: Database, scope: LockScope): boolean =>
-  !boundedBy.get(on)?.has(lockText(scope.lock)) && isTransaction(on);
+export const needsIdleBound = (tx: Database, scope: LockScope): boolean =>
+  !boundedBy.get(tx)?.has(lockText(scope.lock));
 
 /** @internal Bounds `tx`'s idle time to `scope`'s TTL left, in one statement (never loosening a tighter bound). */
 export async function boundIdle(tx: Database, scope: LockScope): Promise<void> {
@@ -111,12 +111,24 @@ export function idleBound(holder: { readonly expiresAt?: unknown }): number {
  * this database and `fence` is above its latest grant.
  */
 export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, idleMs?: number): Promise<Fence> {
-  const { kind, source, namespace, name } = lock;
-  const values = { kind, source, namespace, name, fence: fence.toString() };
+  const values = claimValues(lock, fence);
   const [row] =
     idleMs === undefined
       ? await prepared(on, 'palisade.claim_lock', claimSql).rows(values)
       : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({ ...values, idle: String(idleMs) });
+  return registeredOf(row, lock, fence);
+}
+
+const claimValues = ({ kind, source, namespace, name }: LockIdentity, fence: Fence) => ({
+  kind,
+  source,
+  namespace,
+  name,
+  fence: fence.toString(),
+});
+
+// What a claim statement's row says: the register's fence, noted for later writes of `lock`.
+function registeredOf(row: Record<string, unknown> | undefined, lock: LockIdentity, fence: Fence): Fence {
   const registered = int8(row?.registered) ?? 0n;
   noteClaim(lock, fence, registered);
   if (registered < fence) throw new FenceNotIssuedError(registered, fence);
@@ -140,26 +152,17 @@ export async function claimLockWithin(
   fence: Fence,
   waitMs: number,
 ): Promise<Fence | null> {
-  const { kind, source, namespace, name } = lock;
   const wait = String(Math.max(1, Math.ceil(waitMs)));
-  let rows: Record<string, unknown>[];
   try {
-    rows = await prepared(db, 'palisade.claim_lock_within', claimWithinSql).rows({
-      kind,
-      source,
-      namespace,
-      name,
-      fence: fence.toString(),
+    const rows = await prepared(db, 'palisade.claim_lock_within', claimWithinSql).rows({
+      ...claimValues(lock, fence),
       wait,
     });
+    return registeredOf(rows[0], lock, fence);
   } catch (err) {
     if (sqlStateOf(err) === '55P03') return null;
     throw err;
   }
-  const registered = int8(rows[0]?.registered) ?? 0n;
-  noteClaim(lock, fence, registered);
-  if (registered < fence) throw new FenceNotIssuedError(registered, fence);
-  return registered as Fence;
 }
 
 /**

@@ -10,6 +10,7 @@ import {
   count,
   type Database,
   execute,
+  isTransaction,
   type RawRow,
   transaction,
   translateError,
@@ -93,6 +94,8 @@ export function fencedRepository<T extends FencedTable>(
   const scope = options.scope ?? 'row';
   if (scope !== 'row' && scope !== 'lock') throw new InvalidArgumentError("scope must be 'row' or 'lock'");
   const t = table as FencedTable;
+  // Asked once: a write runs in a transaction when the repository is on one, or joins one (`on(db) !== db`).
+  const onTransaction = isTransaction(db);
 
   const run = (on: Database, s: Statement): Promise<RawRow[]> => prepared(on, s.key, s.build).rows(s.values);
 
@@ -115,7 +118,9 @@ export function fencedRepository<T extends FencedTable>(
     };
     // In a transaction not yet bounded for this lock, the claim would hold the register row unbounded.
     const bounded =
-      scope !== undefined && needsIdleBound(on, scope) ? () => boundIdle(on, scope).then(attempt) : attempt;
+      scope !== undefined && (onTransaction || on !== db) && needsIdleBound(on, scope)
+        ? () => boundIdle(on, scope).then(attempt)
+        : attempt;
     return observeWrite(info.label, w.method, 'UPDATE', fence, bounded);
   }
 
