@@ -6,7 +6,10 @@
  */
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
+import type { Database } from '../../src/driver.js';
 import { FenceNotIssuedError, LockScopeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { Fence } from '../../src/fencing/fence.js';
@@ -247,6 +250,42 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
         await short.release();
         await long.release();
       } finally {
+        await m.close();
+      }
+    });
+  });
+
+  it("a fenced transaction's writes under its own lease send no statement beyond them; another lease's, one", async () => {
+    await withScenario(3, async (url) => {
+      const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('count'), databaseUrl: url });
+      const sent: string[] = [];
+      const client = postgres(url, {
+        max: 2,
+        fetch_types: false,
+        onnotice: () => {},
+        debug: (_c: number, query: string) => sent.push(query),
+      });
+      const db = drizzle(client) as unknown as Database;
+      try {
+        const own = await m.manager.acquire('A', { ttlMs: 60_000 });
+        const other = await m.manager.acquire('B', { ttlMs: 60_000 });
+        const repo = fencedRepository(db, resource);
+        const bounds = () => sent.filter((q) => q.includes('idle_in_transaction_session_timeout')).length;
+        sent.length = 0;
+        const mine = await fencedTransaction(db, own, async () => {
+          for (const id of [1, 2]) await repo.with(own).update({ id }, { value: 'own lease' });
+        });
+        expect(mine.status).toBe('applied');
+        // begin, the claim (which bounds the transaction), two updates, commit.
+        expect([sent.length, bounds()]).toEqual([5, 1]);
+        sent.length = 0;
+        const theirs = await fencedTransaction(db, own, async () => {
+          await repo.with(other).update({ id: 3 }, { value: 'another lease' });
+        });
+        expect(theirs.status).toBe('applied');
+        expect([sent.length, bounds()]).toEqual([5, 2]);
+      } finally {
+        await client.end();
         await m.close();
       }
     });
