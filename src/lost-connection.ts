@@ -157,14 +157,13 @@ export function heardTransaction<Tx, T>(
   sessionOf: (tx: Tx) => { client: unknown },
   fn: (tx: Tx) => Promise<T>,
 ): Promise<T> {
-  return begin(async (tx) => {
-    const client = sessionOf(tx).client as EventClient;
+  let client: EventClient | undefined;
+  // Heard until the driver is done with the client, rollback included: a session ended while a
+  // statement ran (pg_terminate_backend, palisade's own on a lost lease) fails that statement first
+  // and closes the socket after, and the close comes as an event once no query is left to take it.
+  return begin((tx) => {
+    client = sessionOf(tx).client as EventClient;
     client.on('error', heard);
-    try {
-      return await fn(tx);
-    } finally {
-      // The commit or rollback that follows is a query: an error then is its own, not an event.
-      client.removeListener('error', heard);
-    }
-  });
+    return fn(tx);
+  }).finally(() => client?.removeListener('error', heard));
 }

@@ -4,7 +4,16 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, asThrown, callerCode, type Database, int8, transaction } from '../driver.js';
+import {
+  assertSupportedDriver,
+  asThrown,
+  callerCode,
+  type Database,
+  driverOf,
+  int8,
+  isTransaction,
+  transaction,
+} from '../driver.js';
 import {
   FenceNotIssuedError,
   InvalidArgumentError,
@@ -17,8 +26,9 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLock, idleBoundSql, noteBounded } from './lock-scope.js';
+import { claimLockBounded, idleBoundSql, noteBounded } from './lock-scope.js';
 import type { FenceHolder } from './repository-api.js';
+import { endOnAbort, type SessionOf, sessionColumnsSql, sessionOf } from './session-end.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
 export interface TransactionLease extends FenceHolder {
@@ -62,7 +72,10 @@ const DEFAULT_IDLE_MS = 60_000;
  * Guarantees: nothing is committed once a higher fence of any of the locks
  * claimed its register before this transaction's claim; a holder paused
  * inside the transaction cannot hold the register past the idle timeout
- * (its session is ended and its commit fails). Does not: retry — a deadlock
+ * (its session is ended and its commit fails); a lease whose signal aborts
+ * while `fn` runs ends the session at once, from another connection of
+ * `db`'s pool, so a holder busy inside cannot hold it either — unless `db`
+ * is a transaction (yours to end) or PGlite. Does not: retry — a deadlock
  * between tables (40P01) or a serialization failure rejects with
  * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
  *
@@ -81,14 +94,18 @@ export async function fencedTransaction<R>(
   if (typeof fn !== 'function') throw new InvalidArgumentError('fencedTransaction needs a function');
   const idleMs = idleTimeout(list, options);
   let refusal: Refusal | undefined;
+  let ender: ReturnType<typeof endOnAbort> | undefined;
+  const parent = on(db);
+  const ownsSession = parent === db && !isTransaction(db) && driverOf(db) !== 'pglite';
+  const signals = list.map((l) => l.holder.signal);
   const refuse = (r: Refusal): never => {
     refusal = r;
     // Thrown to roll back; the call returns the refusal instead of this error.
     throw new StaleFenceError(r.table ?? '(lock register)', r.key ?? {}, r.attemptedFence, r.currentFence);
   };
   try {
-    return await transaction(on(db), async (tx) => {
-      const claimed = await claimAll(tx, list, idleMs);
+    return await transaction(parent, async (tx) => {
+      const { registered: claimed, session } = await claimAll(tx, list, idleMs);
       for (const { lock } of list) noteBounded(tx, lock);
       for (const [i, registered] of claimed.entries()) {
         const { fence } = list[i] as Checked;
@@ -96,8 +113,18 @@ export async function fencedTransaction<R>(
           refuse({ status: 'stale', table: null, key: null, attemptedFence: fence, currentFence: registered });
         }
       }
+      // A lease lost while `fn` runs ends this session from another connection of the pool: a holder
+      // busy in here must not keep the register row past its lease (session-end.ts). Not inside a
+      // transaction of the caller's (that is theirs to end), nor on PGlite (one connection).
+      ender = session && ownsSession ? endOnAbort(parent, session, signals) : undefined;
       const refusals: Refusal[] = [];
-      const value = await joining(db, tx, refusals, () => callerCode(() => fn(tx)));
+      let value: R;
+      try {
+        value = await joining(db, tx, refusals, () => callerCode(() => fn(tx)));
+      } finally {
+        // Its outcome is not awaited here: on a pool with no other connection free, it waits for this one.
+        ender?.disarm();
+      }
       const [refused] = refusals;
       if (refused) refuse(refused);
       for (const lease of list) if (lease.holder.signal.aborted) throw lostError(lease.holder, lease.fence);
@@ -105,6 +132,10 @@ export async function fencedTransaction<R>(
     });
   } catch (err) {
     if (refusal !== undefined) return { status: refusal.status, refusal };
+    // Its session ended because a lease was lost: that is what the caller needs to hear.
+    // (The transaction may have ended under `fn` still running: the close settles it.)
+    const lost = (await ender?.disarm()) ? list.find((l) => l.holder.signal.aborted) : undefined;
+    if (lost) throw lostError(lost.holder, lost.fence);
     throw asThrown(err);
   }
 }
@@ -128,20 +159,25 @@ export async function fencedTransactionOrThrow<R>(
 
 const p = (name: string) => sql.placeholder(name);
 const claimLocksSql = () =>
-  sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered
+  sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered, ${sessionColumnsSql()}
     from (select ${idleBoundSql()}) s,
     lateral palisade.claim_locks(${p('claims')}::jsonb) c`;
 
 /**
  * Claims every lease's lock in one statement (one lock: `claim_lock`; more:
  * `claim_locks`, which sorts them) and bounds the transaction's idle time;
- * returns the register's fence per lease, in `list`'s order.
+ * returns the register's fence per lease, in `list`'s order, and the session.
  * @throws {FenceNotIssuedError} for a fence above its lock's latest grant.
  */
-async function claimAll(tx: Database, list: readonly Checked[], idleMs: number): Promise<bigint[]> {
+async function claimAll(
+  tx: Database,
+  list: readonly Checked[],
+  idleMs: number,
+): Promise<{ registered: bigint[]; session: SessionOf | undefined }> {
   if (list.length === 1) {
     const { lock, fence } = list[0] as Checked;
-    return [await claimLock(tx, lock, fence, idleMs)];
+    const { registered, session } = await claimLockBounded(tx, lock, fence, idleMs);
+    return { registered: [registered], session };
   }
   const claims = JSON.stringify(list.map(({ lock, fence }) => ({ ...lock, fence: fence.toString() })));
   const rows = await prepared(tx, 'palisade.claim_locks_bounded', claimLocksSql).rows({ idle: String(idleMs), claims });
@@ -154,7 +190,10 @@ async function claimAll(tx: Database, list: readonly Checked[], idleMs: number):
     if (current < fence) throw new FenceNotIssuedError(current, fence);
     registered.set(key(row as unknown as LockIdentity, fence), current);
   }
-  return list.map(({ lock, fence }) => registered.get(key(lock, fence)) ?? 0n);
+  return {
+    registered: list.map(({ lock, fence }) => registered.get(key(lock, fence)) ?? 0n),
+    session: sessionOf(rows[0]),
+  };
 }
 
 interface Checked {

@@ -13,6 +13,7 @@ import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
+import { type SessionOf, sessionColumnsSql, sessionOf } from './session-end.js';
 import type { Returning } from './statements.js';
 import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 
@@ -28,9 +29,10 @@ const claimSql = () =>
 export const idleBoundSql = () =>
   sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
+// It names its session too, for a fenced transaction to end if its lease is lost (session-end.ts).
 const boundedClaimSql = () =>
   sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered,
-    ${idleBoundSql()} as idle`;
+    ${idleBoundSql()} as idle, ${sessionColumnsSql()}`;
 
 /** The most a claim's transaction may sit idle for a holder without an expiry estimate, as in fencedTransaction. */
 const DEFAULT_IDLE_MS = 60_000;
@@ -111,12 +113,26 @@ export function idleBound(holder: { readonly expiresAt?: unknown }): number {
  * this database and `fence` is above its latest grant.
  */
 export async function claimLock(on: Database, lock: LockIdentity, fence: Fence, idleMs?: number): Promise<Fence> {
-  const values = claimValues(lock, fence);
-  const [row] =
-    idleMs === undefined
-      ? await prepared(on, 'palisade.claim_lock', claimSql).rows(values)
-      : await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({ ...values, idle: String(idleMs) });
+  if (idleMs !== undefined) return (await claimLockBounded(on, lock, fence, idleMs)).registered;
+  const [row] = await prepared(on, 'palisade.claim_lock', claimSql).rows(claimValues(lock, fence));
   return registeredOf(row, lock, fence);
+}
+
+/**
+ * @internal {@link claimLock} that also bounds the transaction's idle time to `idleMs` and names the
+ * session it ran in.
+ */
+export async function claimLockBounded(
+  on: Database,
+  lock: LockIdentity,
+  fence: Fence,
+  idleMs: number,
+): Promise<{ readonly registered: Fence; readonly session: SessionOf | undefined }> {
+  const [row] = await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({
+    ...claimValues(lock, fence),
+    idle: String(idleMs),
+  });
+  return { registered: registeredOf(row, lock, fence), session: sessionOf(row) };
 }
 
 const claimValues = ({ kind, source, namespace, name }: LockIdentity, fence: Fence) => ({
