@@ -19,14 +19,13 @@ import {
   InvalidArgumentError,
   LeaseLostError,
   LockScopeError,
-  PalisadeError,
   StaleFenceError,
 } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLockBounded, idleBoundSql, noteBounded } from './lock-scope.js';
+import { claimLockBounded, idleBoundSql, lostError, noteBounded } from './lock-scope.js';
 import type { FenceHolder } from './repository-api.js';
 import { endOnAbort, type SessionOf, sessionColumnsSql, sessionOf } from './session-end.js';
 
@@ -127,7 +126,7 @@ export async function fencedTransaction<R>(
       }
       const [refused] = refusals;
       if (refused) refuse(refused);
-      for (const lease of list) if (lease.holder.signal.aborted) throw lostError(lease.holder, lease.fence);
+      for (const lease of list) if (lease.holder.signal.aborted) throw lostError(lease.holder.signal, lease.fence);
       return { status: 'applied' as const, value };
     });
   } catch (err) {
@@ -135,7 +134,7 @@ export async function fencedTransaction<R>(
     // Its session ended because a lease was lost: that is what the caller needs to hear.
     // (The transaction may have ended under `fn` still running: the close settles it.)
     const lost = (await ender?.disarm()) ? list.find((l) => l.holder.signal.aborted) : undefined;
-    if (lost) throw lostError(lost.holder, lost.fence);
+    if (lost) throw lostError(lost.holder.signal, lost.fence);
     throw asThrown(err);
   }
 }
@@ -212,7 +211,7 @@ function checkLeases(leases: TransactionLease | readonly TransactionLease[]): Ch
       throw new LockScopeError('fencedTransaction needs leases with a lock (every built-in lease has one)');
     }
     const lock = checkLockIdentity(holder.lock);
-    if (holder.signal.aborted) throw lostError(holder, fence);
+    if (holder.signal.aborted) throw lostError(holder.signal, fence);
     return { holder, fence, lock };
   });
 }
@@ -236,9 +235,4 @@ function idleTimeout(list: Checked[], options: FencedTransactionOptions): number
     ms = Math.min(ms, asked);
   }
   return ms;
-}
-
-function lostError(holder: FenceHolder, fence: Fence): Error {
-  const reason: unknown = holder.signal.reason;
-  return reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
 }

@@ -4,7 +4,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, type Database, int8, isTransaction, transaction } from '../driver.js';
+import { assertSupportedDriver, type Database, driverOf, int8, isTransaction, transaction } from '../driver.js';
 import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
@@ -13,7 +13,7 @@ import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
-import { type SessionOf, sessionColumnsSql, sessionOf } from './session-end.js';
+import { endOnAbort, type SessionOf, sessionColumnsSql, sessionOf } from './session-end.js';
 import type { Returning } from './statements.js';
 import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 
@@ -46,6 +46,8 @@ const DEFAULT_IDLE_MS = 60_000;
 export interface LockScope {
   readonly lock: LockIdentity;
   idleMs(): number;
+  /** The holder's signal: a `modify` whose lease is lost while its function runs ends its session. */
+  readonly signal: AbortSignal;
 }
 
 // The fence at which this process last saw each lock's register claimed (a claim that held). A write
@@ -184,20 +186,44 @@ export async function claimLockWithin(
 /**
  * Runs `run` in a transaction (a savepoint inside one) that first claims
  * `lock` for `fence`; when a higher fence claimed it, `refused(register)`
- * instead, and nothing is written.
+ * instead, and nothing is written. `callerRuns`: `run` runs the caller's
+ * code (a `modify`'s function), so a transaction of its own — not a
+ * savepoint, not PGlite — is ended if the holder's signal aborts while it
+ * runs, and the call rejects with `LeaseLostError` (as fencedTransaction's).
  */
-export function inClaim<R>(
+export async function inClaim<R>(
   on: Database,
   scope: LockScope,
   fence: Fence,
   run: (tx: Database) => Promise<R>,
   refused: (registered: Fence) => R | Promise<R>,
+  callerRuns = false,
 ): Promise<R> {
-  return transaction(on, async (tx) => {
-    const registered = await claimLock(tx, scope.lock, fence, scope.idleMs());
-    noteBounded(tx, scope.lock);
-    return registered === fence ? run(tx) : refused(registered);
-  });
+  let ender: ReturnType<typeof endOnAbort> | undefined;
+  const ownsSession = callerRuns && !isTransaction(on) && driverOf(on) !== 'pglite';
+  try {
+    return await transaction(on, async (tx) => {
+      const { registered, session } = await claimLockBounded(tx, scope.lock, fence, scope.idleMs());
+      noteBounded(tx, scope.lock);
+      if (registered !== fence) return refused(registered);
+      ender = ownsSession && session ? endOnAbort(on, session, [scope.signal]) : undefined;
+      try {
+        return await run(tx);
+      } finally {
+        ender?.disarm();
+      }
+    });
+  } catch (err) {
+    // Its session ended because the lease was lost: that is what the caller needs to hear.
+    if ((await ender?.disarm()) && scope.signal.aborted) throw lostError(scope.signal, fence);
+    throw err;
+  }
+}
+
+/** @internal The error a lease lost while palisade worked for it comes out as: its signal's reason, if a PalisadeError. */
+export function lostError(signal: AbortSignal, fence: Fence): Error {
+  const reason: unknown = signal.reason;
+  return reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
 }
 
 /** @internal What a lock-scoped view needs of its repository: each write, optionally lock-scoped. */
@@ -244,14 +270,15 @@ export function leasedRepository<T extends FencedTable>(
   }
   // The fence, unless the lease is already known lost: then refuse before any query.
   const live = (): Fence => {
-    if (holder.signal.aborted) {
-      const reason: unknown = holder.signal.reason;
-      throw reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
-    }
+    if (holder.signal.aborted) throw lostError(holder.signal, fence);
     return fence;
   };
   // The idle bound is asked per claim: the TTL left shrinks.
-  const scoped: LockScope | undefined = lock && { lock, idleMs: () => idleBound(holder as { expiresAt?: unknown }) };
+  const scoped: LockScope | undefined = lock && {
+    lock,
+    idleMs: () => idleBound(holder as { expiresAt?: unknown }),
+    signal: holder.signal,
+  };
   return {
     fence,
     lock,

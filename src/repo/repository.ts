@@ -222,7 +222,7 @@ export function fencedRepository<T extends FencedTable>(
       const run = (tx: Database) => modify(tx, key, keyIn, fence, fn);
       try {
         if (scope === undefined) return await run(on(db));
-        return await inClaim(on(db), scope, fence, run, (registered) => lockRefusal(key, fence, registered));
+        return await inClaim(on(db), scope, fence, run, (registered) => lockRefusal(key, fence, registered), true);
       } catch (err) {
         throw asThrown(err);
       }

@@ -1,6 +1,6 @@
 /**
- * A fenced transaction whose lease is lost while its function is busy
- * (README, "Known limits"): the idle timeout cannot end a transaction that
+ * A fenced transaction (or a lock-scoped `modify`) whose lease is lost
+ * while its function is busy (README, "Fenced transactions"): the idle timeout cannot end a transaction that
  * runs a long statement, or that goes on sending statements after its lease
  * ran out, and such a holder would keep its lock's register row locked —
  * and every next grant of the lock out — for as long as it stays busy. So a
@@ -37,6 +37,17 @@ const settled = (call: Promise<unknown>) =>
 /** Bounded: until `done()` holds, or 10 s. */
 async function until(done: () => Promise<boolean>) {
   for (let i = 0; i < 500 && !(await done()); i++) await sleep(20);
+}
+
+/** Until backend `pid()` runs `pg_sleep`. */
+async function untilSleeping(db: Database, pid: () => number) {
+  await until(async () => {
+    const [row] = await execute(
+      db,
+      sql`select count(*)::int as n from pg_stat_activity where pid = ${pid()} and wait_event = 'PgSleep'`,
+    );
+    return row?.n === 1;
+  });
 }
 
 async function values(db: Database): Promise<string[]> {
@@ -80,18 +91,31 @@ for (const { name, open } of drivers) {
           return 'done';
         }),
       );
-      await until(async () => {
-        const [row] = await execute(
-          db,
-          sql`select count(*)::int as n from pg_stat_activity where pid = ${pid} and wait_event = 'PgSleep'`,
-        );
-        return row?.n === 1;
-      });
+      await untilSleeping(db, () => pid);
       await lease.release();
       expect(await outcome).toBeInstanceOf(LeaseLostError);
       const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
       expect(await values(db)).toEqual(['initial', 'initial']);
       expect((await repo.with(next).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
+      await next.release();
+    });
+
+    it('a lock-scoped modify lost while its function runs a long statement: the session ends, the call rejects with LeaseLostError, the row keeps its value, the next grant goes through', async () => {
+      const { db, locks, repo } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      let pid = 0;
+      const outcome = settled(
+        repo.with(lease).modify({ id: 1 }, async (_row, tx) => {
+          pid = Number((await execute(tx, sql`select pg_backend_pid() as pid`))[0]?.pid);
+          await execute(tx, sql`select pg_sleep(600)`);
+          return { value: 'modified' };
+        }),
+      );
+      await untilSleeping(db, () => pid);
+      await lease.release();
+      expect(await outcome).toBeInstanceOf(LeaseLostError);
+      const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
+      expect(await values(db)).toEqual(['initial', 'initial']);
       await next.release();
     });
 
