@@ -1,11 +1,13 @@
 /**
- * Ending a fenced transaction's session when one of its leases is lost
- * while the caller's function runs (README, "Known limits"). The idle
+ * Ending the session of a transaction palisade opened for a lease (a fenced
+ * transaction, a lock-scoped `modify`) when the lease is lost while the
+ * caller's function runs (README, "Fenced transactions"). The idle
  * timeout ends only an idle transaction; a holder busy inside one — a long
  * statement, or statements sent after its lease ran out — would otherwise
  * keep its lock's register row locked, and the lock's next holder out, for
- * as long as it stays busy. Its commit would fail anyway: ending the
- * session early only stops it from blocking.
+ * as long as it stays busy. A fenced transaction's commit would fail
+ * anyway, once its function returned; a `modify` whose lease is gone is
+ * refused as well, rather than commit a write no lease stands behind.
  */
 import { sql } from 'drizzle-orm';
 import type { Database } from '../driver.js';
