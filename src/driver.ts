@@ -18,7 +18,12 @@ import {
   PgTransaction,
 } from 'drizzle-orm/pg-core';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
-import { type EventClient, guardedTransaction, heardTransaction } from './lost-connection.js';
+import {
+  type EventClient,
+  guardedTransaction,
+  heardTransaction,
+  refuseStatements as refuseOn,
+} from './lost-connection.js';
 import { describeServerError, originalError, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
@@ -105,6 +110,16 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
   } catch (err) {
     throw err instanceof CallerThrew ? err : translateError(err);
   }
+}
+
+/**
+ * @internal Refuses every statement sent on `tx` from now on, before it is
+ * sent (the driver's own rollback still goes out): each rejects with
+ * `reason`. For a transaction palisade began on postgres.js or
+ * node-postgres; false, and nothing refused, otherwise.
+ */
+export function refuseStatements(tx: Database, reason: Error): boolean {
+  return refuseOn((internals(tx).session as unknown as { client: unknown }).client, reason);
 }
 
 // What the caller's own code threw inside palisade's transactions, boxed so that it passes through

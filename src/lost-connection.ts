@@ -28,6 +28,8 @@ import { DatabaseError } from './errors.js';
 
 interface Connection {
   lost: boolean;
+  /** Set when palisade refuses further statements on a live connection (its lease was lost): each rejects with it. */
+  refused?: Error;
 }
 
 /** The part of a postgres.js transaction's (or savepoint's) `sql` that drizzle and palisade call. */
@@ -43,23 +45,33 @@ const never = () => new Promise<never>(() => {});
 // Guarded clients, each with the connection it runs on (a transaction's savepoints share its entry).
 const connections = new WeakMap<object, Connection>();
 
-function rejected(): Promise<never> {
-  const p = Promise.reject(DatabaseError.connectionClosed());
+function rejected(error: Error = DatabaseError.connectionClosed()): Promise<never> {
+  const p = Promise.reject(error);
   p.catch(() => {}); // rejects for whoever awaits it; no unhandled rejection for the ones nobody does
   return p;
 }
 
-// What `unsafe` returns in place of a postgres.js query once the connection is lost: it rejects however it is read.
-function lostQuery(): Promise<never> {
-  return Object.assign(rejected(), { values: rejected, raw: rejected, execute: rejected, describe: rejected });
+// What `unsafe` returns in place of a postgres.js query once the connection is lost (or its statements
+// refused): it rejects however it is read.
+function refusedQuery(error: Error): Promise<never> {
+  const reject = () => rejected(error);
+  return Object.assign(reject(), { values: reject, raw: reject, execute: reject, describe: reject });
 }
 
-/** `client` with every statement refused, before it is sent, once `connection` is lost. */
+// Why a statement on `connection` is not sent, if it is not.
+const refusal = (connection: Connection): Error | undefined =>
+  connection.lost ? DatabaseError.connectionClosed() : connection.refused;
+
+/** `client` with every statement refused, before it is sent, once `connection` is lost or refused. */
 function guarded(client: ScopedSql, connection: Connection): ScopedSql {
   if (connections.has(client)) return client;
-  const unsafe = (...args: unknown[]) => (connection.lost ? lostQuery() : client.unsafe(...args));
+  const unsafe = (...args: unknown[]) => {
+    const refused = refusal(connection);
+    return refused ? refusedQuery(refused) : client.unsafe(...args);
+  };
   const savepoint = (...args: unknown[]) => {
-    if (connection.lost) return rejected();
+    const refused = refusal(connection);
+    if (refused) return rejected(refused);
     // A savepoint's function gets an `sql` of its own: guarded too (drizzle's nested transactions,
     // palisade's). Once the connection is lost, postgres.js would answer the function's settling with
     // `ROLLBACK TO` (even a success, when a statement in it failed): so the function never settles, and
@@ -77,7 +89,10 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
   };
   const proxy = new Proxy(client, {
     get: (target, key) => (key === 'unsafe' ? unsafe : key === 'savepoint' ? savepoint : Reflect.get(target, key)),
-    apply: (target, self, args) => (connection.lost ? lostQuery() : Reflect.apply(target as never, self, args)),
+    apply: (target, self, args) => {
+      const refused = refusal(connection);
+      return refused ? refusedQuery(refused) : Reflect.apply(target as never, self, args);
+    },
   });
   connections.set(proxy, connection);
   return proxy;
@@ -146,9 +161,30 @@ export interface EventClient {
 // Heard, and nothing more to do: the statements that follow on the client reject (it is not queryable).
 const heard = () => {};
 
+/** The part of a node-postgres client drizzle sends statements through. */
+interface QueryClient extends EventClient {
+  query(...args: unknown[]): unknown;
+}
+
+// A rollback (to a savepoint, or of the transaction) is what ends a refused transaction: never refused.
+const isRollback = (query: unknown): boolean => {
+  const text = typeof query === 'string' ? query : (query as { text?: unknown } | null)?.text;
+  return typeof text === 'string' && /^\s*rollback\b/i.test(text);
+};
+
+/** A node-postgres `client` whose statements (but a rollback) reject, before they are sent, once `connection` is refused. */
+function refusing(client: QueryClient, connection: Connection): QueryClient {
+  const query = (...args: unknown[]) =>
+    connection.refused && !isRollback(args[0]) ? rejected(connection.refused) : client.query(...args);
+  const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
+  connections.set(proxy, connection);
+  return proxy;
+}
+
 /**
  * node-postgres: runs the driver's transaction call `begin(callback)` with
- * an `error` listener on the transaction's client while `fn` runs.
+ * an `error` listener on the transaction's client until the driver is done
+ * with it, and its statements refusable ({@link refuseStatements}).
  * `sessionOf` gives the drizzle session (its client) of the transaction
  * object the driver passes to the callback.
  */
@@ -157,13 +193,30 @@ export function heardTransaction<Tx, T>(
   sessionOf: (tx: Tx) => { client: unknown },
   fn: (tx: Tx) => Promise<T>,
 ): Promise<T> {
-  let client: EventClient | undefined;
+  let client: QueryClient | undefined;
   // Heard until the driver is done with the client, rollback included: a session ended while a
-  // statement ran (pg_terminate_backend, palisade's own on a lost lease) fails that statement first
-  // and closes the socket after, and the close comes as an event once no query is left to take it.
+  // statement ran (pg_terminate_backend) fails that statement first and closes the socket after, and
+  // the close comes as an event once no query is left to take it.
   return begin((tx) => {
-    client = sessionOf(tx).client as EventClient;
-    client.on('error', heard);
+    const session = sessionOf(tx);
+    // A savepoint of a transaction palisade began: its client is refusable already.
+    if (!connections.has(session.client as object)) {
+      client = session.client as QueryClient;
+      client.on('error', heard);
+      session.client = refusing(client, { lost: false });
+    }
     return fn(tx);
   }).finally(() => client?.removeListener('error', heard));
+}
+
+/**
+ * @internal Refuses, from now on, every statement sent on the transaction
+ * whose drizzle session client is `client` (its savepoints' too), before it
+ * is sent: each rejects with `reason`. The driver's own rollback still goes
+ * out. False when `client` is not one palisade began a transaction on.
+ */
+export function refuseStatements(client: unknown, reason: Error): boolean {
+  const connection = connections.get(client as object);
+  if (connection) connection.refused ??= reason;
+  return connection !== undefined;
 }

@@ -26,8 +26,8 @@ import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.j
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
 import { claimLockBounded, idleBoundSql, lostError, noteBounded } from './lock-scope.js';
+import { type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
 import type { FenceHolder } from './repository-api.js';
-import { endOnAbort, type SessionOf, sessionColumnsSql, sessionOf } from './session-end.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
 export interface TransactionLease extends FenceHolder {
@@ -72,9 +72,11 @@ const DEFAULT_IDLE_MS = 60_000;
  * claimed its register before this transaction's claim; a holder paused
  * inside the transaction cannot hold the register past the idle timeout
  * (its session is ended and its commit fails); a lease whose signal aborts
- * while `fn` runs ends the session at once, from another connection of
- * `db`'s pool, so a holder busy inside cannot hold it either — unless `db`
- * is a transaction (yours to end) or PGlite. Does not: retry — a deadlock
+ * while `fn` runs stops the transaction at once (every later statement on
+ * `tx` rejects before it is sent, the running one is cancelled from another
+ * connection of `db`'s pool), so a holder busy inside cannot hold it
+ * either, and the call rejects with `LeaseLostError` — unless `db` is a
+ * transaction (the outermost owns the session) or PGlite. Does not: retry — a deadlock
  * between tables (40P01) or a serialization failure rejects with
  * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
  *
@@ -93,7 +95,7 @@ export async function fencedTransaction<R>(
   if (typeof fn !== 'function') throw new InvalidArgumentError('fencedTransaction needs a function');
   const idleMs = idleTimeout(list, options);
   let refusal: Refusal | undefined;
-  let ender: ReturnType<typeof endOnAbort> | undefined;
+  let stopper: ReturnType<typeof stopOnAbort> | undefined;
   const parent = on(db);
   const ownsSession = parent === db && !isTransaction(db) && driverOf(db) !== 'pglite';
   const signals = list.map((l) => l.holder.signal);
@@ -112,31 +114,41 @@ export async function fencedTransaction<R>(
           refuse({ status: 'stale', table: null, key: null, attemptedFence: fence, currentFence: registered });
         }
       }
-      // A lease lost while `fn` runs ends this session from another connection of the pool: a holder
-      // busy in here must not keep the register row past its lease (session-end.ts). Not inside a
-      // transaction of the caller's (that is theirs to end), nor on PGlite (one connection).
-      ender = session && ownsSession ? endOnAbort(parent, session, signals) : undefined;
+      // A lease lost while `fn` runs stops this transaction: a holder busy in here must not keep the
+      // register row past its lease (lost-lease.ts). Not inside a transaction of the caller's (theirs to
+      // stop), nor on PGlite (one connection).
+      stopper =
+        session && ownsSession
+          ? stopOnAbort(parent, tx, session, signals, () => lostOf(list) as Error) // (an abort: one is lost)
+          : undefined;
       const refusals: Refusal[] = [];
       let value: R;
       try {
         value = await joining(db, tx, refusals, () => callerCode(() => fn(tx)));
       } finally {
-        // Its outcome is not awaited here: on a pool with no other connection free, it waits for this one.
-        ender?.disarm();
+        stopper?.disarm();
       }
       const [refused] = refusals;
       if (refused) refuse(refused);
-      for (const lease of list) if (lease.holder.signal.aborted) throw lostError(lease.holder.signal, lease.fence);
+      const lost = lostOf(list);
+      if (lost) throw lost;
       return { status: 'applied' as const, value };
     });
   } catch (err) {
     if (refusal !== undefined) return { status: refusal.status, refusal };
-    // Its session ended because a lease was lost: that is what the caller needs to hear.
-    // (The transaction may have ended under `fn` still running: the close settles it.)
-    const lost = (await ender?.disarm()) ? list.find((l) => l.holder.signal.aborted) : undefined;
-    if (lost) throw lostError(lost.holder.signal, lost.fence);
-    throw asThrown(err);
+    // A lease lost: that is what the caller needs to hear — whatever failed once the transaction was
+    // stopped for it (the function's own error included), and whatever of palisade's or the driver's
+    // failed after (the idle timeout may end the session before the lease's local expiry fires).
+    const stopped = stopper?.disarm() === true;
+    const lost = stopped || asThrown(err) === err ? lostOf(list) : undefined;
+    throw lost ?? asThrown(err);
   }
+}
+
+// The error of the first lease in `list` whose signal aborted, if one did.
+function lostOf(list: readonly Checked[]): Error | undefined {
+  const lost = list.find((l) => l.holder.signal.aborted);
+  return lost && lostError(lost.holder.signal, lost.fence);
 }
 
 /**

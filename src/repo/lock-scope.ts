@@ -11,9 +11,9 @@ import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.j
 import { prepared } from '../prepared.js';
 import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
+import { type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
-import { endOnAbort, type SessionOf, sessionColumnsSql, sessionOf } from './session-end.js';
 import type { Returning } from './statements.js';
 import type { FencedTable, KeyOf, PatchOf, RowOf } from './table.js';
 
@@ -29,7 +29,7 @@ const claimSql = () =>
 export const idleBoundSql = () =>
   sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
-// It names its session too, for a fenced transaction to end if its lease is lost (session-end.ts).
+// It names its session too, for a transaction to stop if its lease is lost (lost-lease.ts).
 const boundedClaimSql = () =>
   sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered,
     ${idleBoundSql()} as idle, ${sessionColumnsSql()}`;
@@ -46,7 +46,7 @@ const DEFAULT_IDLE_MS = 60_000;
 export interface LockScope {
   readonly lock: LockIdentity;
   idleMs(): number;
-  /** The holder's signal: a `modify` whose lease is lost while its function runs ends its session. */
+  /** The holder's signal: a `modify` whose lease is lost while its function runs is stopped. */
   readonly signal: AbortSignal;
 }
 
@@ -188,8 +188,8 @@ export async function claimLockWithin(
  * `lock` for `fence`; when a higher fence claimed it, `refused(register)`
  * instead, and nothing is written. `callerRuns`: `run` runs the caller's
  * code (a `modify`'s function), so a transaction of its own — not a
- * savepoint, not PGlite — is ended if the holder's signal aborts while it
- * runs, and the call rejects with `LeaseLostError` (as fencedTransaction's).
+ * savepoint, not PGlite — is stopped if the holder's signal aborts while it
+ * runs (lost-lease.ts), and the call rejects with `LeaseLostError`.
  */
 export async function inClaim<R>(
   on: Database,
@@ -199,24 +199,24 @@ export async function inClaim<R>(
   refused: (registered: Fence) => R | Promise<R>,
   callerRuns = false,
 ): Promise<R> {
-  let ender: ReturnType<typeof endOnAbort> | undefined;
+  let stopper: ReturnType<typeof stopOnAbort> | undefined;
   const ownsSession = callerRuns && !isTransaction(on) && driverOf(on) !== 'pglite';
+  const lost = () => lostError(scope.signal, fence);
   try {
     return await transaction(on, async (tx) => {
       const { registered, session } = await claimLockBounded(tx, scope.lock, fence, scope.idleMs());
       noteBounded(tx, scope.lock);
       if (registered !== fence) return refused(registered);
-      ender = ownsSession && session ? endOnAbort(on, session, [scope.signal]) : undefined;
+      stopper = ownsSession && session ? stopOnAbort(on, tx, session, [scope.signal], lost) : undefined;
       try {
         return await run(tx);
       } finally {
-        ender?.disarm();
+        stopper?.disarm();
       }
     });
   } catch (err) {
-    // Its session ended because the lease was lost: that is what the caller needs to hear.
-    if ((await ender?.disarm()) && scope.signal.aborted) throw lostError(scope.signal, fence);
-    throw err;
+    // Stopped because the lease was lost: that is what the caller needs to hear.
+    throw stopper?.disarm() ? lost() : err;
   }
 }
 

@@ -16,10 +16,11 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { type Database, execute, transaction } from '../../src/driver.js';
 import { LeaseLostError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { cancelStatement, type SessionOf, sessionColumnsSql, sessionOf } from '../../src/repo/lost-lease.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { endSession, sessionColumnsSql, sessionOf } from '../../src/repo/session-end.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { nodePostgresDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
@@ -54,6 +55,9 @@ async function values(db: Database): Promise<string[]> {
   return (await execute(db, sql`select value from resource order by id`)).map((r) => String(r.value));
 }
 
+// A lock whose grants never claim on these databases (a Redis lock's, say): its first claim raises the register.
+const fakeLock = Object.freeze({ kind: 'redis', source: 'lost-lease-test', namespace: 'test', name: 'L' });
+
 const drivers = [
   { name: 'postgres.js', open: postgresDatabase },
   { name: 'node-postgres', open: nodePostgresDatabase },
@@ -65,10 +69,7 @@ for (const { name, open } of drivers) {
     afterEach(async () => {
       await Promise.all(opened.splice(0).map((t) => t.close()));
     });
-    async function fresh() {
-      const t = await open();
-      opened.push(t);
-      const { db } = t;
+    async function prepare(db: Database) {
       await migrate(db);
       await execute(
         db,
@@ -77,6 +78,11 @@ for (const { name, open } of drivers) {
       await execute(db, sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
       const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('lostlease') });
       return { db, locks, repo: fencedRepository(db, resource) };
+    }
+    async function fresh() {
+      const t = await open();
+      opened.push(t);
+      return prepare(t.db);
     }
 
     it('lost during a long statement (released): the session ends, the call rejects with LeaseLostError, nothing is visible, the next grant goes through', async () => {
@@ -174,23 +180,93 @@ for (const { name, open } of drivers) {
       ).toBe('applied');
     });
 
-    it("ends a session only while the same transaction runs in it: not once it ended, whatever the connection's pool does with it", async () => {
+    it('cancels only a statement of that very transaction: not one between its statements, none once it ended', async () => {
       const { db } = await fresh();
-      const readSession = (tx: Database) =>
-        execute(tx, sql`select ${sessionColumnsSql()}`).then(([row]) => sessionOf(row));
-      const done = await transaction(db, readSession);
-      expect(done).toBeDefined();
-      if (!done) return;
-      expect(await endSession(db, done)).toBe(false);
-      const ended = await settled(
-        transaction(db, async (tx) => {
-          const running = await readSession(tx);
-          expect(running?.pid).toBeTypeOf('number');
-          if (running) expect(await endSession(db, running)).toBe(true);
-          await execute(tx, sql`select 1`);
-        }),
-      );
-      expect(ended).toBeInstanceOf(Error);
+      let session: SessionOf | undefined;
+      const found: string[] = [];
+      let slept: unknown;
+      await transaction(db, async (tx) => {
+        session = sessionOf((await execute(tx, sql`select ${sessionColumnsSql()}`))[0]);
+        if (!session) throw new Error('the statement named no session');
+        found.push(await cancelStatement(db, session));
+        // Nothing was sent: the transaction's next statement runs.
+        await execute(tx, sql`select 1`);
+        const sleeping = settled(execute(tx, sql`select pg_sleep(600)`));
+        let during = 'idle';
+        for (let i = 0; i < 200 && during === 'idle'; i++) {
+          await sleep(20);
+          during = await cancelStatement(db, session);
+        }
+        found.push(during);
+        slept = await sleeping;
+      }).catch(() => {});
+      expect(found).toEqual(['idle', 'cancelled']);
+      expect(slept).toBeInstanceOf(Error);
+      if (session) expect(await cancelStatement(db, session)).toBe('gone');
     });
+
+    it('stopped again and again on a pool of 2: each next grant goes through, and no other query of the pool fails', async () => {
+      const t = await open({ max: 2 });
+      opened.push(t);
+      const { db, locks } = await prepare(t.db);
+      for (let round = 1; round <= 4; round++) {
+        const lease = await locks.acquire(`L${round}`, { ttlMs: 60_000 });
+        let pid = 0;
+        const outcome = settled(
+          fencedTransaction(db, lease, async (tx) => {
+            pid = Number((await execute(tx, sql`select pg_backend_pid() as pid`))[0]?.pid);
+            await execute(tx, sql`select pg_sleep(600)`);
+          }),
+        );
+        await untilSleeping(db, () => pid);
+        await lease.release();
+        const next = await locks.acquire(`L${round}`, { ttlMs: 60_000, waitMs: 10_000 });
+        expect(await outcome).toBeInstanceOf(LeaseLostError);
+        for (let i = 0; i < 4; i++) expect((await execute(db, sql`select 1 as one`))[0]?.one).toBe(1);
+        await next.release();
+      }
+    });
+
+    it('lost as the function returns, 100 times on a pool of 2: LeaseLostError each time, the process lives, the pooled connections stay usable', async () => {
+      const t = await open({ max: 2 });
+      opened.push(t);
+      const { db } = await prepare(t.db);
+      const outcomes = new Map<string, number>();
+      for (let i = 0; i < 100; i++) {
+        const controller = new AbortController();
+        const holder = { fence: toFence(BigInt(i + 1)), signal: controller.signal, lock: fakeLock };
+        const busyUntil = performance.now() + Math.random() * 0.3;
+        const outcome = await settled(
+          fencedTransaction(db, holder, async (tx) => {
+            await execute(tx, sql`select 1`);
+            controller.abort();
+            while (performance.now() < busyUntil); // the abort's work and the rollback, in every order
+          }),
+        );
+        const name = outcome instanceof Error ? outcome.constructor.name : String(outcome);
+        outcomes.set(name, (outcomes.get(name) ?? 0) + 1);
+      }
+      await sleep(200);
+      expect(Object.fromEntries(outcomes)).toEqual({ LeaseLostError: 100 });
+      for (let i = 0; i < 20; i++) expect((await execute(db, sql`select 1 as one`))[0]?.one).toBe(1);
+    });
+
+    for (const max of [1, 5]) {
+      it(`lost by its TTL while the function sits idle, on a pool of ${max}: LeaseLostError, whichever of the lease's expiry and the idle timeout comes first`, async () => {
+        const t = await open({ max });
+        opened.push(t);
+        const { db, locks } = await prepare(t.db);
+        const lease = await locks.acquire('L', { ttlMs: 1_000 });
+        const outcome = await settled(
+          fencedTransaction(db, lease, async (tx) => {
+            await execute(tx, sql`select 1`);
+            await sleep(2_500);
+            await execute(tx, sql`select 1`);
+          }),
+        );
+        expect(outcome).toBeInstanceOf(LeaseLostError);
+        expect((await execute(db, sql`select 1 as one`))[0]?.one).toBe(1);
+      });
+    }
   });
 }

@@ -24,12 +24,12 @@ export async function pgliteDatabase(): Promise<TestDatabase> {
   return { driver: 'pglite', db, close: () => client.close() };
 }
 
-/** A fresh database on the real Postgres (`DATABASE_URL`), so tests run in parallel and twice in a row. */
-export async function postgresDatabase(): Promise<TestDatabase> {
+/** A fresh database on the real Postgres (`DATABASE_URL`), so tests run in parallel and twice in a row. `max`: the pool's size. */
+export async function postgresDatabase({ max = 20 }: { max?: number } = {}): Promise<TestDatabase> {
   const base = services.postgres.url;
   if (!base) throw new Error('DATABASE_URL is not set');
   const { url, drop } = await createScratchDatabase(base);
-  const client = postgres(url, { max: 20, onnotice: () => {} });
+  const client = postgres(url, { max, onnotice: () => {} });
   const db = drizzlePostgres(client) as unknown as Database;
   return {
     driver: 'postgres',
@@ -43,12 +43,12 @@ export async function postgresDatabase(): Promise<TestDatabase> {
   };
 }
 
-/** A fresh database on the real Postgres, through node-postgres (`pg.Pool`) instead of postgres.js. */
-export async function nodePostgresDatabase(): Promise<TestDatabase> {
+/** A fresh database on the real Postgres, through node-postgres (`pg.Pool`) instead of postgres.js. `max`: the pool's size. */
+export async function nodePostgresDatabase({ max = 20 }: { max?: number } = {}): Promise<TestDatabase> {
   const base = services.postgres.url;
   if (!base) throw new Error('DATABASE_URL is not set');
   const { url, drop } = await createScratchDatabase(base);
-  const pool = new pg.Pool({ connectionString: url, max: 20 });
+  const pool = new pg.Pool({ connectionString: url, max });
   pool.on('error', () => {}); // an idle client's connection dropped: the pool replaces it
   const db = drizzleNodePostgres(pool) as unknown as Database;
   return {
