@@ -105,7 +105,7 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
       db.transaction((tx) => callback(tx as unknown as Database));
     const driver = driverOf(db);
     if (driver === 'postgres-js') return await guardedTransaction(sessionOf(db).client, begin, sessionOf, fn);
-    if (driver === 'node-postgres') return await heardTransaction(begin, sessionOf, fn);
+    if (driver === 'node-postgres') return await heardTransaction(begin, sessionOf, fn, sessionOf(db));
     return await begin(fn);
   } catch (err) {
     throw err instanceof CallerThrew ? err : translateError(err);
@@ -115,8 +115,9 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
 /**
  * @internal Refuses every statement sent on `tx` from now on, before it is
  * sent (the driver's own rollback still goes out): each rejects with
- * `reason`. For a transaction palisade began on postgres.js or
- * node-postgres; false, and nothing refused, otherwise.
+ * `reason`; and rolls the transaction back after the statement it runs.
+ * For a transaction palisade began on postgres.js or node-postgres; false,
+ * and nothing done, otherwise.
  */
 export function refuseStatements(tx: Database, reason: Error): boolean {
   return refuseOn((internals(tx).session as unknown as { client: unknown }).client, reason);

@@ -30,6 +30,8 @@ interface Connection {
   lost: boolean;
   /** Set when palisade refuses further statements on a live connection (its lease was lost): each rejects with it. */
   refused?: Error;
+  /** Sends `ROLLBACK AND CHAIN` on the connection, past the refusal (see {@link refuseStatements}). */
+  rollback?: () => void;
 }
 
 /** The part of a postgres.js transaction's (or savepoint's) `sql` that drizzle and palisade call. */
@@ -135,7 +137,10 @@ export function guardedTransaction<Tx, T>(
   const run = begin(async (tx) => {
     pending = true;
     const session = sessionOf(tx);
-    session.client = guarded(session.client as ScopedSql, connection);
+    const client = session.client as ScopedSql;
+    // A postgres.js query runs once it is awaited.
+    connection.rollback = () => (client.unsafe(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
+    session.client = guarded(client, connection);
     try {
       const value = await unlessLost(() => fn(tx), connection);
       // Whichever way it settled, postgres.js would send COMMIT or ROLLBACK: it does not settle.
@@ -166,16 +171,17 @@ interface QueryClient extends EventClient {
   query(...args: unknown[]): unknown;
 }
 
-// A rollback (to a savepoint, or of the transaction) is what ends a refused transaction: never refused.
+// drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
 const isRollback = (query: unknown): boolean => {
   const text = typeof query === 'string' ? query : (query as { text?: unknown } | null)?.text;
-  return typeof text === 'string' && /^\s*rollback\b/i.test(text);
+  return typeof text === 'string' && /^rollback( to savepoint \w+)?$/i.test(text.trim());
 };
 
 /** A node-postgres `client` whose statements (but a rollback) reject, before they are sent, once `connection` is refused. */
 function refusing(client: QueryClient, connection: Connection): QueryClient {
   const query = (...args: unknown[]) =>
     connection.refused && !isRollback(args[0]) ? rejected(connection.refused) : client.query(...args);
+  connection.rollback = () => (client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
   const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
   connections.set(proxy, connection);
   return proxy;
@@ -192,18 +198,21 @@ export function heardTransaction<Tx, T>(
   begin: (callback: (tx: Tx) => Promise<T>) => Promise<T>,
   sessionOf: (tx: Tx) => { client: unknown },
   fn: (tx: Tx) => Promise<T>,
+  parent: { client: unknown },
 ): Promise<T> {
-  let client: QueryClient | undefined;
+  let client: EventClient | undefined;
   // Heard until the driver is done with the client, rollback included: a session ended while a
   // statement ran (pg_terminate_backend) fails that statement first and closes the socket after, and
   // the close comes as an event once no query is left to take it.
   return begin((tx) => {
     const session = sessionOf(tx);
-    // A savepoint of a transaction palisade began: its client is refusable already.
+    // A savepoint of a transaction palisade began: its client is heard and refusable already.
     if (!connections.has(session.client as object)) {
       client = session.client as QueryClient;
       client.on('error', heard);
-      session.client = refusing(client, { lost: false });
+      // On a single client (not a pool) drizzle runs the transaction on the database's own session
+      // (`parent`), whose client the statements palisade prepares there keep for good: not refusable.
+      if (session !== parent) session.client = refusing(client as QueryClient, { lost: false });
     }
     return fn(tx);
   }).finally(() => client?.removeListener('error', heard));
@@ -212,11 +221,22 @@ export function heardTransaction<Tx, T>(
 /**
  * @internal Refuses, from now on, every statement sent on the transaction
  * whose drizzle session client is `client` (its savepoints' too), before it
- * is sent: each rejects with `reason`. The driver's own rollback still goes
- * out. False when `client` is not one palisade began a transaction on.
+ * is sent: each rejects with `reason`. And rolls it back now, after the
+ * statement it runs, if any (`ROLLBACK AND CHAIN`: the driver's own
+ * rollback still goes out, and ends the empty transaction that follows).
+ * False when `client` is not one palisade began a transaction on.
  */
 export function refuseStatements(client: unknown, reason: Error): boolean {
   const connection = connections.get(client as object);
-  if (connection) connection.refused ??= reason;
-  return connection !== undefined;
+  if (connection === undefined) return false;
+  if (connection.refused === undefined) {
+    connection.refused = reason;
+    connection.rollback?.();
+  }
+  return true;
 }
+
+// Ends the transaction at once (its locks go: a function that goes on, idle or catching its errors in a
+// savepoint, must not keep them), in place of one that holds nothing: the driver's own rollback, sent
+// when the function settles, then ends that one quietly (a plain ROLLBACK with no transaction warns).
+const ROLLBACK_AND_CHAIN = 'rollback and chain';

@@ -6,7 +6,9 @@
  * sent after its lease ran out — would otherwise keep its lock's register
  * row locked, and the lock's next holder out, for as long as it stays busy.
  * So the transaction's statements are refused from then on, before they
- * are sent, and the one the server runs is cancelled.
+ * are sent; the one the server runs is cancelled; and the transaction is
+ * rolled back right after it, on its own connection — the function may go
+ * on, idle or catching its errors in a savepoint, for as long as it likes.
  *
  * Cancelled, not ended: ending the session (`pg_terminate_backend`) takes
  * effect only after a rollback under way, on a connection the pool has
@@ -65,7 +67,8 @@ const MAX_LOOKS = 200;
 
 /**
  * @internal While armed, the first abort of any of `signals` refuses every
- * further statement on `tx` (with `reason()`) and cancels, from `db` (another
+ * further statement on `tx` (with `reason()`), rolls it back after the
+ * statement it runs (see `refuseStatements`) and cancels, from `db` (another
  * connection of its pool), each statement `session` runs until the
  * transaction ends, `disarm()` is called or {@link MAX_LOOKS} looks passed.
  * `disarm()` (call it once the function settled) tells whether it fired.

@@ -11,12 +11,15 @@
  * running (a 600 s statement, or statements sent for 10 s) it would fail.
  */
 import { sql } from 'drizzle-orm';
+import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import pg from 'pg';
 import { afterEach, describe, expect, it } from 'vitest';
 import { type Database, execute, transaction } from '../../src/driver.js';
 import { LeaseLostError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
+import type { Lease } from '../../src/fencing/lease.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { cancelStatement, type SessionOf, sessionColumnsSql, sessionOf } from '../../src/repo/lost-lease.js';
@@ -28,6 +31,14 @@ import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+
+function opening() {
+  let open = () => {};
+  const opened = new Promise<void>((resolve) => {
+    open = resolve;
+  });
+  return { open, opened };
+}
 
 const settled = (call: Promise<unknown>) =>
   call.then(
@@ -123,6 +134,68 @@ for (const { name, open } of drivers) {
       const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
       expect(await values(db)).toEqual(['initial', 'initial']);
       await next.release();
+    });
+
+    // The function goes on after the loss — in each shape below — until the test opens its gate (or 10 s
+    // pass): the next acquire, waiting at most 5 s, must not need it to stop.
+    const goesOn: Record<string, (tx: Database, gate: Promise<unknown>) => Promise<unknown>> = {
+      'waits for something else (not the database)': async (_tx, gate) => gate,
+      'catches its errors in a savepoint, one item after another': async (tx, gate) => {
+        let open = false;
+        void gate.then(() => {
+          open = true;
+        });
+        for (let i = 0; i < 500 && !open; i++) {
+          await tx.transaction(async (sp) => sp.execute(sql`select pg_sleep(0.02)`)).catch(() => {});
+          await sleep(20);
+        }
+      },
+    };
+    for (const [shape, fn] of Object.entries(goesOn)) {
+      it(`lost while the function goes on (${shape}): the transaction is rolled back at once, the next grant goes through`, async () => {
+        const { db, locks, repo } = await fresh();
+        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        const gate = opening();
+        const inside = opening();
+        const outcome = settled(
+          fencedTransaction(db, lease, async (tx) => {
+            expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
+            inside.open();
+            await fn(tx, Promise.race([gate.opened, sleep(10_000)]));
+          }),
+        );
+        await inside.opened;
+        await lease.release();
+        const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 5_000 }).catch((err: unknown) => err);
+        gate.open();
+        expect(next).toHaveProperty('fence');
+        expect(await outcome).toBeInstanceOf(LeaseLostError);
+        expect(await values(db)).toEqual(['initial', 'initial']);
+        await (next as Lease).release();
+      });
+    }
+
+    it("a lock-scoped modify whose function catches the cancelled statement's error and goes on: rolled back at once, the next grant goes through", async () => {
+      const { db, locks, repo } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      const gate = opening();
+      let pid = 0;
+      const outcome = settled(
+        repo.with(lease).modify({ id: 1 }, async (_row, tx) => {
+          pid = Number((await execute(tx, sql`select pg_backend_pid() as pid`))[0]?.pid);
+          await execute(tx, sql`select pg_sleep(600)`).catch(() => {});
+          await Promise.race([gate.opened, sleep(10_000)]);
+          return { value: 'modified' };
+        }),
+      );
+      await untilSleeping(db, () => pid);
+      await lease.release();
+      const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 5_000 }).catch((err: unknown) => err);
+      gate.open();
+      expect(next).toHaveProperty('fence');
+      expect(await outcome).toBeInstanceOf(LeaseLostError);
+      expect(await values(db)).toEqual(['initial', 'initial']);
+      await (next as Lease).release();
     });
 
     it('lost by its TTL while the function goes on sending statements: the next statement fails, the call rejects with LeaseLostError, the next grant goes through', async () => {
@@ -270,3 +343,44 @@ for (const { name, open } of drivers) {
     }
   });
 }
+
+describe.runIf(needs('DATABASE_URL'))(
+  'node-postgres on a single pg.Client: a lost lease stops one transaction, not the client',
+  () => {
+    let close = async () => {};
+    afterEach(async () => close());
+
+    it('after a stopped transaction the same database runs plain statements, new transactions and lock grants', async () => {
+      const t = await nodePostgresDatabase({ max: 1 });
+      const client = new pg.Client({ connectionString: t.url });
+      await client.connect();
+      client.on('error', () => {});
+      close = async () => {
+        await client.end();
+        await t.close();
+      };
+      // drizzle runs a single client's transactions on the database's own session.
+      const db = drizzleNodePostgres(client) as unknown as Database;
+      await migrate(db);
+      const locks = postgresLockManager({ client: t.db, namespace: uniqueNamespace('lostclient') });
+      const lost = await locks.acquire('L', { ttlMs: 60_000 });
+      const first = await settled(
+        fencedTransaction(db, lost, async (tx) => {
+          await lost.release();
+          await execute(tx, sql`select 1`);
+        }),
+      );
+      expect(first).toBeInstanceOf(LeaseLostError);
+      expect((await execute(db, sql`select 1 as one`))[0]?.one).toBe(1);
+      const next = await locks.acquire('L', { ttlMs: 60_000 });
+      expect(
+        await fencedTransaction(db, next, async (tx) => (await execute(tx, sql`select 2 as two`))[0]?.two),
+      ).toEqual({
+        status: 'applied',
+        value: 2,
+      });
+      await next.release();
+      await locks.close();
+    });
+  },
+);
