@@ -77,7 +77,10 @@ const drivers = [
 for (const { name, open } of drivers) {
   describe.runIf(needs('DATABASE_URL'))(`${name}: a fenced transaction whose lease is lost while it is busy`, () => {
     const opened: TestDatabase[] = [];
+    const managers: { close(): Promise<void> }[] = [];
     afterEach(async () => {
+      // Managers first: a node-postgres pool ends only once the connection a waiting acquire listened on is back.
+      await Promise.all(managers.splice(0).map((m) => m.close()));
       await Promise.all(opened.splice(0).map((t) => t.close()));
     });
     async function prepare(db: Database) {
@@ -88,6 +91,7 @@ for (const { name, open } of drivers) {
       );
       await execute(db, sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
       const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('lostlease') });
+      managers.push(locks);
       return { db, locks, repo: fencedRepository(db, resource) };
     }
     async function fresh() {
