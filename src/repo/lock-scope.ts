@@ -208,11 +208,15 @@ export async function inClaim<R>(
       noteBounded(tx, scope.lock);
       if (registered !== fence) return refused(registered);
       stopper = ownsSession && session ? stopOnAbort(on, tx, session, [scope.signal], lost) : undefined;
+      let value: R;
       try {
-        return await run(tx);
+        value = await run(tx);
       } finally {
         stopper?.disarm();
       }
+      // Stopped after `run`'s last statement: what it wrote was rolled back, whatever it returned.
+      if (stopper?.disarm()) throw lost();
+      return value;
     });
   } catch (err) {
     // Stopped because the lease was lost: that is what the caller needs to hear.

@@ -22,6 +22,7 @@ import { toFence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { inClaim } from '../../src/repo/lock-scope.js';
 import { cancelStatement, type SessionOf, sessionColumnsSql, sessionOf } from '../../src/repo/lost-lease.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
@@ -200,6 +201,28 @@ for (const { name, open } of drivers) {
       expect(await outcome).toBeInstanceOf(LeaseLostError);
       expect(await values(db)).toEqual(['initial', 'initial']);
       await (next as Lease).release();
+    });
+
+    it('lost after the last statement of a claimed transaction, before it commits: it rejects with LeaseLostError, never "applied" with its write rolled back', async () => {
+      const { db } = await fresh();
+      const controller = new AbortController();
+      const scope = { lock: fakeLock, idleMs: () => 60_000, signal: controller.signal };
+      const outcome = await settled(
+        inClaim(
+          db,
+          scope,
+          toFence(7n),
+          async (tx) => {
+            await execute(tx, sql`update resource set value = 'written' where id = 1`);
+            controller.abort();
+            return 'applied';
+          },
+          () => 'refused',
+          true,
+        ),
+      );
+      expect(outcome).toBeInstanceOf(LeaseLostError);
+      expect(await values(db)).toEqual(['initial', 'initial']);
     });
 
     it('lost by its TTL while the function goes on sending statements: the next statement fails, the call rejects with LeaseLostError, the next grant goes through', async () => {
