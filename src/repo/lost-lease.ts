@@ -92,8 +92,10 @@ export function stopOnAbort(
   };
   const onAbort = () => {
     if (fired || !armed) return;
+    // Not refusable (a single node-postgres client: `db` is the transaction's own connection, where a
+    // look would run inside the transaction and cancel itself): nothing is done here.
+    if (!refuseStatements(tx, reason())) return;
     fired = true;
-    refuseStatements(tx, reason());
     void look();
   };
   for (const signal of signals) signal.addEventListener('abort', onAbort, { once: true });

@@ -372,12 +372,12 @@ for (const { name, open } of drivers) {
 }
 
 describe.runIf(needs('DATABASE_URL'))(
-  'node-postgres on a single pg.Client: a lost lease stops one transaction, not the client',
+  'node-postgres on a single pg.Client: a lost lease fails the call, not the client',
   () => {
     let close = async () => {};
     afterEach(async () => close());
 
-    it('after a stopped transaction the same database runs plain statements, new transactions and lock grants', async () => {
+    it('a lost lease stops nothing there; after it the same database runs plain statements, new transactions and lock grants', async () => {
       const t = await nodePostgresDatabase({ max: 1 });
       const client = new pg.Client({ connectionString: t.url });
       await client.connect();
@@ -391,13 +391,17 @@ describe.runIf(needs('DATABASE_URL'))(
       await migrate(db);
       const locks = postgresLockManager({ client: t.db, namespace: uniqueNamespace('lostclient') });
       const lost = await locks.acquire('L', { ttlMs: 60_000 });
+      // Not stopped there (nothing to refuse with, and a cancel sent on the one connection would run
+      // inside the transaction and cancel itself): the function's statements go on until it returns.
+      const after: unknown[] = [];
       const first = await settled(
         fencedTransaction(db, lost, async (tx) => {
           await lost.release();
-          await execute(tx, sql`select 1`);
+          for (let i = 0; i < 5; i++) after.push(await settled(execute(tx, sql`select pg_sleep(0.05)`)));
         }),
       );
       expect(first).toBeInstanceOf(LeaseLostError);
+      expect(after).toEqual(Array.from({ length: 5 }, () => 'resolved'));
       expect((await execute(db, sql`select 1 as one`))[0]?.one).toBe(1);
       const next = await locks.acquire('L', { ttlMs: 60_000 });
       expect(
