@@ -74,9 +74,11 @@ const DEFAULT_IDLE_MS = 60_000;
  * (its session is ended and its commit fails); a lease whose signal aborts
  * while `fn` runs stops the transaction at once (every later statement on
  * `tx` rejects before it is sent, the running one is cancelled from another
- * connection of `db`'s pool), so a holder busy inside cannot hold it
- * either, and the call rejects with `LeaseLostError` — unless `db` is a
- * transaction (the outermost owns the session) or PGlite. Does not: retry — a deadlock
+ * connection of `db`'s pool, and the transaction is rolled back right
+ * after it), so a holder busy inside cannot hold it either, and the call
+ * rejects with `LeaseLostError` — unless `db` is a transaction (the
+ * outermost owns the session), PGlite or a single node-postgres `Client`.
+ * Does not: retry — a deadlock
  * between tables (40P01) or a serialization failure rejects with
  * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
  *
