@@ -63,6 +63,32 @@ async function untilSleeping(db: Database, pid: () => number) {
   });
 }
 
+/**
+ * Loses `lease` (released) while its holder's function goes on until `gate` opens: the next grant, waiting
+ * at most 5 s, must not need the function to stop; the call rejects with LeaseLostError, nothing is visible.
+ */
+async function releaseThenGrantWhileItGoesOn({
+  db,
+  locks,
+  lease,
+  gate,
+  outcome,
+}: {
+  db: Database;
+  locks: { acquire(name: string, options: { ttlMs: number; waitMs: number }): Promise<Lease> };
+  lease: Lease;
+  gate: { open(): void };
+  outcome: Promise<unknown>;
+}) {
+  await lease.release();
+  const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 5_000 }).catch((err: unknown) => err);
+  gate.open();
+  expect(next).toHaveProperty('fence');
+  expect(await outcome).toBeInstanceOf(LeaseLostError);
+  expect(await values(db)).toEqual(['initial', 'initial']);
+  await (next as Lease).release();
+}
+
 async function values(db: Database): Promise<string[]> {
   return (await execute(db, sql`select value from resource order by id`)).map((r) => String(r.value));
 }
@@ -170,13 +196,7 @@ for (const { name, open } of drivers) {
           }),
         );
         await inside.opened;
-        await lease.release();
-        const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 5_000 }).catch((err: unknown) => err);
-        gate.open();
-        expect(next).toHaveProperty('fence');
-        expect(await outcome).toBeInstanceOf(LeaseLostError);
-        expect(await values(db)).toEqual(['initial', 'initial']);
-        await (next as Lease).release();
+        await releaseThenGrantWhileItGoesOn({ db, locks, lease, gate, outcome });
       });
     }
 
@@ -194,13 +214,7 @@ for (const { name, open } of drivers) {
         }),
       );
       await untilSleeping(db, () => pid);
-      await lease.release();
-      const next = await locks.acquire('L', { ttlMs: 60_000, waitMs: 5_000 }).catch((err: unknown) => err);
-      gate.open();
-      expect(next).toHaveProperty('fence');
-      expect(await outcome).toBeInstanceOf(LeaseLostError);
-      expect(await values(db)).toEqual(['initial', 'initial']);
-      await (next as Lease).release();
+      await releaseThenGrantWhileItGoesOn({ db, locks, lease, gate, outcome });
     });
 
     it('lost after the last statement of a claimed transaction, before it commits: it rejects with LeaseLostError, never "applied" with its write rolled back', async () => {
