@@ -249,8 +249,9 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
       await new Promise((r) => setTimeout(r, 50)); // the confirmation's reply is handled
       const pttl = await redis.pttl(keys.lock(name));
       expect(pttl).toBeLessThanOrEqual(5_000);
-      // The lease's estimate stays at or below what Redis holds, not the acquire's 60 s.
-      expect(lease.expiresAt).toBeLessThanOrEqual(performance.now() + pttl);
+      // The lease's estimate stays at or below what Redis holds, not the acquire's 60 s (PTTL counts whole
+      // ms, cut down: what Redis holds is below pttl + 1; CI once saw the estimate 0.01 ms above pttl).
+      expect(lease.expiresAt).toBeLessThanOrEqual(performance.now() + pttl + 1);
       expect(lease.signal.aborted).toBe(false);
       expect(await lease.release()).toBe('released');
     }
