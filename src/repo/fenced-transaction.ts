@@ -4,16 +4,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import {
-  assertSupportedDriver,
-  asThrown,
-  callerCode,
-  type Database,
-  driverOf,
-  int8,
-  isTransaction,
-  transaction,
-} from '../driver.js';
+import { assertSupportedDriver, asThrown, callerCode, type Database, int8, transaction } from '../driver.js';
 import {
   FenceNotIssuedError,
   InvalidArgumentError,
@@ -25,8 +16,8 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLockBounded, idleBoundSql, lostError, noteBounded } from './lock-scope.js';
-import { type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
+import { claimLockBounded, idleBoundSql, noteBounded } from './lock-scope.js';
+import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
 import type { FenceHolder } from './repository-api.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
@@ -99,7 +90,6 @@ export async function fencedTransaction<R>(
   let refusal: Refusal | undefined;
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
   const parent = on(db);
-  const ownsSession = parent === db && !isTransaction(db) && driverOf(db) !== 'pglite';
   const signals = list.map((l) => l.holder.signal);
   const refuse = (r: Refusal): never => {
     refusal = r;
@@ -117,12 +107,8 @@ export async function fencedTransaction<R>(
         }
       }
       // A lease lost while `fn` runs stops this transaction: a holder busy in here must not keep the
-      // register row past its lease (lost-lease.ts). Not inside a transaction of the caller's (theirs to
-      // stop), nor on PGlite (one connection).
-      stopper =
-        session && ownsSession
-          ? stopOnAbort(parent, tx, session, signals, () => lostOf(list) as Error) // (an abort: one is lost)
-          : undefined;
+      // register row past its lease (lost-lease.ts; not where `parent` is a transaction, joined or yours).
+      stopper = stopOnAbort(parent, tx, session, signals, () => lostOf(list) as Error); // (fired by an abort)
       const refusals: Refusal[] = [];
       let value: R;
       try {
@@ -141,7 +127,7 @@ export async function fencedTransaction<R>(
     // A lease lost: that is what the caller needs to hear — whatever failed once the transaction was
     // stopped for it (the function's own error included), and whatever of palisade's or the driver's
     // failed after (the idle timeout may end the session before the lease's local expiry fires).
-    const stopped = stopper?.disarm() === true;
+    const stopped = stopper?.disarm() ?? false;
     const lost = stopped || asThrown(err) === err ? lostOf(list) : undefined;
     throw lost ?? asThrown(err);
   }

@@ -4,14 +4,14 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, type Database, driverOf, int8, isTransaction, transaction } from '../driver.js';
-import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError, PalisadeError } from '../errors.js';
+import { assertSupportedDriver, type Database, int8, isTransaction, transaction } from '../driver.js';
+import { FenceNotIssuedError, InvalidArgumentError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
-import { type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
+import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Returning } from './statements.js';
@@ -200,14 +200,13 @@ export async function inClaim<R>(
   callerRuns = false,
 ): Promise<R> {
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
-  const ownsSession = callerRuns && !isTransaction(on) && driverOf(on) !== 'pglite';
   const lost = () => lostError(scope.signal, fence);
   try {
     return await transaction(on, async (tx) => {
       const { registered, session } = await claimLockBounded(tx, scope.lock, fence, scope.idleMs());
       noteBounded(tx, scope.lock);
       if (registered !== fence) return refused(registered);
-      stopper = ownsSession && session ? stopOnAbort(on, tx, session, [scope.signal], lost) : undefined;
+      if (callerRuns) stopper = stopOnAbort(on, tx, session, [scope.signal], lost);
       let value: R;
       try {
         value = await run(tx);
@@ -222,12 +221,6 @@ export async function inClaim<R>(
     // Stopped because the lease was lost: that is what the caller needs to hear.
     throw stopper?.disarm() ? lost() : err;
   }
-}
-
-/** @internal The error a lease lost while palisade worked for it comes out as: its signal's reason, if a PalisadeError. */
-export function lostError(signal: AbortSignal, fence: Fence): Error {
-  const reason: unknown = signal.reason;
-  return reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
 }
 
 /** @internal What a lock-scoped view needs of its repository: each write, optionally lock-scoped. */

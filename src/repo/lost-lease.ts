@@ -17,7 +17,9 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import { sql } from 'drizzle-orm';
-import { type Database, refuseStatements } from '../driver.js';
+import { type Database, driverOf, isTransaction, refuseStatements } from '../driver.js';
+import { LeaseLostError, PalisadeError } from '../errors.js';
+import type { Fence } from '../fencing/fence.js';
 import { prepared } from '../prepared.js';
 
 /**
@@ -65,8 +67,22 @@ export async function cancelStatement(db: Database, session: SessionOf): Promise
 const LOOK_EVERY_MS = 50;
 const MAX_LOOKS = 200;
 
+/** @internal The error a lease lost while palisade worked for it comes out as: its signal's reason, if a PalisadeError. */
+export function lostError(signal: AbortSignal, fence: Fence): Error {
+  const reason: unknown = signal.reason;
+  return reason instanceof PalisadeError ? reason : new LeaseLostError('(lease)', fence, 'its signal was aborted');
+}
+
+/** What {@link stopOnAbort} returns where nothing is armed. */
+const NOT_ARMED = { disarm: () => false };
+
 /**
- * @internal While armed, the first abort of any of `signals` refuses every
+ * @internal Where `db` is what a transaction palisade opens on `db` runs
+ * in, nothing is armed: inside a transaction (the outermost owns the
+ * session: stopping would fail the caller's own statements), and on PGlite
+ * (one connection), or when the first statement named no `session`.
+ *
+ * While armed, the first abort of any of `signals` refuses every
  * further statement on `tx` (with `reason()`), rolls it back after the
  * statement it runs (see `refuseStatements`) and cancels, from `db` (another
  * connection of its pool), each statement `session` runs until the
@@ -76,10 +92,11 @@ const MAX_LOOKS = 200;
 export function stopOnAbort(
   db: Database,
   tx: Database,
-  session: SessionOf,
+  session: SessionOf | undefined,
   signals: readonly AbortSignal[],
   reason: () => Error,
 ): { disarm(): boolean } {
+  if (session === undefined || isTransaction(db) || driverOf(db) === 'pglite') return NOT_ARMED;
   let armed = true;
   let fired = false;
   const look = async () => {
