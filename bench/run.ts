@@ -31,7 +31,7 @@ import { type RunMeta, renderMarkdown, runMeta } from './lib/results.js';
 import { benchDatabase, benchRedis, settleDatabase } from './lib/services.js';
 import { endToEnd } from './sections/end-to-end.js';
 import { fenceIssuance } from './sections/fence-issuance.js';
-import { growth, tombstonePurge } from './sections/growth.js';
+import { growth, liveLocks, tombstonePurge } from './sections/growth.js';
 import { handoff } from './sections/handoff.js';
 import { lockRoundTrips } from './sections/lock-round-trips.js';
 import { lockScope } from './sections/lock-scope.js';
@@ -48,6 +48,7 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
   { id: '5', title: 'Fence issuance', run: fenceIssuance },
   { id: '6', title: 'Memory', run: memory },
   { id: '7', title: 'Growth', run: growth },
+  { id: '7b', title: 'Growth: live lock names', run: liveLocks, part: true },
   { id: '7d', title: 'Growth: tombstone purge', run: tombstonePurge, part: true },
   { id: '8', title: 'Telemetry overhead', run: telemetry },
   { id: '9', title: 'Lock scope', run: lockScope },
