@@ -177,11 +177,30 @@ const isRollback = (query: unknown): boolean => {
   return typeof text === 'string' && /^rollback( to savepoint \w+)?$/i.test(text.trim());
 };
 
-/** A node-postgres `client` whose statements (but a rollback) reject, before they are sent, once `connection` is refused. */
+/**
+ * A node-postgres `client` whose statements (but a rollback) reject, before they are sent, once `connection` is refused.
+ * From then on what still goes out — `ROLLBACK AND CHAIN`, then the driver's rollbacks — goes once the statement before
+ * it settled: node-postgres deprecates queries sent to a client while another waits in its queue (pg 8.x warns once).
+ */
 function refusing(client: QueryClient, connection: Connection): QueryClient {
-  const query = (...args: unknown[]) =>
-    connection.refused && !isRollback(args[0]) ? rejected(connection.refused) : client.query(...args);
-  connection.rollback = () => (client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
+  // What the client was last handed: its promise (a callback-style call returns none, and is not waited for).
+  let last: unknown;
+  const send = (args: unknown[]) => {
+    last = client.query(...args);
+    return last;
+  };
+  const inTurn = (args: unknown[]) => {
+    const next = () => client.query(...args);
+    const before = typeof (last as PromiseLike<unknown>)?.then === 'function' ? last : undefined;
+    const result = Promise.resolve(before).then(next, next);
+    last = result;
+    return result;
+  };
+  const query = (...args: unknown[]) => {
+    if (!connection.refused) return send(args);
+    return isRollback(args[0]) ? inTurn(args) : rejected(connection.refused);
+  };
+  connection.rollback = () => inTurn([ROLLBACK_AND_CHAIN]).then(undefined, () => {});
   const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
   connections.set(proxy, connection);
   return proxy;
