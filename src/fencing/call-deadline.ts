@@ -14,11 +14,18 @@ import { SERVER_WAIT_GRACE_MS } from './options.js';
  * @internal Runs `run` and rejects with {@link CommandTimeoutError} if it
  * has not settled within `ms`. The work goes on where it is (a statement
  * already sent may still run): `abandoned` aborts at the deadline, so `run`
- * can stop before its next step. What it settles with afterwards is
- * dropped: a grant that lands late is the lock manager's to give back (it
- * releases the token of every attempt that failed).
+ * can stop before its next step. A value it resolves with afterwards goes
+ * to `onLate` (a grant that lands late: given back from there, after it
+ * landed — the lock manager's own give-back, sent at once, may reach the
+ * server before the grant does, on another connection); a late failure is
+ * dropped.
  */
-export function withinMs<T>(what: string, ms: number, run: (abandoned: AbortSignal) => Promise<T>): Promise<T> {
+export function withinMs<T>(
+  what: string,
+  ms: number,
+  run: (abandoned: AbortSignal) => Promise<T>,
+  onLate?: (value: T) => void,
+): Promise<T> {
   const abandoned = new AbortController();
   return new Promise<T>((resolve, reject) => {
     const deadline = atDeadline(performance.now() + ms, () => {
@@ -35,7 +42,7 @@ export function withinMs<T>(what: string, ms: number, run: (abandoned: AbortSign
     }
     work.then(
       (value) => {
-        if (abandoned.signal.aborted) return;
+        if (abandoned.signal.aborted) return onLate?.(value);
         cancelDeadline(deadline);
         resolve(value);
       },

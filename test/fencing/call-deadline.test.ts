@@ -2,8 +2,9 @@
  * withinMs, the client-side bound of the Postgres backends' calls: it
  * settles as the work does when the work is on time; at the deadline it
  * rejects with CommandTimeoutError and tells the work it was abandoned;
- * what the work settles with afterwards reaches nobody (a late grant is the
- * lock manager's to give back: test/fencing/postgres-frozen.test.ts).
+ * a value the work resolves with afterwards goes to `onLate` (where a late
+ * grant is given back: test/fencing/postgres-frozen.test.ts), a late error
+ * to nobody.
  */
 import { describe, expect, it } from 'vitest';
 import { CommandTimeoutError } from '../../src/errors.js';
@@ -45,6 +46,33 @@ describe('withinMs', () => {
     work.resolve('granted after all');
     await work.promise;
     await expect(call).rejects.toBe(err); // settled once, for good
+  });
+
+  it('a value after the deadline goes to onLate, once, and the call stays rejected', async () => {
+    const work = deferred<string>();
+    const late: string[] = [];
+    const call = withinMs(
+      'x',
+      5,
+      () => work.promise,
+      (value) => late.push(value),
+    );
+    await expect(call).rejects.toBeInstanceOf(CommandTimeoutError);
+    expect(late).toEqual([]);
+    work.resolve('granted after all');
+    await work.promise;
+    expect(late).toEqual(['granted after all']);
+    await expect(call).rejects.toBeInstanceOf(CommandTimeoutError);
+    // On time, onLate is not called.
+    await expect(
+      withinMs(
+        'y',
+        60_000,
+        async () => 'on time',
+        (value) => late.push(value),
+      ),
+    ).resolves.toBe('on time');
+    expect(late).toEqual(['granted after all']);
   });
 
   it('an error after the deadline reaches nobody (no unhandled rejection)', async () => {

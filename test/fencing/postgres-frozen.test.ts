@@ -14,7 +14,7 @@ import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
 import { CommandTimeoutError } from '../../src/errors.js';
 import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
-import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { postgresLockBackend, postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import type { TestDatabase } from '../support/databases.js';
 import { killAllWorkers, startWorker, type Worker } from '../support/processes.js';
@@ -123,6 +123,41 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
       await direct.end({ timeout: 5 });
     }
   });
+
+  it.runIf(kind === 'Postgres lease')(
+    'a late grant is given back once it lands, even when the give-back sent at once reached the server first',
+    async () => {
+      const backend = postgresLockBackend({
+        client: drizzle(client) as unknown as Database,
+        namespace,
+        listen: false,
+        ...BOUNDS,
+      });
+      const direct = postgres(test.url as string, { max: 1, onnotice: () => {} });
+      const directDb = drizzle(direct) as unknown as Database;
+      const directBackend = postgresLockBackend({ client: directDb, namespace, listen: false });
+      const other = postgresLockManager({ client: directDb, namespace, listen: false });
+      try {
+        // The one-time checks are done.
+        expect(await backend.grant('warm-up', 'warm-up', 1_000, null)).not.toBeNull();
+        expect(await backend.release('warm-up', 'warm-up')).toBe(true);
+        proxy.pause();
+        await expect(backend.grant('late', 'late-token', 600_000, null)).rejects.toBeInstanceOf(CommandTimeoutError);
+        // The lock manager's give-back, sent at once, reaches the server first (here: on a connection that
+        // answers) and finds nothing to release; the grant, still on its way, lands after it.
+        expect(await directBackend.release('late', 'late-token')).toBe(false);
+        proxy.resume();
+        // Were the late grant kept, its TTL (600 s) would outlast this wait.
+        const lease = await other.acquire('late', { ttlMs: 5_000, waitMs: 20_000 });
+        await lease.release();
+      } finally {
+        await other.close();
+        await backend.close();
+        await directBackend.close();
+        await direct.end({ timeout: 5 });
+      }
+    },
+  );
 
   it('tryAcquire and inspect fail with CommandTimeoutError', async () => {
     await leaseThenFreeze('held');

@@ -239,6 +239,14 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     }
   };
 
+  async function releaseToken(name: string, token: string): Promise<boolean> {
+    const payload = releasePayload(ns, name);
+    const rows = await bounded(name, 'release', () =>
+      prepared(db, 'palisade.leases.release', releaseSql).rows({ ns, name, token, payload, wait: lockTimeoutMs }),
+    );
+    return rows.length > 0;
+  }
+
   async function grantOnce(
     name: string,
     token: string,
@@ -276,8 +284,14 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
 
     grant(name, token, ttlMs, holder, grantOptions): Promise<Grant | null> {
       const wait = Math.max(MIN_GRANT_LOCK_WAIT_MS, Math.ceil(grantOptions?.waitMs ?? 0));
-      return withinMs('Postgres lease grant', wait + commandTimeoutMs, (abandoned) =>
-        grantOnce(name, token, ttlMs, holder, wait, abandoned),
+      return withinMs(
+        'Postgres lease grant',
+        wait + commandTimeoutMs,
+        (abandoned) => grantOnce(name, token, ttlMs, holder, wait, abandoned),
+        // Landed after its call failed: given back now that it is there.
+        (late) => {
+          if (late) void releaseToken(name, token).catch(() => {});
+        },
       );
     },
 
@@ -288,13 +302,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
       return rows.length > 0;
     },
 
-    async release(name, token) {
-      const payload = releasePayload(ns, name);
-      const rows = await bounded(name, 'release', () =>
-        prepared(db, 'palisade.leases.release', releaseSql).rows({ ns, name, token, payload, wait: lockTimeoutMs }),
-      );
-      return rows.length > 0;
-    },
+    release: (name, token) => releaseToken(name, token),
 
     async inspect(name): Promise<LockInfo | null> {
       const [row] = await bounded(name, 'inspect', () =>
