@@ -177,28 +177,92 @@ const isRollback = (query: unknown): boolean => {
   return typeof text === 'string' && /^rollback( to savepoint \w+)?$/i.test(text.trim());
 };
 
+/** A node-postgres Submittable (a `Query`, a cursor): the client calls its handlers as the statement goes. */
+interface Submittable {
+  submit(connection: unknown): void;
+  handleError?(err: unknown, connection: unknown): void;
+  handleReadyForQuery?(connection: unknown): void;
+}
+
+const lastCallback = (args: unknown[]) => {
+  const callback = args[args.length - 1];
+  return typeof callback === 'function' ? (callback as (...results: unknown[]) => unknown) : undefined;
+};
+const submittableIn = (args: unknown[]) =>
+  typeof (args[0] as Partial<Submittable> | null)?.submit === 'function' ? (args[0] as Submittable) : undefined;
+
+// Settles once the client is done with `query`: it hands a Submittable readyForQuery, or an error (after a
+// failed statement its readyForQuery goes to no query). Without either handler there is nothing to wait for.
+function finished(query: Submittable): Promise<void> {
+  return new Promise((resolve) => {
+    let hooked = false;
+    for (const key of ['handleReadyForQuery', 'handleError'] as const) {
+      const handle = query[key] as ((...a: unknown[]) => void) | undefined;
+      if (typeof handle !== 'function') continue;
+      hooked = true;
+      query[key] = function (this: unknown, ...a: unknown[]) {
+        resolve();
+        return handle.apply(this, a);
+      };
+    }
+    if (!hooked) resolve();
+  });
+}
+
 /**
- * A node-postgres `client` whose statements (but a rollback) reject, before they are sent, once `connection` is refused.
- * From then on what still goes out — `ROLLBACK AND CHAIN`, then the driver's rollbacks — goes once the statement before
- * it settled: node-postgres deprecates queries sent to a client while another waits in its queue (pg 8.x warns once).
+ * A node-postgres `client` whose statements (but a rollback) are refused, before they are sent, once `connection` is
+ * refused — each answered with the refusal in the form it was asked in (a rejected promise; its callback, or its
+ * Submittable's `handleError`, on the next tick, as node-postgres answers on a client it cannot query). From then on
+ * what still goes out — `ROLLBACK AND CHAIN`, then the driver's rollbacks — goes once the statement handed before it
+ * is done: node-postgres deprecates queries handed to a client while another waits in its queue (pg 8.x warns).
  */
 function refusing(client: QueryClient, connection: Connection): QueryClient {
-  // What the client was last handed: its promise (a callback-style call returns none, and is not waited for).
+  // The statement handed last, as something that settles once the client is done with it.
   let last: unknown;
+  const hand = (args: unknown[]): { result: unknown; done: unknown } => {
+    const callback = lastCallback(args);
+    if (callback) {
+      let done!: () => void;
+      const settled = new Promise<void>((resolve) => {
+        done = resolve;
+      });
+      const result = client.query(...args.slice(0, -1), (...results: unknown[]) => {
+        done();
+        return callback(...results);
+      });
+      return { result, done: settled };
+    }
+    const submittable = submittableIn(args);
+    const done = submittable ? finished(submittable) : undefined;
+    const result = client.query(...args);
+    return { result, done: done ?? result };
+  };
   const send = (args: unknown[]) => {
-    last = client.query(...args);
-    return last;
+    const { result, done } = hand(args);
+    last = done;
+    return result;
   };
   const inTurn = (args: unknown[]) => {
-    const next = () => client.query(...args);
-    const before = typeof (last as PromiseLike<unknown>)?.then === 'function' ? last : undefined;
-    const result = Promise.resolve(before).then(next, next);
-    last = result;
-    return result;
+    const go = () => hand(args).done;
+    const turn = Promise.resolve(typeof (last as PromiseLike<unknown>)?.then === 'function' ? last : undefined).then(
+      go,
+      go,
+    );
+    last = turn;
+    return turn;
+  };
+  const refuse = (args: unknown[], error: Error) => {
+    const callback = lastCallback(args);
+    if (callback) return void process.nextTick(callback, error);
+    const submittable = submittableIn(args);
+    if (!submittable) return rejected(error);
+    const at = (client as { connection?: unknown }).connection;
+    process.nextTick(() => submittable.handleError?.(error, at));
+    return submittable;
   };
   const query = (...args: unknown[]) => {
     if (!connection.refused) return send(args);
-    return isRollback(args[0]) ? inTurn(args) : rejected(connection.refused);
+    return isRollback(args[0]) ? inTurn(args) : refuse(args, connection.refused);
   };
   connection.rollback = () => inTurn([ROLLBACK_AND_CHAIN]).then(undefined, () => {});
   const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });

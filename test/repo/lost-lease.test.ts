@@ -429,3 +429,124 @@ describe.runIf(needs('DATABASE_URL'))(
     });
   },
 );
+
+/**
+ * node-postgres also takes a statement with a callback, or a Submittable (a cursor, a `Query`). A function that
+ * sends those on its transaction's client (drizzle's `tx.session.client`) must get the same stop: answered with
+ * the refusal in the form it asked in, and never a statement handed to a client while another waits in its queue.
+ */
+describe.runIf(needs('DATABASE_URL'))(
+  'node-postgres: a lost lease and statements sent as callbacks or Submittables',
+  () => {
+    let close = async () => {};
+    afterEach(async () => close());
+
+    /** A pool on a fresh database that counts statements handed to a client while another waited in its queue. */
+    async function spiedPool() {
+      const t = await nodePostgresDatabase({ max: 1 });
+      const pool = new pg.Pool({ connectionString: t.url, max: 2 });
+      pool.on('error', () => {});
+      const queued = { n: 0 };
+      pool.on('connect', (client) => {
+        const query = client.query.bind(client) as (...args: unknown[]) => unknown;
+        const queue = client as unknown as { _queryQueue: unknown[] };
+        (client as unknown as { query: typeof query }).query = (...args) => {
+          if (queue._queryQueue.length > 0) queued.n++;
+          return query(...args);
+        };
+      });
+      close = async () => {
+        // Bounded: a connection a hung call still holds would keep the pool's end waiting.
+        await Promise.race([pool.end(), sleep(5_000)]);
+        await t.close();
+      };
+      const db = drizzleNodePostgres(pool) as unknown as Database;
+      await migrate(db);
+      const openInTransaction = async () =>
+        Number(
+          (
+            await execute(
+              db,
+              sql`select count(*)::int as n from pg_stat_activity
+              where datname = current_database() and state like 'idle in transaction%'`,
+            )
+          )[0]?.n,
+        );
+      return { db, queued, openInTransaction };
+    }
+
+    // Bounded: a call that never settles (a statement the stop left unanswered) fails the test, not hangs it.
+    const settledWithin = (call: Promise<unknown>) =>
+      Promise.race([settled(call), sleep(10_000).then(() => 'still pending after 10 s')]);
+
+    const clientOf = (tx: Database) => (tx as unknown as { session: { client: pg.ClientBase } }).session.client;
+    const holder = (controller: AbortController) => ({ fence: toFence(1n), signal: controller.signal, lock: fakeLock });
+
+    /** `text` as a bare Submittable; `answer` settles with 'ready' or the error the client handed it. */
+    function submittable(text: string) {
+      let finish!: (v: unknown) => void;
+      const answer = new Promise<unknown>((resolve) => {
+        finish = resolve;
+      });
+      const query = {
+        submit: (connection: { query(text: string): void }) => connection.query(text),
+        handleRowDescription() {},
+        handleDataRow() {},
+        handleCommandComplete() {},
+        handleEmptyQuery() {},
+        handleError: (err: unknown) => finish(err),
+        handleReadyForQuery: () => finish('ready'),
+      };
+      return { query, answer };
+    }
+
+    for (const form of ['callback', 'Submittable'] as const) {
+      it(`a ${form} statement waiting behind a running one when the lease is lost: the stop's rollback waits its turn`, async () => {
+        const { db, queued, openInTransaction } = await spiedPool();
+        const controller = new AbortController();
+        const outcome = await settledWithin(
+          fencedTransaction(db, holder(controller), async (tx) => {
+            const client = clientOf(tx);
+            const running = client.query('select pg_sleep(0.5)').catch(() => {});
+            const waiting =
+              form === 'callback'
+                ? new Promise((resolve) => client.query('select 1', (err) => resolve(err ?? 'ok')))
+                : (() => {
+                    const s = submittable('select 1');
+                    client.query(s.query as unknown as pg.Submittable);
+                    return s.answer;
+                  })();
+            controller.abort();
+            await Promise.all([running, waiting]);
+          }),
+        );
+        expect(outcome).toBeInstanceOf(LeaseLostError);
+        expect(queued.n, 'statements handed to a client while another waited in its queue').toBe(0);
+        expect(await openInTransaction()).toBe(0);
+      });
+
+      it(`a ${form} statement sent after the loss is answered with LeaseLostError: the call settles, the connection goes back`, async () => {
+        const { db, openInTransaction } = await spiedPool();
+        const controller = new AbortController();
+        let answer: unknown;
+        const outcome = await settledWithin(
+          fencedTransaction(db, holder(controller), async (tx) => {
+            await execute(tx, sql`select 1`);
+            controller.abort();
+            const client = clientOf(tx);
+            if (form === 'callback')
+              answer = await new Promise((resolve) => client.query('select 2', (err) => resolve(err)));
+            else {
+              const s = submittable('select 2');
+              client.query(s.query as unknown as pg.Submittable);
+              answer = await s.answer;
+            }
+          }),
+        );
+        expect(answer).toBeInstanceOf(LeaseLostError);
+        expect(outcome).toBeInstanceOf(LeaseLostError);
+        expect(await openInTransaction()).toBe(0);
+      });
+    }
+  },
+);
