@@ -177,94 +177,94 @@ const isRollback = (query: unknown): boolean => {
   return typeof text === 'string' && /^rollback( to savepoint \w+)?$/i.test(text.trim());
 };
 
-/** A node-postgres Submittable (a `Query`, a cursor): the client calls its handlers as the statement goes. */
-interface Submittable {
-  submit(connection: unknown): void;
-  handleError?(err: unknown, connection: unknown): void;
-  handleReadyForQuery?(connection: unknown): void;
+/** What of a node-postgres `Client` the refusal reads (its own fields, stable across pg 8). */
+interface PgClientState {
+  /** Nothing runs on the client and nothing waits in its queue. */
+  readonly readyForQuery?: boolean;
+  readonly pipeline?: boolean;
+  readonly connection?: unknown;
+  /** `Client.Query`: how the client itself turns `query(config, values, callback)` into a statement. */
+  readonly constructor: { Query?: new (...args: unknown[]) => PgQuery };
+  once(event: 'drain' | 'end' | 'error', listener: () => void): unknown;
+  removeListener(event: 'drain' | 'end' | 'error', listener: () => void): unknown;
+}
+interface PgQuery {
+  readonly callback?: unknown;
+  handleError(err: unknown, connection: unknown): void;
 }
 
-const lastCallback = (args: unknown[]) => {
-  const callback = args[args.length - 1];
-  return typeof callback === 'function' ? (callback as (...results: unknown[]) => unknown) : undefined;
-};
-const submittableIn = (args: unknown[]) =>
-  typeof (args[0] as Partial<Submittable> | null)?.submit === 'function' ? (args[0] as Submittable) : undefined;
+/**
+ * A refused statement answered as node-postgres answers one on a client it cannot query: a Submittable, or a
+ * statement with a callback, through its `handleError` on the next tick; otherwise a rejected promise.
+ */
+function refusedStatement(client: PgClientState, args: unknown[], error: Error): unknown {
+  const [config, values, callback] = args;
+  const submittable = config !== null && typeof (config as { submit?: unknown })?.submit === 'function';
+  const Query = client.constructor.Query;
+  const query = submittable ? (config as PgQuery) : Query ? new Query(config, values, callback) : undefined;
+  if (submittable && !query?.callback) {
+    // As the client does: a function among the arguments is the Submittable's callback.
+    const given = typeof values === 'function' ? values : callback;
+    if (given) (config as { callback?: unknown }).callback = given;
+  }
+  if (!query || (!submittable && typeof query.callback !== 'function')) return rejected(error);
+  process.nextTick(() => query.handleError(error, client.connection));
+  return submittable ? query : undefined;
+}
 
-// Settles once the client is done with `query`: it hands a Submittable readyForQuery, or an error (after a
-// failed statement its readyForQuery goes to no query). Without either handler there is nothing to wait for.
-function finished(query: Submittable): Promise<void> {
-  return new Promise((resolve) => {
-    let hooked = false;
-    for (const key of ['handleReadyForQuery', 'handleError'] as const) {
-      const handle = query[key] as ((...a: unknown[]) => void) | undefined;
-      if (typeof handle !== 'function') continue;
-      hooked = true;
-      query[key] = function (this: unknown, ...a: unknown[]) {
-        resolve();
-        return handle.apply(this, a);
+/**
+ * `send()` once nothing runs on the node-postgres client and nothing waits in its queue (its `drain`), or at
+ * once where it cannot tell or the client is gone: a statement handed to a client while another waits in its
+ * queue is deprecated (pg 8.x warns, pg 9 drops it), and the client's `query_timeout` would drop it unsent.
+ */
+function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
+  return new Promise<T>((resolve, reject) => {
+    const now = () => {
+      try {
+        resolve(send());
+      } catch (err) {
+        reject(err);
+      }
+    };
+    const go = () => (client.readyForQuery === false && !client.pipeline ? wait() : now());
+    const wait = () => {
+      const off = () => {
+        client.removeListener('drain', onDrain);
+        client.removeListener('end', onGone);
+        client.removeListener('error', onGone);
       };
-    }
-    if (!hooked) resolve();
+      const onDrain = () => {
+        off();
+        go(); // another waiter may have sent first
+      };
+      // Gone: sent now, it is answered at once (not queryable).
+      const onGone = () => {
+        off();
+        now();
+      };
+      client.once('drain', onDrain);
+      client.once('end', onGone);
+      client.once('error', onGone);
+    };
+    go();
   });
 }
 
 /**
- * A node-postgres `client` whose statements (but a rollback) are refused, before they are sent, once `connection` is
- * refused — each answered with the refusal in the form it was asked in (a rejected promise; its callback, or its
- * Submittable's `handleError`, on the next tick, as node-postgres answers on a client it cannot query). From then on
- * what still goes out — `ROLLBACK AND CHAIN`, then the driver's rollbacks — goes once the statement handed before it
- * is done: node-postgres deprecates queries handed to a client while another waits in its queue (pg 8.x warns).
+ * A node-postgres `client` whose statements (but a rollback) are refused, before they are sent, once
+ * `connection` is refused — each answered with the refusal as the client answers on a connection it cannot
+ * query ({@link refusedStatement}). From then on what still goes out — `ROLLBACK AND CHAIN`, then the driver's
+ * rollbacks — goes once the client is idle ({@link whenIdle}). Until then every call passes through untouched.
  */
 function refusing(client: QueryClient, connection: Connection): QueryClient {
-  // The statement handed last, as something that settles once the client is done with it.
-  let last: unknown;
-  const hand = (args: unknown[]): { result: unknown; done: unknown } => {
-    const callback = lastCallback(args);
-    if (callback) {
-      let done!: () => void;
-      const settled = new Promise<void>((resolve) => {
-        done = resolve;
-      });
-      const result = client.query(...args.slice(0, -1), (...results: unknown[]) => {
-        done();
-        return callback(...results);
-      });
-      return { result, done: settled };
-    }
-    const submittable = submittableIn(args);
-    const done = submittable ? finished(submittable) : undefined;
-    const result = client.query(...args);
-    return { result, done: done ?? result };
-  };
-  const send = (args: unknown[]) => {
-    const { result, done } = hand(args);
-    last = done;
-    return result;
-  };
-  const inTurn = (args: unknown[]) => {
-    const go = () => hand(args).done;
-    const turn = Promise.resolve(typeof (last as PromiseLike<unknown>)?.then === 'function' ? last : undefined).then(
-      go,
-      go,
-    );
-    last = turn;
-    return turn;
-  };
-  const refuse = (args: unknown[], error: Error) => {
-    const callback = lastCallback(args);
-    if (callback) return void process.nextTick(callback, error);
-    const submittable = submittableIn(args);
-    if (!submittable) return rejected(error);
-    const at = (client as { connection?: unknown }).connection;
-    process.nextTick(() => submittable.handleError?.(error, at));
-    return submittable;
-  };
+  const state = client as unknown as PgClientState;
   const query = (...args: unknown[]) => {
-    if (!connection.refused) return send(args);
-    return isRollback(args[0]) ? inTurn(args) : refuse(args, connection.refused);
+    if (!connection.refused) return client.query(...args);
+    if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
+    return whenIdle(state, () => client.query(...args));
   };
-  connection.rollback = () => inTurn([ROLLBACK_AND_CHAIN]).then(undefined, () => {});
+  connection.rollback = () =>
+    whenIdle(state, () => client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
   const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
   connections.set(proxy, connection);
   return proxy;

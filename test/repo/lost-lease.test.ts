@@ -500,22 +500,39 @@ describe.runIf(needs('DATABASE_URL'))(
       return { query, answer };
     }
 
-    for (const form of ['callback', 'Submittable'] as const) {
-      it(`a ${form} statement waiting behind a running one when the lease is lost: the stop's rollback waits its turn`, async () => {
+    // Each form sends `text` and settles with what the client answered it (an error, or 'ok'), never rejects.
+    type Form = (client: pg.ClientBase, text: string) => Promise<unknown>;
+    const viaCallback =
+      (resolve: (v: unknown) => void) =>
+      (err: Error | null | undefined): void =>
+        resolve(err ?? 'ok');
+    const forms: Record<string, Form> = {
+      'a callback': (client, text) => new Promise((resolve) => client.query(text, viaCallback(resolve))),
+      'a callback in the config': (client, text) =>
+        new Promise((resolve) => client.query({ text, callback: viaCallback(resolve) } as unknown as string)),
+      // What a helper `(text, values?, cb?) => client.query(text, values, cb)` sends when called as (text, cb).
+      'a callback as the second of three arguments': (client, text) =>
+        new Promise((resolve) => (client.query as (...a: unknown[]) => unknown)(text, viaCallback(resolve), undefined)),
+      'a Submittable': (client, text) => {
+        const s = submittable(text);
+        client.query(s.query as unknown as pg.Submittable);
+        return s.answer;
+      },
+      // pg calls the Query's own callback; the extra one is ignored.
+      'a pg Query with its own callback': (client, text) =>
+        new Promise((resolve) =>
+          (client.query as (...a: unknown[]) => unknown)(new pg.Query(text, viaCallback(resolve)), () => {}),
+        ),
+    };
+    for (const [form, send] of Object.entries(forms)) {
+      it(`${form}, waiting behind a running statement when the lease is lost: the stop's rollback waits its turn`, async () => {
         const { db, queued, openInTransaction } = await spiedPool();
         const controller = new AbortController();
         const outcome = await settledWithin(
           fencedTransaction(db, holder(controller), async (tx) => {
             const client = clientOf(tx);
             const running = client.query('select pg_sleep(0.5)').catch(() => {});
-            const waiting =
-              form === 'callback'
-                ? new Promise((resolve) => client.query('select 1', (err) => resolve(err ?? 'ok')))
-                : (() => {
-                    const s = submittable('select 1');
-                    client.query(s.query as unknown as pg.Submittable);
-                    return s.answer;
-                  })();
+            const waiting = send(client, 'select 1');
             controller.abort();
             await Promise.all([running, waiting]);
           }),
@@ -525,7 +542,7 @@ describe.runIf(needs('DATABASE_URL'))(
         expect(await openInTransaction()).toBe(0);
       });
 
-      it(`a ${form} statement sent after the loss is answered with LeaseLostError: the call settles, the connection goes back`, async () => {
+      it(`${form}, sent after the loss: answered with LeaseLostError, the call settles, the connection goes back`, async () => {
         const { db, openInTransaction } = await spiedPool();
         const controller = new AbortController();
         let answer: unknown;
@@ -533,14 +550,7 @@ describe.runIf(needs('DATABASE_URL'))(
           fencedTransaction(db, holder(controller), async (tx) => {
             await execute(tx, sql`select 1`);
             controller.abort();
-            const client = clientOf(tx);
-            if (form === 'callback')
-              answer = await new Promise((resolve) => client.query('select 2', (err) => resolve(err)));
-            else {
-              const s = submittable('select 2');
-              client.query(s.query as unknown as pg.Submittable);
-              answer = await s.answer;
-            }
+            answer = await send(clientOf(tx), 'select 2');
           }),
         );
         expect(answer).toBeInstanceOf(LeaseLostError);
@@ -548,5 +558,67 @@ describe.runIf(needs('DATABASE_URL'))(
         expect(await openInTransaction()).toBe(0);
       });
     }
+
+    it("without a loss every form passes through untouched: results, the callback's this, a frozen Submittable", async () => {
+      const { db } = await spiedPool();
+      const seen: unknown[] = [];
+      const result = await fencedTransaction(db, holder(new AbortController()), async (tx) => {
+        const client = clientOf(tx);
+        for (const send of Object.values(forms)) seen.push(await send(client, 'select 1'));
+        const self = await new Promise((resolve) =>
+          client.query('select 1', function (this: unknown) {
+            resolve(this instanceof pg.Query);
+          }),
+        );
+        const frozen = submittable('select 1');
+        client.query(Object.freeze(frozen.query) as unknown as pg.Submittable);
+        return { self, frozen: await frozen.answer };
+      });
+      expect(seen).toEqual(['ok', 'ok', 'ok', 'ready', 'ok']);
+      expect(result).toEqual({ status: 'applied', value: { self: true, frozen: 'ready' } });
+    });
+
+    it("with the pool's query_timeout and no connection free to cancel from: the rollback still goes out once the statement ends", async () => {
+      const t = await nodePostgresDatabase({ max: 2 });
+      const pool = new pg.Pool({ connectionString: t.url, max: 1, query_timeout: 300 });
+      pool.on('error', () => {});
+      close = async () => {
+        await Promise.race([pool.end(), sleep(5_000)]);
+        await t.close();
+      };
+      const db = drizzleNodePostgres(pool) as unknown as Database;
+      await migrate(db);
+      const controller = new AbortController();
+      let inTransactionAfter = -1;
+      const outcome = await settledWithin(
+        fencedTransaction(db, holder(controller), async (tx) => {
+          // Handed to the client before the abort (drizzle's execute would reach it only a few ticks later).
+          const sleeping = clientOf(tx)
+            .query('select pg_sleep(1)')
+            .catch(() => {});
+          controller.abort();
+          await sleeping; // the client stopped waiting (query_timeout); the server still runs it
+          // The function goes on; its transaction must not (looked at from another pool, bounded): once the
+          // statement has ended, at most the empty transaction the rollback chained is left, until the driver's own.
+          const count = async (where: ReturnType<typeof sql>) =>
+            Number(
+              (
+                await execute(
+                  t.db,
+                  sql`select count(*)::int as n from pg_stat_activity where datname = current_database() and ${where}`,
+                )
+              )[0]?.n,
+            );
+          await until(async () => (await count(sql`query = 'select pg_sleep(1)' and state = 'active'`)) === 0);
+          for (let i = 0; i < 150; i++) {
+            inTransactionAfter = await count(sql`state like 'idle in transaction%' and query <> 'rollback and chain'`);
+            if (inTransactionAfter === 0) break;
+            await sleep(20);
+          }
+        }),
+      );
+      expect(outcome).toBeInstanceOf(LeaseLostError);
+      expect(inTransactionAfter).toBe(0);
+    });
   },
 );
