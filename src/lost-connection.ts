@@ -182,6 +182,9 @@ interface PgClientState {
   /** Nothing runs on the client and nothing waits in its queue. */
   readonly readyForQuery?: boolean;
   readonly pipeline?: boolean;
+  /** False once the connection failed; `_ending` once the client is being closed: it answers at once then. */
+  readonly _queryable?: boolean;
+  readonly _ending?: boolean;
   readonly connection?: unknown;
   /** `Client.Query`: how the client itself turns `query(config, values, callback)` into a statement. */
   readonly constructor: { Query?: new (...args: unknown[]) => PgQuery };
@@ -199,6 +202,8 @@ interface PgQuery {
  */
 function refusedStatement(client: PgClientState, args: unknown[], error: Error): unknown {
   const [config, values, callback] = args;
+  // What the client throws at once, queryable or not.
+  if (config === null || config === undefined) throw new TypeError('Client was passed a null or undefined query');
   const submittable = config !== null && typeof (config as { submit?: unknown })?.submit === 'function';
   const Query = client.constructor.Query;
   const query = submittable ? (config as PgQuery) : Query ? new Query(config, values, callback) : undefined;
@@ -207,10 +212,16 @@ function refusedStatement(client: PgClientState, args: unknown[], error: Error):
     const given = typeof values === 'function' ? values : callback;
     if (given) (config as { callback?: unknown }).callback = given;
   }
-  if (!query || (!submittable && typeof query.callback !== 'function')) return rejected(error);
+  if (!submittable && query && query.callback !== undefined && typeof query.callback !== 'function') {
+    throw new TypeError('callback is not a function');
+  }
+  if (!query || (!submittable && query.callback === undefined)) return rejected(error);
   process.nextTick(() => query.handleError(error, client.connection));
   return submittable ? query : undefined;
 }
+
+// How often a wait for the client to be idle looks at it again (see whenIdle).
+const LOOK_AGAIN_MS = 250;
 
 /**
  * `send()` once nothing runs on the node-postgres client and nothing waits in its queue (its `drain`), or at
@@ -226,9 +237,17 @@ function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
         reject(err);
       }
     };
-    const go = () => (client.readyForQuery === false && !client.pipeline ? wait() : now());
+    const busy = () =>
+      client.readyForQuery === false && !client.pipeline && client._queryable !== false && !client._ending;
+    const go = () => (busy() ? wait() : now());
     const wait = () => {
+      // Looked at again now and then too: a failure that left the client busy for good emits nothing more.
+      const again = setInterval(() => {
+        if (!busy()) onGone();
+      }, LOOK_AGAIN_MS);
+      again.unref();
       const off = () => {
+        clearInterval(again);
         client.removeListener('drain', onDrain);
         client.removeListener('end', onGone);
         client.removeListener('error', onGone);

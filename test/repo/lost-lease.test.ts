@@ -578,6 +578,32 @@ describe.runIf(needs('DATABASE_URL'))(
       expect(result).toEqual({ status: 'applied', value: { self: true, frozen: 'ready' } });
     });
 
+    it('after the loss a malformed call throws what node-postgres throws for it, queryable or not', async () => {
+      const { db } = await spiedPool();
+      const controller = new AbortController();
+      const thrown: unknown[] = [];
+      const outcome = await settledWithin(
+        fencedTransaction(db, holder(controller), async (tx) => {
+          await execute(tx, sql`select 1`);
+          controller.abort();
+          const query = clientOf(tx).query as (...a: unknown[]) => unknown;
+          for (const args of [[null], [{ text: 'select 1', callback: 5 }], ['select 1', [], 5]]) {
+            try {
+              query(...args);
+            } catch (err) {
+              thrown.push((err as Error).message);
+            }
+          }
+        }),
+      );
+      expect(outcome).toBeInstanceOf(LeaseLostError);
+      expect(thrown).toEqual([
+        'Client was passed a null or undefined query',
+        'callback is not a function',
+        'callback is not a function',
+      ]);
+    });
+
     it("with the pool's query_timeout and no connection free to cancel from: the rollback still goes out once the statement ends", async () => {
       const t = await nodePostgresDatabase({ max: 2 });
       const pool = new pg.Pool({ connectionString: t.url, max: 1, query_timeout: 300 });
