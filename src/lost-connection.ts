@@ -178,7 +178,7 @@ const isRollback = (query: unknown): boolean => {
 };
 
 /** What of a node-postgres `Client` the refusal reads (its own fields, stable across pg 8). */
-interface PgClientState {
+export interface PgClientState {
   /** Nothing runs on the client and nothing waits in its queue. */
   readonly readyForQuery?: boolean;
   readonly pipeline?: boolean;
@@ -204,31 +204,31 @@ function refusedStatement(client: PgClientState, args: unknown[], error: Error):
   const [config, values, callback] = args;
   // What the client throws at once, queryable or not.
   if (config === null || config === undefined) throw new TypeError('Client was passed a null or undefined query');
-  const submittable = config !== null && typeof (config as { submit?: unknown })?.submit === 'function';
-  const Query = client.constructor.Query;
-  const query = submittable ? (config as PgQuery) : Query ? new Query(config, values, callback) : undefined;
-  if (submittable && !query?.callback) {
+  if (typeof (config as { submit?: unknown }).submit === 'function') {
+    const submittable = config as PgQuery & { callback?: unknown };
     // As the client does: a function among the arguments is the Submittable's callback.
     const given = typeof values === 'function' ? values : callback;
-    if (given) (config as { callback?: unknown }).callback = given;
+    if (!submittable.callback && given) submittable.callback = given;
+    process.nextTick(() => submittable.handleError(error, client.connection));
+    return submittable;
   }
-  if (!submittable && query && query.callback !== undefined && typeof query.callback !== 'function') {
-    throw new TypeError('callback is not a function');
-  }
-  if (!query || (!submittable && query.callback === undefined)) return rejected(error);
+  const Query = client.constructor.Query;
+  const query = Query ? new Query(config, values, callback) : undefined;
+  if (query?.callback === undefined) return rejected(error);
+  if (typeof query.callback !== 'function') throw new TypeError('callback is not a function');
   process.nextTick(() => query.handleError(error, client.connection));
-  return submittable ? query : undefined;
+  return undefined;
 }
 
 // How often a wait for the client to be idle looks at it again (see whenIdle).
 const LOOK_AGAIN_MS = 250;
 
 /**
- * `send()` once nothing runs on the node-postgres client and nothing waits in its queue (its `drain`), or at
+ * @internal `send()` once nothing runs on the node-postgres client and nothing waits in its queue (its `drain`), or at
  * once where it cannot tell or the client is gone: a statement handed to a client while another waits in its
  * queue is deprecated (pg 8.x warns, pg 9 drops it), and the client's `query_timeout` would drop it unsent.
  */
-function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
+export function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
   return new Promise<T>((resolve, reject) => {
     const now = () => {
       try {
