@@ -42,6 +42,7 @@ import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { queuedPushes } from '../support/pg-queue.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
@@ -119,15 +120,9 @@ const pools = {
     const notices: string[] = [];
     const pool = new pg.Pool({ connectionString: url, max });
     pool.on('error', () => {});
-    const queued = { n: 0 };
+    const queued = queuedPushes(pool);
     pool.on('connect', (client) => {
       client.on('notice', (n) => notices.push(`${n.severity} ${n.code} ${n.message}`));
-      const query = client.query.bind(client) as (...args: unknown[]) => unknown;
-      const queue = client as unknown as { _queryQueue: unknown[] };
-      (client as unknown as { query: typeof query }).query = (...args) => {
-        if (queue._queryQueue.length > 0) queued.n++;
-        return query(...args);
-      };
     });
     return { db: drizzleNodePostgres(pool) as unknown as Database, notices, queued, end: () => pool.end() };
   },

@@ -27,6 +27,7 @@ import { cancelStatement, type SessionOf, sessionColumnsSql, sessionOf } from '.
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { nodePostgresDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { queuedPushes } from '../support/pg-queue.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
@@ -446,15 +447,7 @@ describe.runIf(needs('DATABASE_URL'))(
       const t = await nodePostgresDatabase({ max: 1 });
       const pool = new pg.Pool({ connectionString: t.url, max: 2 });
       pool.on('error', () => {});
-      const queued = { n: 0 };
-      pool.on('connect', (client) => {
-        const query = client.query.bind(client) as (...args: unknown[]) => unknown;
-        const queue = client as unknown as { _queryQueue: unknown[] };
-        (client as unknown as { query: typeof query }).query = (...args) => {
-          if (queue._queryQueue.length > 0) queued.n++;
-          return query(...args);
-        };
-      });
+      const queued = queuedPushes(pool);
       close = async () => {
         // Bounded: a connection a hung call still holds would keep the pool's end waiting.
         await Promise.race([pool.end(), sleep(5_000)]);
