@@ -621,7 +621,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
           type: 'fail',
           op: 'probe',
           lock: slot.lock,
-          reason: String((err as { code?: unknown }).code ?? err),
+          // The code and what it says: "lock_service" alone left a CI failure with nothing to go on.
+          reason: `${String((err as { code?: unknown }).code ?? 'error')}: ${err instanceof Error ? err.message : String(err)}`,
         });
       }
     };
@@ -630,6 +631,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       const r = new Redis(primary.port, '127.0.0.1', { commandTimeout: 2_000, maxRetriesPerRequest: 1 });
       r.on('error', () => {});
       try {
+        // Connected before the first probe: its wait of one TTL is for the lock, not for a connection on a loaded machine.
+        await r.ping().catch(() => {});
         for (const slot of slots) {
           const manager = redisLockManager({
             client: r,

@@ -8,12 +8,19 @@ import { atDeadline, cancelDeadline } from './deadlines.js';
 import type { LockManagerHooks } from './lock-manager.js';
 
 /**
- * @internal `work`, or a timeout error at `deadline` (a monotonic time). If
- * the work settles after the deadline, `onLate(value)` gets its value
- * (undefined if it failed) so a grant nobody waits for can be given back.
+ * @internal The work `start` begins, or a timeout error at `deadline` (a
+ * monotonic time). `start` gets `lift`: once called, the deadline no longer
+ * applies (the service answered and asked for work of its own, which the
+ * backend bounds). If the work settles after the deadline, `onLate(value)`
+ * gets its value (undefined if it failed) so a grant nobody waits for can be
+ * given back.
  */
-export function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T | undefined) => void): Promise<T> {
-  if (!Number.isFinite(deadline)) return work;
+export function bounded<T>(
+  start: (lift: () => void) => Promise<T>,
+  deadline: number,
+  onLate: (value: T | undefined) => void,
+): Promise<T> {
+  if (!Number.isFinite(deadline)) return start(noop);
   // One promise and one shared deadline (./deadlines.ts), not a race between two promises: this runs on every waiting attempt.
   return new Promise<T>((resolve, reject) => {
     let cut = false;
@@ -25,6 +32,18 @@ export function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T
       },
       true, // keepAlive: the cut-off must come even when nothing else keeps the process running
     );
+    const lift = () => {
+      if (!cut) cancelDeadline(timer);
+    };
+    let work: Promise<T>;
+    try {
+      work = start(lift);
+    } catch (err) {
+      // A backend that throws instead of rejecting: the same failure, and no timer left armed.
+      cancelDeadline(timer);
+      reject(err);
+      return;
+    }
     work.then(
       (value) => {
         if (cut) return onLate(value);
@@ -39,6 +58,8 @@ export function bounded<T>(work: Promise<T>, deadline: number, onLate: (value: T
     );
   });
 }
+
+const noop = (): void => {};
 
 /** @internal An attempt abandoned at the wait's deadline (it may still land: then it is given back). */
 export class AttemptCutShort extends Error {

@@ -50,6 +50,15 @@ export interface GrantOptions {
    * land later. Absent: 0.
    */
   readonly waitMs?: number;
+  /**
+   * Call it when the service has answered this attempt and asked for work
+   * before it can grant (Redis: a fence counter that needs a new epoch): the
+   * caller then no longer cuts the attempt short when its `waitMs` ends, so
+   * the work is not counted in `waitMs` and a slow step of it is not
+   * reported as an unreachable service. The backend must bound that work
+   * itself. A no-op where nobody cuts the attempt (`tryAcquire`).
+   */
+  readonly recovering?: () => void;
 }
 
 /**

@@ -130,7 +130,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     // The backend bounds its own server-side wait by what is left of waitMs (Postgres: lock_timeout).
     const waitMs = Math.max(0, deadline - sentAt);
     const grant = await bounded(
-      backend.grant(name, token, opts.ttlMs, opts.holder, { waiting, waitMs }),
+      (recovering) => backend.grant(name, token, opts.ttlMs, opts.holder, { waiting, waitMs, recovering }),
       cutAt,
       // A grant that lands after we gave up: give it back at once rather than let it sit for its TTL.
       (late) => {

@@ -25,6 +25,7 @@ import type { Lease } from '../../src/fencing/lease.js';
 import { hashTag, namespaceKeys, pauseAfter, redisScenario } from '../support/redis.js';
 import { startPrivateRedis } from '../support/redis-server.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 import { trackTimers } from '../support/timers.js';
 
 const REDIS_URL = process.env.REDIS_URL ?? '';
@@ -140,6 +141,21 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     await afterMove.release();
     expect(afterMove.fence).toBeGreaterThan(afterLoss.fence);
     expect(splitRedisFence(afterMove.fence).epoch).toBeGreaterThan(splitRedisFence(afterLoss.fence).epoch);
+  });
+
+  it('a new epoch that takes longer than waitMs is not counted in it: the acquire is granted, not called unreachable', async () => {
+    const { open, test } = await redisScenario(REDIS_URL);
+    // A slow Postgres (a loaded machine, a fresh connection): the epoch's nextval answers after waitMs has run out.
+    const gate = pauseAfter(test.db, 'nextval');
+    onTestFinished(gate.open);
+    const waitMs = 200;
+    const acquiring = open({ epochs: gate.db }).acquire('first', { ttlMs: 5_000, waitMs });
+    await gate.reached;
+    await sleep(2 * waitMs); // the attempt would have been cut short (and reported as Redis unreachable) by now
+    gate.open();
+    const lease = await acquiring;
+    expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(0n);
+    expect(await lease.release()).toBe('released');
   });
 
   it('never activates an epoch taken by a client that paused while the counter was lost and others went on', async () => {

@@ -69,6 +69,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     ttlMs: number,
     holder: string | null,
     waiting: boolean,
+    recovering: (() => void) | undefined,
   ): Promise<Grant | null> {
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
@@ -76,6 +77,8 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       if (reply.kind === 'granted') return { fence: reply.fence };
       if (reply.kind === 'busy') return null;
       if (performance.now() >= deadline) break;
+      // Redis answered: the new epoch is bounded by recoveryBudgetMs and the command timeouts, not by waitMs.
+      recovering?.();
       await recover(reply.reason, reply.observed);
     }
     throw new FenceSourceError('the Redis fence counter did not settle on a new epoch in time');
@@ -87,7 +90,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     // A grant that failed may still have run (a timeout, a dropped connection): the lock manager
     // gives back what it may have taken, and never sends that token again.
     grant: (name, token, ttlMs, holder, grantOptions) =>
-      grantOnce(name, token, ttlMs, holder, grantOptions?.waiting === true),
+      grantOnce(name, token, ttlMs, holder, grantOptions?.waiting === true, grantOptions?.recovering),
 
     extend: (name, token, ttlMs) => runExtend(run, keys, name, token, ttlMs),
 
