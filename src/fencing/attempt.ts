@@ -3,43 +3,71 @@
  * (worth another attempt, or the service's answer). The README's "Lock
  * managers" and "Errors" sections are the manual.
  */
+import { performance } from 'node:perf_hooks';
 import { LockServiceError, PalisadeError } from '../errors.js';
 import { atDeadline, cancelDeadline } from './deadlines.js';
 import type { LockManagerHooks } from './lock-manager.js';
 
 /**
+ * @internal Runs `work` with an attempt's cut-off paused: the time it takes
+ * is not counted against the deadline (the backend's `GrantOptions.recovering`).
+ */
+export type Pause = <R>(work: () => Promise<R>) => Promise<R>;
+
+/** After a pause, the attempt gets at least this long for the round trip that follows it. */
+const MIN_AFTER_PAUSE_MS = 100;
+
+/**
  * @internal The work `start` begins, or a timeout error at `deadline` (a
- * monotonic time). `start` gets `lift`: once called, the deadline no longer
- * applies (the service answered and asked for work of its own, which the
- * backend bounds). If the work settles after the deadline, `onLate(value)`
- * gets its value (undefined if it failed) so a grant nobody waits for can be
- * given back.
+ * monotonic time). `start` gets `pause`: the time of the work run through it
+ * moves the deadline later (the service answered and asked for work of its
+ * own, which the backend bounds), except that `signal` aborting during it
+ * ends the attempt at once. `onPaused(ms)` hears each pause's length. If the
+ * work settles after the deadline, `onLate(value)` gets its value (undefined
+ * if it failed) so a grant nobody waits for can be given back.
  */
 export function bounded<T>(
-  start: (lift: () => void) => Promise<T>,
+  start: (pause: Pause) => Promise<T>,
   deadline: number,
   onLate: (value: T | undefined) => void,
+  signal?: AbortSignal,
+  onPaused?: (ms: number) => void,
 ): Promise<T> {
-  if (!Number.isFinite(deadline)) return start(noop);
+  if (!Number.isFinite(deadline)) return start(unpaused);
   // One promise and one shared deadline (./deadlines.ts), not a race between two promises: this runs on every waiting attempt.
   return new Promise<T>((resolve, reject) => {
     let cut = false;
-    const timer = atDeadline(
-      deadline,
-      () => {
-        cut = true;
-        reject(new AttemptCutShort());
-      },
-      true, // keepAlive: the cut-off must come even when nothing else keeps the process running
-    );
-    const lift = () => {
-      if (!cut) cancelDeadline(timer);
+    let settled = false;
+    const fire = () => {
+      cut = true;
+      reject(new AttemptCutShort());
+    };
+    // keepAlive: the cut-off must come even when nothing else keeps the process running.
+    let timer = atDeadline(deadline, fire, true);
+    const pause: Pause = async (work) => {
+      if (cut || settled) return work();
+      cancelDeadline(timer);
+      const from = performance.now();
+      const stop = () => {
+        if (!cut && !settled) fire();
+      };
+      signal?.addEventListener('abort', stop, { once: true });
+      try {
+        return await work();
+      } finally {
+        signal?.removeEventListener('abort', stop);
+        const paused = performance.now() - from;
+        onPaused?.(paused);
+        deadline = Math.max(deadline + paused, performance.now() + MIN_AFTER_PAUSE_MS);
+        if (!cut && !settled) timer = atDeadline(deadline, fire, true);
+      }
     };
     let work: Promise<T>;
     try {
-      work = start(lift);
+      work = start(pause);
     } catch (err) {
       // A backend that throws instead of rejecting: the same failure, and no timer left armed.
+      settled = true;
       cancelDeadline(timer);
       reject(err);
       return;
@@ -47,11 +75,13 @@ export function bounded<T>(
     work.then(
       (value) => {
         if (cut) return onLate(value);
+        settled = true;
         cancelDeadline(timer);
         resolve(value);
       },
       (err: unknown) => {
         if (cut) return onLate(undefined);
+        settled = true;
         cancelDeadline(timer);
         reject(err);
       },
@@ -59,7 +89,7 @@ export function bounded<T>(
   });
 }
 
-const noop = (): void => {};
+const unpaused: Pause = (work) => work();
 
 /** @internal An attempt abandoned at the wait's deadline (it may still land: then it is given back). */
 export class AttemptCutShort extends Error {

@@ -51,14 +51,15 @@ export interface GrantOptions {
    */
   readonly waitMs?: number;
   /**
-   * Call it when the service has answered this attempt and asked for work
-   * before it can grant (Redis: a fence counter that needs a new epoch): the
-   * caller then no longer cuts the attempt short when its `waitMs` ends, so
-   * the work is not counted in `waitMs` and a slow step of it is not
-   * reported as an unreachable service. The backend must bound that work
-   * itself. A no-op where nobody cuts the attempt (`tryAcquire`).
+   * Run through it work that the service's answer asked for before it can
+   * grant (Redis: a fence counter that needs a new epoch). Its time is not
+   * counted in the acquire's `waitMs`, and the attempt is not cut short while
+   * it runs (only the acquire's `signal` ends it then), so a slow step of it
+   * is not reported as an unreachable service. The backend must bound that
+   * work itself. Runs the work as it is where nobody cuts the attempt
+   * (`tryAcquire`).
    */
-  readonly recovering?: () => void;
+  readonly recovering?: <R>(work: () => Promise<R>) => Promise<R>;
 }
 
 /**

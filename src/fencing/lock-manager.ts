@@ -125,10 +125,16 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     waiting: boolean,
     deadline: number,
     cutAt = Number.POSITIVE_INFINITY,
+    onPaused?: (ms: number) => void,
   ): Promise<Lease | null> {
-    const sentAt = performance.now();
+    let sentAt = performance.now();
     // The backend bounds its own server-side wait by what is left of waitMs (Postgres: lock_timeout).
     const waitMs = Math.max(0, deadline - sentAt);
+    // The grant that lands after the service's own work was sent after it: the lease's expiry counts from there.
+    const resent = (ms: number) => {
+      sentAt = performance.now();
+      onPaused?.(ms);
+    };
     const grant = await bounded(
       (recovering) => backend.grant(name, token, opts.ttlMs, opts.holder, { waiting, waitMs, recovering }),
       cutAt,
@@ -136,6 +142,8 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
       (late) => {
         if (late) backend.release(name, token).catch(() => {});
       },
+      opts.signal,
+      resent,
     );
     return grant ? leaseOf(name, opts, startedAt, token, grant, sentAt) : null;
   }
@@ -204,8 +212,13 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
 
   // One token across the attempts that get an answer: a backend with a fair order keeps the token's
   // place in its queue. After an attempt that failed, a new token (see giveBack).
-  async function acquireUntil(name: string, opts: CheckedOptions, deadline: number): Promise<Lease> {
+  async function acquireUntil(name: string, opts: CheckedOptions, waitUntil: number): Promise<Lease> {
     const startedAt = performance.now();
+    // Work the service asked for (a new Redis epoch) is not counted in waitMs: it moves the deadline.
+    let deadline = waitUntil;
+    const paused = (ms: number) => {
+      deadline += ms;
+    };
     let token = newToken();
     let queued = false;
     let unreachable: unknown;
@@ -224,12 +237,14 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
               ? Math.max(deadline + (hooks.waitGraceMs ?? 0), performance.now() + MIN_ATTEMPT_MS)
               : Infinity;
           lastSentAt = performance.now();
-          lease = await attempt(name, opts, startedAt, token, true, deadline, cutAt);
+          lease = await attempt(name, opts, startedAt, token, true, deadline, cutAt, paused);
           unreachable = undefined;
           answered = true;
         } catch (err) {
           giveBack(name, token);
           token = newToken();
+          // Aborted while the service's own work ran (the attempt ends at once then): the caller gave up.
+          if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
           // The service may come back (a restart, a connection not up yet): retry within the wait.
           if (!isUnreachable(err, hooks)) throw serviceError(hooks, backend.kind, err);
           unreachable = err;

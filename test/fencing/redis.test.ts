@@ -6,12 +6,15 @@
  */
 import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import {
   CommandTimeoutError,
   FenceSourceError,
   InvalidArgumentError,
   LeaseLostError,
+  LockServiceError,
   LockUnavailableError,
 } from '../../src/errors.js';
 import {
@@ -156,6 +159,57 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     const lease = await acquiring;
     expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(0n);
     expect(await lease.release()).toBe('released');
+  });
+
+  it('an abort while a new epoch is installed ends the acquire at once; the grant that lands later is given back', async () => {
+    const { manager, open, test } = await redisScenario(REDIS_URL);
+    const gate = pauseAfter(test.db, 'nextval');
+    onTestFinished(gate.open);
+    const stopped = new AbortController();
+    const waiting = open({ epochs: gate.db })
+      .acquire('aborted', { ttlMs: 30_000, waitMs: 30_000, signal: stopped.signal })
+      .catch((e: unknown) => e);
+    await gate.reached;
+    stopped.abort();
+    // Settled while the install is still stuck: the abort did not wait for it.
+    const err = await waiting;
+    expect(err).toBeInstanceOf(LockUnavailableError);
+    expect((err as LockUnavailableError).reason).toBe('aborted');
+    gate.open();
+    // The install finishes and its grant lands with nobody waiting: it is released, not left for its 30 s TTL.
+    let info = await manager.inspect('aborted');
+    for (let i = 0; i < 200 && info !== null; i++) {
+      await sleep(50);
+      info = await manager.inspect('aborted');
+    }
+    expect(info).toBeNull();
+  });
+
+  it('a lock register claim after a new epoch is still cut short at the end of waitMs (its database stuck)', async () => {
+    const { open, test } = await redisScenario(REDIS_URL);
+    // The claim's database has one connection, busy until the test ends: the claim waits in its queue.
+    const stuck = postgres(test.url ?? '', { max: 1, onnotice: () => {} });
+    onTestFinished(() => stuck.end({ timeout: 0 }));
+    stuck`select pg_sleep(600)`.execute().catch(() => {});
+    const manager = open({ claimRegisters: { db: drizzle(stuck) } });
+    // A fresh namespace: the grant takes a new epoch first, which lifts the cut-off only while it runs.
+    const err = await manager.acquire('claimed', { ttlMs: 5_000, waitMs: 300 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(LockServiceError);
+  });
+
+  it('a grant waits out an epoch install that another client abandoned, however long its placeholder lives', async () => {
+    const { manager, open, test } = await redisScenario(REDIS_URL);
+    const gate = pauseAfter(test.db, 'nextval');
+    onTestFinished(gate.open);
+    // Its placeholder lives 6 s (twice its command timeout): longer than the 200 rounds a grant once gave up after.
+    const stalled = open({ epochs: gate.db, commandTimeoutMs: 3_000 });
+    const stalledAcquire = stalled.acquire('a', { ttlMs: 5_000 }).catch((e: unknown) => e);
+    const abandoned = await gate.reached;
+    const lease = await manager.acquire('b', { ttlMs: 5_000, waitMs: 100 });
+    expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(abandoned);
+    expect(await stalledAcquire).toBeInstanceOf(CommandTimeoutError);
+    gate.open();
+    await lease.release();
   });
 
   it('never activates an epoch taken by a client that paused while the counter was lost and others went on', async () => {

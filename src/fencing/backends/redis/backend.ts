@@ -8,7 +8,7 @@
 import { createHash } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { FenceSourceError } from '../../../errors.js';
-import type { Grant, LockBackend } from '../../backend.js';
+import type { Grant, GrantOptions, LockBackend } from '../../backend.js';
 import { commandDeadline } from './command-deadline.js';
 import { epochRecovery } from './epochs.js';
 import { fenceOf, redisKeyNames } from './keys.js';
@@ -33,7 +33,10 @@ export type { RedisClient, RedisLockManagerOptions } from './options.js';
 export { REDIS_QUEUE_STALE_MS } from './scripts/grant.js';
 export { REDIS_HANDOFF_CONFIRM_MS, REDIS_HANDOFF_RECENT_MS } from './scripts/release.js';
 
-const MAX_GRANT_ROUNDS = 200;
+// The recovery budget (below) is what bounds a grant's rounds; this only stops a server whose answers
+// never change from spinning for all of it. 200 rounds used to end a wait for another client's
+// install after ~4 s (sleeps of 5–30 ms), before its placeholder could expire (up to 10 s).
+const MAX_GRANT_ROUNDS = 10_000;
 
 const SCRIPTS = [
   GRANT_SCRIPT,
@@ -69,7 +72,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     ttlMs: number,
     holder: string | null,
     waiting: boolean,
-    recovering: (() => void) | undefined,
+    recovering: GrantOptions['recovering'],
   ): Promise<Grant | null> {
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
@@ -78,8 +81,8 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       if (reply.kind === 'busy') return null;
       if (performance.now() >= deadline) break;
       // Redis answered: the new epoch is bounded by recoveryBudgetMs and the command timeouts, not by waitMs.
-      recovering?.();
-      await recover(reply.reason, reply.observed);
+      const { reason, observed } = reply;
+      await (recovering ? recovering(() => recover(reason, observed)) : recover(reason, observed));
     }
     throw new FenceSourceError('the Redis fence counter did not settle on a new epoch in time');
   }
