@@ -5,7 +5,7 @@
  */
 import { performance } from 'node:perf_hooks';
 import { LockServiceError, PalisadeError } from '../errors.js';
-import { atDeadline, cancelDeadline } from './deadlines.js';
+import { atDeadline, cancelDeadline, type Deadline } from './deadlines.js';
 import type { LockManagerHooks } from './lock-manager.js';
 
 /**
@@ -19,12 +19,13 @@ const MIN_AFTER_PAUSE_MS = 100;
 
 /**
  * @internal The work `start` begins, or a timeout error at `deadline` (a
- * monotonic time). `start` gets `pause`: the time of the work run through it
- * moves the deadline later (the service answered and asked for work of its
- * own, which the backend bounds), except that `signal` aborting during it
- * ends the attempt at once. `onPaused(ms)` hears each pause's length. If the
- * work settles after the deadline, `onLate(value)` gets its value (undefined
- * if it failed) so a grant nobody waits for can be given back.
+ * monotonic time). `start` gets `pause`: while work runs through it the
+ * deadline does not run, and it moves later by the time paused (overlapping
+ * pauses count once); from the first pause on, `signal` aborting ends the
+ * attempt at once, and a pause asked for after that fails, so the backend
+ * stops. `onPaused(ms)` hears each pause's end. If the work settles after
+ * the attempt ended, `onLate(value)` gets its value (undefined if it
+ * failed) so a grant nobody waits for can be given back.
  */
 export function bounded<T>(
   start: (pause: Pause) => Promise<T>,
@@ -33,33 +34,54 @@ export function bounded<T>(
   signal?: AbortSignal,
   onPaused?: (ms: number) => void,
 ): Promise<T> {
-  if (!Number.isFinite(deadline)) return start(unpaused);
+  if (!Number.isFinite(deadline) && signal === undefined) return start(unpaused);
   // One promise and one shared deadline (./deadlines.ts), not a race between two promises: this runs on every waiting attempt.
   return new Promise<T>((resolve, reject) => {
+    let ended = false; // cut short, or settled
     let cut = false;
-    let settled = false;
+    let timer: Deadline | undefined;
+    let pauses = 0;
+    let pausedAt = 0;
+    let listening = false;
+    const end = () => {
+      ended = true;
+      cancelDeadline(timer);
+      if (listening) signal?.removeEventListener('abort', fire);
+    };
     const fire = () => {
+      if (ended) return;
+      end();
       cut = true;
       reject(new AttemptCutShort());
     };
     // keepAlive: the cut-off must come even when nothing else keeps the process running.
-    let timer = atDeadline(deadline, fire, true);
+    const arm = () => {
+      if (Number.isFinite(deadline)) timer = atDeadline(deadline, fire, true);
+    };
+    arm();
     const pause: Pause = async (work) => {
-      if (cut || settled) return work();
-      cancelDeadline(timer);
-      const from = performance.now();
-      const stop = () => {
-        if (!cut && !settled) fire();
-      };
-      signal?.addEventListener('abort', stop, { once: true });
+      if (ended && !cut) return work(); // settled already: nothing to pause
+      if (signal?.aborted) fire();
+      if (cut) throw new AttemptCutShort(); // nobody waits: the backend stops here
+      if (signal && !listening) {
+        listening = true;
+        signal.addEventListener('abort', fire, { once: true });
+      }
+      if (pauses++ === 0) {
+        cancelDeadline(timer);
+        pausedAt = performance.now();
+      }
       try {
-        return await work();
+        const value = await work();
+        if (cut) throw new AttemptCutShort();
+        return value;
       } finally {
-        signal?.removeEventListener('abort', stop);
-        const paused = performance.now() - from;
-        onPaused?.(paused);
-        deadline = Math.max(deadline + paused, performance.now() + MIN_AFTER_PAUSE_MS);
-        if (!cut && !settled) timer = atDeadline(deadline, fire, true);
+        if (--pauses === 0 && !ended) {
+          const paused = performance.now() - pausedAt;
+          deadline = Math.max(deadline + paused, performance.now() + MIN_AFTER_PAUSE_MS);
+          arm();
+          onPaused?.(paused);
+        }
       }
     };
     let work: Promise<T>;
@@ -67,22 +89,19 @@ export function bounded<T>(
       work = start(pause);
     } catch (err) {
       // A backend that throws instead of rejecting: the same failure, and no timer left armed.
-      settled = true;
-      cancelDeadline(timer);
+      end();
       reject(err);
       return;
     }
     work.then(
       (value) => {
         if (cut) return onLate(value);
-        settled = true;
-        cancelDeadline(timer);
+        end();
         resolve(value);
       },
       (err: unknown) => {
         if (cut) return onLate(undefined);
-        settled = true;
-        cancelDeadline(timer);
+        end();
         reject(err);
       },
     );

@@ -212,12 +212,12 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
 
   // One token across the attempts that get an answer: a backend with a fair order keeps the token's
   // place in its queue. After an attempt that failed, a new token (see giveBack).
-  async function acquireUntil(name: string, opts: CheckedOptions, waitUntil: number): Promise<Lease> {
+  // `wait.until`: the wait's deadline. Work the service asked for (a new Redis epoch) is not counted
+  // in waitMs: it moves the deadline later, for every name of an acquireAll (they share `wait`).
+  async function acquireUntil(name: string, opts: CheckedOptions, wait: { until: number }): Promise<Lease> {
     const startedAt = performance.now();
-    // Work the service asked for (a new Redis epoch) is not counted in waitMs: it moves the deadline.
-    let deadline = waitUntil;
     const paused = (ms: number) => {
-      deadline += ms;
+      wait.until += ms;
     };
     let token = newToken();
     let queued = false;
@@ -234,10 +234,10 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           // a client that queues commands while offline must not stretch waitMs to its own timeout.
           const cutAt =
             opts.waitMs > 0
-              ? Math.max(deadline + (hooks.waitGraceMs ?? 0), performance.now() + MIN_ATTEMPT_MS)
+              ? Math.max(wait.until + (hooks.waitGraceMs ?? 0), performance.now() + MIN_ATTEMPT_MS)
               : Infinity;
           lastSentAt = performance.now();
-          lease = await attempt(name, opts, startedAt, token, true, deadline, cutAt, paused);
+          lease = await attempt(name, opts, startedAt, token, true, wait.until, cutAt, paused);
           unreachable = undefined;
           answered = true;
         } catch (err) {
@@ -253,7 +253,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           queued = false;
           return lease;
         }
-        const left = deadline - performance.now();
+        const left = wait.until - performance.now();
         if (left <= 0) {
           // A last attempt cut short after others were answered is a plain timeout, not an outage.
           const outage = unreachable !== undefined && !(answered && unreachable instanceof AttemptCutShort);
@@ -291,8 +291,8 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     async acquire(name, options) {
       const checked = checkLockName(name);
       const opts = checkOptions(options, DEFAULT_WAIT_MS);
-      const deadline = performance.now() + opts.waitMs;
-      return observeAcquire(backend.kind, checked, () => acquireUntil(checked, opts, deadline));
+      const wait = { until: performance.now() + opts.waitMs };
+      return observeAcquire(backend.kind, checked, () => acquireUntil(checked, opts, wait));
     },
 
     async tryAcquire(name, options) {
@@ -305,6 +305,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           return await attempt(checked, opts, now, token, false, now);
         } catch (err) {
           giveBack(checked, token);
+          if (opts.signal?.aborted) throw new LockUnavailableError(checked, 'aborted');
           throw serviceError(hooks, backend.kind, err);
         }
       });
@@ -336,11 +337,11 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         throw new InvalidArgumentError('acquireAll needs a non-empty array of names');
       const sorted = [...new Set(names.map(checkLockName))].sort(compareCodePoints);
       const opts = checkOptions(options, DEFAULT_WAIT_MS);
-      const deadline = performance.now() + opts.waitMs;
+      const wait = { until: performance.now() + opts.waitMs };
       const held: Lease[] = [];
       try {
         for (const name of sorted)
-          held.push(await observeAcquire(backend.kind, name, () => acquireUntil(name, opts, deadline)));
+          held.push(await observeAcquire(backend.kind, name, () => acquireUntil(name, opts, wait)));
         return held;
       } catch (err) {
         await Promise.allSettled(held.map((lease) => lease.release()));
