@@ -54,10 +54,11 @@ export interface GrantOptions {
    * Run through it work that the service's answer asked for before it can
    * grant (Redis: a fence counter that needs a new epoch). Its time is not
    * counted in the acquire's `waitMs`, and the attempt is not cut short while
-   * it runs (only the acquire's `signal` ends it then), so a slow step of it
-   * is not reported as an unreachable service. The backend must bound that
-   * work itself. Runs the work as it is where nobody cuts the attempt
-   * (`tryAcquire`).
+   * it runs, so a slow step of it is not reported as an unreachable
+   * service; the backend must bound that work itself. The acquire's `signal`
+   * still ends the attempt: then this rejects (at once, or when the work in
+   * progress ends) and the backend should stop. Only before the grant that
+   * takes the lock: the lease's expiry counts from the end of the last pause.
    */
   readonly recovering?: <R>(work: () => Promise<R>) => Promise<R>;
 }
