@@ -7,6 +7,8 @@ import { assertSupportedDriver, type Database, isTransaction } from '../driver.j
 import { FenceSourceError, InvalidArgumentError } from '../errors.js';
 import { claimLockWithin } from '../repo/lock-scope.js';
 import { forwardTo, type Grant, type LockBackend } from './backend.js';
+import { withinMs } from './call-deadline.js';
+import { checkCommandTimeout, POSTGRES_COMMAND_TIMEOUT_MS } from './options.js';
 
 /** The `claimRegisters` option of the lock managers. */
 export interface ClaimRegistersOption {
@@ -16,20 +18,34 @@ export interface ClaimRegistersOption {
    * resolves. Need not be the database of `epochs` or of the manager.
    */
   readonly db: Database;
+  /**
+   * How long a claim may go without an answer on the client beyond its wait
+   * for the register row, in ms (default 10,000, as the Postgres managers'
+   * `commandTimeoutMs`): then `CommandTimeoutError`, and the grant is given
+   * back. A connection that stops answering cancels nothing on the server.
+   */
+  readonly commandTimeoutMs?: number;
+}
+
+/** A checked {@link ClaimRegistersOption}. */
+interface CheckedClaim {
+  readonly db: Database;
+  readonly commandTimeoutMs: number;
 }
 
 /**
  * @internal Checks a `claimRegisters` option.
- * @throws {InvalidArgumentError} unless it is `{ db }` with a drizzle Postgres database (not a transaction).
+ * @throws {InvalidArgumentError} unless it is `{ db }` with a drizzle Postgres database (not a transaction),
+ *   and an optional `commandTimeoutMs` in 1 … 600,000.
  */
-export function checkClaimRegisters(value: unknown): ClaimRegistersOption | undefined {
+export function checkClaimRegisters(value: unknown): CheckedClaim | undefined {
   if (value === undefined) return undefined;
   if (value === null || typeof value !== 'object') throw new InvalidArgumentError('claimRegisters must be { db }');
-  const db = (value as { db?: unknown }).db;
+  const { db, commandTimeoutMs } = value as { db?: unknown; commandTimeoutMs?: unknown };
   assertSupportedDriver(db, 'claimRegisters.db');
   // A claim in a transaction would refuse no stale write until it commits, and none if it rolls back.
   if (isTransaction(db)) throw new InvalidArgumentError('claimRegisters.db must be the database, not a transaction');
-  return { db };
+  return { db, commandTimeoutMs: checkCommandTimeout(commandTimeoutMs, POSTGRES_COMMAND_TIMEOUT_MS) };
 }
 
 /**
@@ -41,7 +57,7 @@ export function checkClaimRegisters(value: unknown): ClaimRegistersOption | unde
  * lease could never write. Without `option`, `backend` as it is.
  * @throws {InvalidArgumentError} when the backend gives its leases no lock (no namespace).
  */
-export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOption | undefined): LockBackend {
+export function withEagerClaim(backend: LockBackend, option: CheckedClaim | undefined): LockBackend {
   if (option === undefined) return backend;
   const namespace = backend.namespace;
   if (namespace === undefined)
@@ -57,7 +73,12 @@ export function withEagerClaim(backend: LockBackend, option: ClaimRegistersOptio
     const lock = { kind: backend.kind, source: grant.source, namespace, name };
     let registered: bigint | null;
     try {
-      registered = await claimLockWithin(option.db, lock, grant.fence, waitMs / 2);
+      // Bounded on the client too, as the Postgres managers' calls are: a stuck connection (a frozen host,
+      // a connection pool with no free connection) hung tryAcquire, which no wait cuts short. A claim that
+      // lands later claims a fence nobody holds: every later grant's fence is above it.
+      registered = await withinMs('Postgres lock register claim', waitMs / 2 + option.commandTimeoutMs, () =>
+        claimLockWithin(option.db, lock, grant.fence, waitMs / 2),
+      );
     } catch (err) {
       // Not claimed, so not handed out: the lock frees now rather than at its TTL.
       await backend.release(name, token).catch(() => {});

@@ -6,10 +6,12 @@
  */
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
+import postgres from 'postgres';
 import { describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
-import { FenceSourceError, InvalidArgumentError, LockScopeError } from '../../src/errors.js';
+import { CommandTimeoutError, FenceSourceError, InvalidArgumentError, LockScopeError } from '../../src/errors.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
@@ -171,10 +173,38 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
       });
     });
 
+    it('a claim whose database stops answering ends on the client (CommandTimeoutError); the grant is given back', async () => {
+      await withRedis(async ({ epochs, redis }) => {
+        const namespace = uniqueNamespace('eager-stuck');
+        const fenced = await scenarioDatabase();
+        // The claim's database has one connection, busy until the test ends: as a frozen host, nothing answers.
+        const stuck = postgres(fenced.url ?? '', { max: 1, onnotice: () => {} });
+        try {
+          stuck`select pg_sleep(600)`.execute().catch(() => {});
+          const eager = redisLockManager({
+            client: redis,
+            namespace,
+            epochs,
+            claimRegisters: { db: drizzle(stuck), commandTimeoutMs: 300 },
+          });
+          // tryAcquire has no wait to cut it short: it hung here for as long as the connection did.
+          await expect(eager.tryAcquire('L', { ttlMs: 60_000 })).rejects.toBeInstanceOf(CommandTimeoutError);
+          await expect(eager.acquire('L', { ttlMs: 60_000, waitMs: 2_000 })).rejects.toBeInstanceOf(
+            CommandTimeoutError,
+          );
+          await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
+        } finally {
+          await stuck.end({ timeout: 0 });
+          await fenced.close();
+        }
+      });
+    });
+
     it('a bad claimRegisters is refused before anything runs', () => {
       const redis = new Redis(services.redis.url as string, { lazyConnect: true });
+      const lazyDb = drizzle(postgres('postgres://127.0.0.1:1/none')); // never connects: refused before any query
       try {
-        for (const bad of [null, {}, { db: 'postgres://x' }, 42]) {
+        for (const bad of [null, {}, { db: 'postgres://x' }, 42, { db: lazyDb, commandTimeoutMs: 0 }]) {
           expect(() =>
             redisLockManager({ client: redis, namespace: 'n', claimRegisters: bad as never, allowFreshCounter: true }),
           ).toThrow(InvalidArgumentError);
