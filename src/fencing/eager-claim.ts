@@ -76,7 +76,7 @@ export function withEagerClaim(backend: LockBackend, option: CheckedClaim | unde
       // Bounded on the client too, as the Postgres managers' calls are: a stuck connection (a frozen host,
       // a connection pool with no free connection) hung tryAcquire, which no wait cuts short. A claim that
       // lands later claims a fence nobody holds: every later grant's fence is above it.
-      registered = await withinMs('Postgres lock register claim', waitMs / 2 + option.commandTimeoutMs, () =>
+      registered = await withinMs('Postgres lock register claim', Math.ceil(waitMs / 2) + option.commandTimeoutMs, () =>
         claimLockWithin(option.db, lock, grant.fence, waitMs / 2),
       );
     } catch (err) {

@@ -253,13 +253,16 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           queued = false;
           return lease;
         }
-        const left = wait.until - performance.now();
-        if (left <= 0) {
-          // A last attempt cut short after others were answered is a plain timeout, not an outage.
+        // The wait is over: a timeout, or the outage its last attempt met. A last attempt cut short after
+        // others were answered is a plain timeout, not an outage.
+        const waitEnded = () => {
           const outage = unreachable !== undefined && !(answered && unreachable instanceof AttemptCutShort);
-          if (outage) throw serviceError(hooks, backend.kind, unreachable, opts.waitMs);
-          throw new LockUnavailableError(name, 'timeout');
-        }
+          return outage
+            ? serviceError(hooks, backend.kind, unreachable, opts.waitMs)
+            : new LockUnavailableError(name, 'timeout');
+        };
+        const left = wait.until - performance.now();
+        if (left <= 0) throw waitEnded();
         // Full jitter spreads retries (and, in a queue, refreshes our place);
         // a release notification cuts the wait short.
         const queuedRetry = hooks.queuedRetryMs;
@@ -267,7 +270,25 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           ? queuedRetry.min + Math.random() * (queuedRetry.max - queuedRetry.min)
           : Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
         if (backend.waitForTurn && backend.confirm) {
-          const handed = await backend.waitForTurn(name, Math.min(left, backoff), opts.signal, token);
+          const waitForTurn = backend.waitForTurn.bind(backend);
+          let handed: Grant | undefined;
+          try {
+            // Cut soon after the wait's end, as an attempt is: what a handover does besides waiting (an
+            // eager claim on a database that stopped answering) kept a waiter up to its timeout past
+            // waitMs. Not at the end itself, where a plain wait for a turn ends too.
+            handed = await bounded(
+              () => waitForTurn(name, Math.min(left, backoff), opts.signal, token),
+              Math.max(wait.until + (hooks.waitGraceMs ?? 0), performance.now()) + MIN_ATTEMPT_MS,
+              (late) => {
+                if (late) backend.release(name, token).catch(() => {});
+              },
+            );
+          } catch (err) {
+            if (!(err instanceof AttemptCutShort)) throw err;
+            queued = false;
+            giveBack(name, token);
+            throw waitEnded();
+          }
           // The lock was handed over to us: our wake-up is our grant, unless its confirmation window
           // (counted from our last grant call, sent before the release) is as good as over.
           if (handed && performance.now() < lastSentAt + (handed.confirmWithinMs ?? 0) / 2) {

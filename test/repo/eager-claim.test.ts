@@ -11,7 +11,13 @@ import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import { describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
-import { CommandTimeoutError, FenceSourceError, InvalidArgumentError, LockScopeError } from '../../src/errors.js';
+import {
+  CommandTimeoutError,
+  FenceSourceError,
+  InvalidArgumentError,
+  LockScopeError,
+  PalisadeError,
+} from '../../src/errors.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
@@ -197,6 +203,34 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
           await stuck.end({ timeout: 0 });
           await fenced.close();
         }
+      });
+    });
+
+    it("a lock handed over to a waiter whose claim gets no answer: the waiter still gives up at its wait's end", async () => {
+      await withRedis(async ({ epochs, redis }) => {
+        const namespace = uniqueNamespace('eager-handover');
+        const fenced = await scenarioDatabase();
+        const claimDb = postgres(fenced.url ?? '', { max: 1, onnotice: () => {} });
+        try {
+          // The claim may wait 10 minutes on the client: before the handover was cut at the wait's end,
+          // the waiter waited that long.
+          const eager = redisLockManager({
+            client: redis,
+            namespace,
+            epochs,
+            claimRegisters: { db: drizzle(claimDb), commandTimeoutMs: 600_000 },
+          });
+          const holder = await eager.acquire('L', { ttlMs: 60_000 });
+          const waiter = eager.acquire('L', { ttlMs: 60_000, waitMs: 1_500 }).catch((e: unknown) => e);
+          await sleep(300); // the waiter is in line, waiting for its turn
+          claimDb`select pg_sleep(600)`.execute().catch(() => {}); // from now on no claim is answered
+          await holder.release(); // hands the lock over to the waiter, whose claim then waits
+          expect(await waiter).toBeInstanceOf(PalisadeError);
+        } finally {
+          await claimDb.end({ timeout: 0 });
+        }
+        await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
+        await fenced.close();
       });
     });
 
