@@ -210,6 +210,9 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     backend.leave?.(name, token).catch(() => {});
   };
 
+  // Bound once, not per wait of every waiting acquire.
+  const waitForTurn = backend.waitForTurn?.bind(backend);
+
   // One token across the attempts that get an answer: a backend with a fair order keeps the token's
   // place in its queue. After an attempt that failed, a new token (see giveBack).
   // `wait.until`: the wait's deadline. Work the service asked for (a new Redis epoch) is not counted
@@ -269,8 +272,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
         const backoff = queuedRetry
           ? queuedRetry.min + Math.random() * (queuedRetry.max - queuedRetry.min)
           : Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
-        if (backend.waitForTurn && backend.confirm) {
-          const waitForTurn = backend.waitForTurn.bind(backend);
+        if (waitForTurn && backend.confirm) {
           let handed: Grant | undefined;
           try {
             // Cut soon after the wait's end, as an attempt is: what a handover does besides waiting (an

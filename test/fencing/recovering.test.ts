@@ -74,6 +74,19 @@ describe('work a backend runs through recovering() (its time not counted in wait
     expect(deadlineCounts(since).live).toBe(0);
   });
 
+  it("the lease's expiry counts from the end of the last pause: the grant that takes the lock is sent after it", async () => {
+    let pauseEnded = 0;
+    const { backend } = localBackend(async (_name, recovering) => {
+      await pauseFor(recovering, 400);
+      pauseEnded = performance.now();
+    });
+    const manager = createLockManager(backend);
+    // A TTL shorter than the pause: counted from the attempt's start, the lease would come back expired.
+    const lease = await manager.acquire('expiry', { ttlMs: 200, waitMs: 50 });
+    expect(lease.expiresAt).toBeGreaterThan(pauseEnded);
+    await lease.release();
+  });
+
   it('nested pauses: the outer one decides when the wait runs again', async () => {
     const { backend } = localBackend(async (_name, recovering) => {
       await recovering(async () => {
