@@ -23,7 +23,16 @@ import {
   REDIS_QUEUE_STALE_MS,
   splitRedisFence,
 } from '../../src/fencing/backends/redis/backend.js';
+import { commandDeadline } from '../../src/fencing/backends/redis/command-deadline.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
+import {
+  BUMP_EPOCH_SCRIPT,
+  INSTALL_EPOCH_SCRIPT,
+  runBumpEpoch,
+  runInstallEpoch,
+} from '../../src/fencing/backends/redis/scripts/epoch.js';
+import { REDIS_MIN_VERSION } from '../../src/fencing/backends/redis/scripts/identity.js';
+import { scriptRunner } from '../../src/fencing/backends/redis/scripts/script.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { hashTag, namespaceKeys, pauseAfter, redisScenario } from '../support/redis.js';
 import { startPrivateRedis } from '../support/redis-server.js';
@@ -139,11 +148,34 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(afterLoss.fence).toBeGreaterThan(before.fence);
 
     // As after a failover or a restart from a snapshot: the state is there, but another server wrote it.
-    await redis.hset(keys.fence, 'id', 'another-run/another-replid');
+    await redis.hset(keys.fence, 'id', 'another-replid');
     const afterMove = await manager.acquire('x', { ttlMs: 5_000 });
     await afterMove.release();
     expect(afterMove.fence).toBeGreaterThan(afterLoss.fence);
     expect(splitRedisFence(afterMove.fence).epoch).toBeGreaterThan(splitRedisFence(afterLoss.fence).epoch);
+  });
+
+  it('the data history is the primary’s replication id; a server older than the minimum version gets no epoch, and nothing is written', async () => {
+    const { manager, redis, keys } = await redisScenario(REDIS_URL);
+    await (await manager.acquire('x', { ttlMs: 5_000 })).release();
+    const replication = await redis.info('replication');
+    expect(await redis.hget(keys.fence, 'id')).toBe(/^master_replid:(\w+)/m.exec(replication)?.[1]);
+
+    const version = /^redis_version:([\d.]+)/m.exec(await redis.info('server'))?.[1] ?? '';
+    const [major = 0, minor = 0] = version.split('.').map(Number);
+    const run = scriptRunner(redis, [INSTALL_EPOCH_SCRIPT, BUMP_EPOCH_SCRIPT], commandDeadline(2_000));
+    const state = await redis.hgetall(keys.fence);
+    await redis.hset(keys.fence, 'id', 'another-replid'); // a new epoch is due
+    const foreign = await redis.hgetall(keys.fence);
+    for (const newer of [`${major}.${minor + 1}`, `${major + 1}.0`]) {
+      expect(await runInstallEpoch(run, keys, 'nonce', 5_000, newer)).toEqual(['OLD', version]);
+      expect(await runBumpEpoch(run, keys, state.epoch ?? '', newer)).toEqual(['OLD', version]);
+      expect(await redis.hgetall(keys.fence)).toEqual(foreign);
+    }
+    // The server's own major.minor, and anything older, is recent enough.
+    expect(await runInstallEpoch(run, keys, 'nonce', 5_000, `${major}.${minor}`)).toBe('INSTALLED');
+    expect(await runInstallEpoch(run, keys, 'nonce', 5_000, `${major - 1}.${minor + 9}`)).toBe('INSTALLED');
+    expect(await runInstallEpoch(run, keys, 'nonce', 5_000, REDIS_MIN_VERSION)).toBe('INSTALLED');
   });
 
   it('a new epoch that takes longer than waitMs is not counted in it: the acquire is granted, not called unreachable', async () => {
@@ -265,7 +297,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     const { epoch } = splitRedisFence(first.fence);
     expect(epoch).toBe(51n);
     await test.db.execute(sql`select setval('palisade.epoch_seq', 1)`); // as a restore of an older backup would
-    await redis.hset(keys.fence, 'id', 'another-run/another-replid'); // and the history changes: a new epoch is due
+    await redis.hset(keys.fence, 'id', 'another-replid'); // and the history changes: a new epoch is due
 
     const refused = await manager.acquire('r', { ttlMs: 5_000 }).catch((e: unknown) => e);
     expect(refused).toBeInstanceOf(FenceSourceError);
@@ -294,7 +326,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(second.fence).toBeGreaterThan(lease.fence);
     await second.release();
 
-    await redis.hset(keys.fence, 'id', 'another-run/another-replid');
+    await redis.hset(keys.fence, 'id', 'another-replid');
     await expect(strict.acquire('x', { ttlMs: 5_000 })).rejects.toBeInstanceOf(FenceSourceError);
     await strict.close();
     await fresh.close();

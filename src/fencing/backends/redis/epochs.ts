@@ -3,7 +3,7 @@
  * foreign or used up gets a new epoch above every fence it issued before.
  *
  * The fence state records the data history it was written on (see
- * ./scripts/identity.ts for why `run_id/master_replid` names one); the grant
+ * ./scripts/identity.ts for why `master_replid` names one); the grant
  * script issues a fence only from an active state of the current history
  * whose counter is not used up. Otherwise the client takes a new epoch:
  *
@@ -29,6 +29,7 @@ import type { Bounded } from './command-deadline.js';
 import { REDIS_MAX_EPOCH, type RedisKeyNames } from './keys.js';
 import type { CheckedRedisOptions } from './options.js';
 import { runActivateEpoch, runBumpEpoch, runInstallEpoch } from './scripts/epoch.js';
+import { REDIS_MIN_VERSION } from './scripts/identity.js';
 import type { RunScript } from './scripts/script.js';
 
 /**
@@ -80,6 +81,7 @@ export function epochRecovery(
     if (installed === 'ACTIVE') return;
     if (installed === 'WAIT') return sleep(jitter(5, 30));
     if (installed === 'REPLICA') throw replicaError();
+    if (isOld(installed)) throw oldServerError(installed[1]);
     if (installed !== 'INSTALLED') {
       throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
     }
@@ -104,6 +106,7 @@ export function epochRecovery(
     const bumped = await runBumpEpoch(run, keys, observed);
     if (bumped === 'EXHAUSTED') throw new FenceSourceError('the Redis fence counter has no epochs left');
     if (bumped === 'REPLICA') throw replicaError();
+    if (isOld(bumped)) throw oldServerError(bumped[1]);
     recordFenceSource('redis', 'new_epoch', 'redis');
   }
 
@@ -127,6 +130,14 @@ export function epochRecovery(
 function replicaError(): FenceSourceError {
   return new FenceSourceError(
     'the Redis server is not a primary (role is not master): a replica grants nothing, connect to the primary',
+  );
+}
+
+const isOld = (reply: unknown): reply is ['OLD', unknown] => Array.isArray(reply) && reply[0] === 'OLD';
+
+function oldServerError(version: unknown): FenceSourceError {
+  return new FenceSourceError(
+    `the Redis server is version ${String(version)}: palisade issues fences only on Redis ${REDIS_MIN_VERSION} or later, where a restart always changes the server's replication id (its data history)`,
   );
 }
 

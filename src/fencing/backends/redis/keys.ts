@@ -7,7 +7,7 @@
  *
  * - `{palisade:<ns>}:lock:<name>` — the lock: a string holding the owner token, with the TTL.
  * - `{palisade:<ns>}:grant:<name>` — what `inspect` shows: token, fence, holder, grant time (same TTL).
- * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, data history (`run_id/master_replid`).
+ * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, data history (`master_replid`).
  * - `{palisade:<ns>}:queue:<name>` — the waiters in line: a sorted set of token → place (1, 2, …).
  * - `{palisade:<ns>}:seen:<name>` — when each waiter last retried: token → Redis `TIME` in ms.
  * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here,

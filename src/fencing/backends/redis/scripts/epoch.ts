@@ -3,18 +3,21 @@
  * activate an epoch from Postgres, or bump the epoch without a durable floor.
  */
 import { REDIS_MAX_COUNTER_ARG, REDIS_MAX_EPOCH, type RedisKeyNames } from '../keys.js';
-import { IDENTITY_LUA } from './identity.js';
+import { IDENTITY_LUA, MIN_VERSION_LUA, REDIS_MIN_VERSION } from './identity.js';
 import type { LuaScript, RunScript } from './script.js';
 
 // Step 1 of a new epoch: a placeholder (state pending, epoch 0, the caller's
 // nonce), only over a missing, foreign (another history, another palisade
 // version) or used-up state. It keeps the epoch there as `floor`. While it
 // lives, no other client can install or activate anything here.
-// KEYS: fence state. ARGV: nonce, pending ttl ms, max counter.
-// Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (another client's placeholder) | REPLICA.
-const INSTALL_EPOCH_LUA = `${IDENTITY_LUA}
+// KEYS: fence state. ARGV: nonce, pending ttl ms, max counter, minimum Redis version.
+// Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (another client's placeholder) | REPLICA
+// | {'OLD', version} (a server too old for its history to be told apart; nothing written).
+const INSTALL_EPOCH_LUA = `${IDENTITY_LUA}${MIN_VERSION_LUA}
 local id = identity()
 if not id then return 'REPLICA' end
+local recent = recent_enough(ARGV[4])
+if recent ~= true then return {'OLD', recent} end
 local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id', 'nonce')
 if st[4] == id then
   if st[1] == 'active' and tonumber(st[3]) < tonumber(ARGV[3]) then return 'ACTIVE' end
@@ -51,11 +54,13 @@ redis.call('PERSIST', KEYS[1])
 return 'ACTIVE'
 `;
 
-// Without a durable floor. KEYS: fence state. ARGV: observed epoch ('' = was missing), max counter, max epoch.
-// Replies: ACTIVE | RETRY (the state changed meanwhile) | EXHAUSTED | REPLICA.
-const BUMP_EPOCH_LUA = `${IDENTITY_LUA}
+// Without a durable floor. KEYS: fence state. ARGV: observed epoch ('' = was missing), max counter, max epoch,
+// minimum Redis version. Replies: ACTIVE | RETRY (the state changed meanwhile) | EXHAUSTED | REPLICA | {'OLD', version}.
+const BUMP_EPOCH_LUA = `${IDENTITY_LUA}${MIN_VERSION_LUA}
 local id = identity()
 if not id then return 'REPLICA' end
+local recent = recent_enough(ARGV[4])
+if recent ~= true then return {'OLD', recent} end
 local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id')
 local epoch
 if ARGV[1] == '' then
@@ -74,27 +79,32 @@ return 'ACTIVE'
 
 /** @internal */
 export const INSTALL_EPOCH_SCRIPT: LuaScript = {
-  name: 'palisadeInstallEpochV2',
+  name: 'palisadeInstallEpochV3',
   lua: INSTALL_EPOCH_LUA,
   numberOfKeys: 1,
 };
 /** @internal */
 export const ACTIVATE_EPOCH_SCRIPT: LuaScript = {
-  name: 'palisadeActivateEpochV2',
+  name: 'palisadeActivateEpochV3',
   lua: ACTIVATE_EPOCH_LUA,
   numberOfKeys: 1,
 };
 /** @internal */
-export const BUMP_EPOCH_SCRIPT: LuaScript = { name: 'palisadeBumpEpochV2', lua: BUMP_EPOCH_LUA, numberOfKeys: 1 };
+export const BUMP_EPOCH_SCRIPT: LuaScript = { name: 'palisadeBumpEpochV3', lua: BUMP_EPOCH_LUA, numberOfKeys: 1 };
 
-/** @internal Step 1: the reply, one of INSTALLED, ACTIVE, WAIT, REPLICA (anything else is unexpected). */
+/**
+ * @internal Step 1: the reply, one of INSTALLED, ACTIVE, WAIT, REPLICA, or
+ * `['OLD', version]` for a server older than `minVersion` (anything else is
+ * unexpected).
+ */
 export async function runInstallEpoch(
   run: RunScript,
   keys: RedisKeyNames,
   nonce: string,
   pendingTtlMs: number,
+  minVersion = REDIS_MIN_VERSION,
 ): Promise<unknown> {
-  return run(INSTALL_EPOCH_SCRIPT, [keys.fence, nonce, pendingTtlMs, REDIS_MAX_COUNTER_ARG]);
+  return run(INSTALL_EPOCH_SCRIPT, [keys.fence, nonce, pendingTtlMs, REDIS_MAX_COUNTER_ARG, minVersion]);
 }
 
 /** @internal Step 3: the reply, one of ACTIVE, GONE, BEHIND. */
@@ -107,7 +117,12 @@ export async function runActivateEpoch(
   return run(ACTIVATE_EPOCH_SCRIPT, [keys.fence, nonce, epoch.toString(), REDIS_MAX_COUNTER_ARG]);
 }
 
-/** @internal Without a floor: the reply, one of ACTIVE, RETRY, EXHAUSTED, REPLICA. */
-export async function runBumpEpoch(run: RunScript, keys: RedisKeyNames, observed: string): Promise<unknown> {
-  return run(BUMP_EPOCH_SCRIPT, [keys.fence, observed, REDIS_MAX_COUNTER_ARG, REDIS_MAX_EPOCH.toString()]);
+/** @internal Without a floor: the reply, one of ACTIVE, RETRY, EXHAUSTED, REPLICA, `['OLD', version]`. */
+export async function runBumpEpoch(
+  run: RunScript,
+  keys: RedisKeyNames,
+  observed: string,
+  minVersion = REDIS_MIN_VERSION,
+): Promise<unknown> {
+  return run(BUMP_EPOCH_SCRIPT, [keys.fence, observed, REDIS_MAX_COUNTER_ARG, REDIS_MAX_EPOCH.toString(), minVersion]);
 }

@@ -144,7 +144,7 @@ return {'OK', st[2], counter}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV6', lua: GRANT_LUA, numberOfKeys: 5 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV7', lua: GRANT_LUA, numberOfKeys: 5 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or

@@ -1,41 +1,62 @@
 /**
- * The Lua function every script that issues or installs fences starts with:
- * the data history the server's keys belong to.
+ * The Lua functions every script that issues or installs fences starts with:
+ * the data history the server's keys belong to, and whether the server is
+ * recent enough for that history to be told apart by it.
  */
 
 // The data history the server's keys belong to, as the script sees it (never
-// a client's cached value): `run_id/master_replid`, or false unless the
-// server is a primary. Why this names a history, not a process:
+// a client's cached value): `master_replid`, or false unless the server is a
+// primary. Why this names a history:
 // - the fence state only ever changes forward on one primary's dataset
 //   (HINCRBY), so a state whose id is the current identity was written on
 //   the dataset the server holds now, with every fence it ever issued;
-// - a dataset is replaced or forked only by a restart (a new process:
-//   run_id changes, even when it reloads an older RDB/AOF), by a flush (the
-//   state is gone) or by replication: a server that follows another (full or
-//   partial resync) takes its primary's master_replid and, being a replica,
-//   grants nothing (role check: a replica reports its primary's replid, and
-//   even a writable replica's keys are not its primary's); a promotion —
-//   failover, failback, REPLICAOF NO ONE — draws a new random master_replid;
-// - so the old primary of a failback (same process, same run_id, but R's
-//   dataset after the resync and a new replid after its promotion) and a
-//   promoted replica (its primary's state, its own run_id) both see a
-//   foreign id and take a new epoch.
+// - a dataset is replaced or forked only by a restart, by a flush (the
+//   state is gone) or by replication. A primary draws a new random
+//   master_replid at every start, even one that reloads an older RDB or AOF
+//   (Redis ≥ 6.2 restores the id it saved only on a replica, and a primary's
+//   only as master_replid2 — see MIN_VERSION_LUA). A server that follows
+//   another (full or partial resync) takes its primary's master_replid and,
+//   being a replica, grants nothing (role check: a replica reports its
+//   primary's replid, and even a writable replica's keys are not its
+//   primary's); a promotion — failover, failback, REPLICAOF NO ONE — draws
+//   a new master_replid;
+// - so the old primary of a failback (same process, R's dataset after the
+//   resync and a new replid after its promotion), a promoted replica (its
+//   primary's state) and a restarted primary all see a foreign id and take a
+//   new epoch.
 // Not covered: an in-place reload (DEBUG RELOAD of an older file) and hand
-// edits of palisade's keys keep the identity. Two INFO sections (Redis 6
-// has no multi-section INFO); the lock and queue paths never call it.
-/** @internal Lua: `identity()` → `run_id/master_replid`, or false on a replica. */
+// edits of palisade's keys keep the identity. `INFO server` (run_id) is not
+// read on the grant path: it cost a grant about a third of its server time.
+/** @internal Lua: `identity()` → `master_replid`, or false on a replica. */
 export const IDENTITY_LUA = `
 local function identity()
   local replication = redis.call('INFO', 'replication')
   if not string.find(replication, 'role:master', 1, true) then return false end
-  local server = redis.call('INFO', 'server')
-  -- Plain finds, then a match anchored where the value starts: a pattern scan of the whole INFO text
-  -- cost three times both INFO calls together.
+  -- A plain find, then a match anchored where the value starts: a pattern scan of the whole INFO text costs more.
   local r = string.find(replication, 'master_replid:', 1, true)
-  local s = string.find(server, 'run_id:', 1, true)
-  local replid = r and string.match(replication, '^%x+', r + 14)
-  local run = s and string.match(server, '^%x+', s + 7)
-  if not replid or not run then return false end
-  return run .. '/' .. replid
+  return r and string.match(replication, '^%x+', r + 14) or false
+end
+`;
+
+/** The oldest Redis (`redis_version`, major.minor) that palisade issues fences on. */
+export const REDIS_MIN_VERSION = '6.2';
+
+// Whether the server is at least ARGV-given `major.minor`: an older one may
+// restore a primary's master_replid from its RDB at start (4.0.0 did), so a
+// restart that reloads an older file could keep the identity. Checked only
+// where a fence state gets its id (a new epoch), so every state a grant
+// issues from was written on a server that passed it.
+/** @internal Lua: `recent_enough(min)` → true, or the server's version string. */
+export const MIN_VERSION_LUA = `
+local function recent_enough(min)
+  local server = redis.call('INFO', 'server')
+  local s = string.find(server, 'redis_version:', 1, true)
+  local version = s and string.match(server, '^[%d.]+', s + 14) or '?'
+  local major, minor = string.match(version, '^(%d+)%.(%d+)')
+  local want_major, want_minor = string.match(min, '^(%d+)%.(%d+)')
+  if not major then return version end
+  major, minor, want_major, want_minor = tonumber(major), tonumber(minor), tonumber(want_major), tonumber(want_minor)
+  if major > want_major or (major == want_major and minor >= want_minor) then return true end
+  return version
 end
 `;

@@ -99,7 +99,7 @@ return 'LEFT'
 `;
 
 /** @internal */
-export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV5', lua: RELEASE_LUA, numberOfKeys: 5 };
+export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV6', lua: RELEASE_LUA, numberOfKeys: 5 };
 /** @internal */
 export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV2', lua: LEAVE_LUA, numberOfKeys: 4 };
 
