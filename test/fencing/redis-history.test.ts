@@ -2,6 +2,7 @@ import type { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { FenceSourceError } from '../../src/errors.js';
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
+import { toFence } from '../../src/fencing/fence.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { connect, pauseAfter, type RedisScenario, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
@@ -223,6 +224,65 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       expect(outcome).toBeInstanceOf(FenceSourceError);
       expect(await clients[1].exists(redisKeyNames(s.namespace).lock('job'))).toBe(0);
       expect(max(await grants(viaP, 'job', 1))).toBeGreaterThan(max(fences));
+    });
+
+    it('a writable replica whose INFO shows role:master on another line (its primary host’s name) still grants nothing', async () => {
+      const s = await redisScenario(REDIS_URL);
+      const p = await startPrivateRedis(PROMPT_SYNC);
+      const r = await startPrivateRedis(['--replicaof', '127.0.0.1', String(p.port), '--replica-read-only', 'no']);
+      const clients = [connect(p.url), connect(r.url)] as const;
+      const [viaP, viaR] = [s.open({ client: clients[0] }), s.open({ client: clients[1] })];
+      onTestFinished(async () => {
+        for (const m of [viaP, viaR]) await m.close();
+        for (const c of clients) c.disconnect();
+        await Promise.all([p.stop(), r.stop()]);
+      });
+
+      const fences = await grants(viaP, 'job', 3);
+      await inSync(clients[1], clients[0], redisKeyNames(s.namespace).fence);
+      // R follows a "host" named role:master: cut off from P, it keeps P's replication id and a lagging counter.
+      await clients[1].call('REPLICAOF', 'role:master', '6379');
+      expect(await replication(clients[1], 'master_host')).toBe('role:master');
+      fences.push(...(await grants(viaP, 'job', 3)));
+      expect(await replication(clients[1], 'master_replid')).toBe(await replication(clients[0], 'master_replid'));
+
+      const outcome = await viaR.tryAcquire('job', { ttlMs: 5_000 }).catch((e: unknown) => e);
+      expect(outcome).toBeInstanceOf(FenceSourceError);
+      expect(await clients[1].exists(redisKeyNames(s.namespace).lock('job'))).toBe(0);
+    });
+
+    it('a replica announcing an address that reads like a master_replid line does not change its primary’s history', async () => {
+      const s = await redisScenario(REDIS_URL);
+      const p = await startPrivateRedis(PROMPT_SYNC);
+      // A first replica: attaching it makes P draw a new replication id (its backlog starts); later ones do not.
+      const first = await startPrivateRedis([...PROMPT_SYNC, '--replicaof', '127.0.0.1', String(p.port)]);
+      const client = connect(p.url);
+      const manager = s.open({ client });
+      onTestFinished(async () => {
+        await manager.close();
+        client.disconnect();
+        await Promise.all([p.stop(), first.stop()]);
+      });
+      for (let i = 0; i < 250 && !(await client.info('replication')).includes('slave0:'); i++) await sleep(20);
+      const before = await grants(manager, 'job', 1);
+      const r = await startPrivateRedis([
+        '--replicaof',
+        '127.0.0.1',
+        String(p.port),
+        '--replica-announce-ip',
+        'master_replid:0123456789abcdef',
+      ]);
+      onTestFinished(() => r.stop());
+      for (let i = 0; i < 250 && !(await client.info('replication')).includes('ip=master_replid:'); i++)
+        await sleep(20);
+      expect(await client.info('replication')).toContain('ip=master_replid:0123456789abcdef');
+
+      const after = await grants(manager, 'job', 1);
+      expect(splitRedisFence(toFence(max(after))).epoch).toBe(splitRedisFence(toFence(max(before))).epoch); // the same history
+      expect(max(after)).toBeGreaterThan(max(before));
+      expect(await client.hget(redisKeyNames(s.namespace).fence, 'id')).toBe(
+        await replication(client, 'master_replid'),
+      );
     });
   },
 );

@@ -14,16 +14,18 @@
 //   state is gone) or by replication. A primary draws a new random
 //   master_replid at every start, even one that reloads an older RDB or AOF
 //   (Redis ≥ 6.2 restores the id it saved only on a replica, and a primary's
-//   only as master_replid2 — see MIN_VERSION_LUA). A server that follows
-//   another (full or partial resync) takes its primary's master_replid and,
-//   being a replica, grants nothing (role check: a replica reports its
-//   primary's replid, and even a writable replica's keys are not its
-//   primary's); a promotion — failover, failback, REPLICAOF NO ONE — draws
-//   a new master_replid;
-// - so the old primary of a failback (same process, R's dataset after the
-//   resync and a new replid after its promotion), a promoted replica (its
-//   primary's state) and a restarted primary all see a foreign id and take a
-//   new epoch.
+//   only as master_replid2 — see MIN_VERSION_LUA). A promotion — failover,
+//   failback, REPLICAOF NO ONE — draws a new one too;
+// - a replica reports its primary's master_replid, and its copy of the
+//   fence state (behind the primary's when it lags) carries that very id:
+//   the role check alone keeps it from granting, writable or not. So the
+//   role is read from the section's first line, and the id from the last
+//   master_replid line: the lines between carry text an operator or a
+//   replica chose (a primary's host name, a replica's announced address),
+//   which could otherwise pass for either;
+// - so the old primary of a failback (R's dataset after the resync, a new
+//   replid after its promotion), a promoted replica (its primary's state)
+//   and a restarted primary all see a foreign id and take a new epoch.
 // Not covered: an in-place reload (DEBUG RELOAD of an older file) and hand
 // edits of palisade's keys keep the identity. `INFO server` (run_id) is not
 // read on the grant path: it cost a grant about a third of its server time.
@@ -31,10 +33,15 @@
 export const IDENTITY_LUA = `
 local function identity()
   local replication = redis.call('INFO', 'replication')
-  if not string.find(replication, 'role:master', 1, true) then return false end
-  -- A plain find, then a match anchored where the value starts: a pattern scan of the whole INFO text costs more.
-  local r = string.find(replication, 'master_replid:', 1, true)
-  return r and string.match(replication, '^%x+', r + 14) or false
+  if string.sub(replication, 1, 28) ~= '# Replication\\r\\nrole:master\\r\\n' then return false end
+  -- Plain finds (a pattern scan of the whole INFO text costs more); Redis's own lines follow the last.
+  local at, from = nil, 1
+  while true do
+    local found = string.find(replication, '\\r\\nmaster_replid:', from, true)
+    if not found then break end
+    at, from = found, found + 16
+  end
+  return at and string.match(replication, '^%x+', at + 16) or false
 end
 `;
 
@@ -49,9 +56,8 @@ export const REDIS_MIN_VERSION = '6.2';
 /** @internal Lua: `recent_enough(min)` → true, or the server's version string. */
 export const MIN_VERSION_LUA = `
 local function recent_enough(min)
-  local server = redis.call('INFO', 'server')
-  local s = string.find(server, 'redis_version:', 1, true)
-  local version = s and string.match(server, '^[%d.]+', s + 14) or '?'
+  -- The section's second line, before any text a user chose (paths, names).
+  local version = string.match(redis.call('INFO', 'server'), '^# Server\\r\\nredis_version:([%d.]+)') or '?'
   local major, minor = string.match(version, '^(%d+)%.(%d+)')
   local want_major, want_minor = string.match(min, '^(%d+)%.(%d+)')
   if not major then return version end
