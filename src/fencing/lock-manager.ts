@@ -138,9 +138,11 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
     const grant = await bounded(
       (recovering) => backend.grant(name, token, opts.ttlMs, opts.holder, { waiting, waitMs, recovering }),
       cutAt,
-      // A grant that lands after we gave up: give it back at once rather than let it sit for its TTL.
+      // A grant that lands after we gave up — or fails then, when it may have taken the lock with its
+      // reply lost — is given back at once rather than left for its TTL. (The give-back the cut-off sent
+      // can reach the service first: a pool of connections does not keep their order.)
       (late) => {
-        if (late) backend.release(name, token).catch(() => {});
+        if (late !== null) backend.release(name, token).catch(() => {});
       },
       opts.signal,
       resent,
