@@ -57,10 +57,13 @@ interface Pair {
   readonly fenceKey: string;
 }
 
-/** A primary P and its replica R (each its own redis-server and `--dir`), and a manager on each, one namespace. */
-async function primaryAndReplica(s: RedisScenario): Promise<Pair> {
+/**
+ * A primary P and its replica R (each its own redis-server and `--dir`; `replicaArgs` for R), and a
+ * manager on each, one namespace.
+ */
+async function primaryAndReplica(s: RedisScenario, replicaArgs: readonly string[] = []): Promise<Pair> {
   const p = await startPrivateRedis(PROMPT_SYNC);
-  const r = await startPrivateRedis([...PROMPT_SYNC, '--replicaof', '127.0.0.1', String(p.port)]);
+  const r = await startPrivateRedis([...PROMPT_SYNC, '--replicaof', '127.0.0.1', String(p.port), ...replicaArgs]);
   const clients = [connect(p.url), connect(r.url)] as const;
   const managers = [s.open({ client: clients[0] }), s.open({ client: clients[1] })] as const;
   onTestFinished(async () => {
@@ -208,15 +211,8 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
 
     it('a replica never grants, even a writable one: its locks and counter are not the primary’s', async () => {
       const s = await redisScenario(REDIS_URL);
-      const p = await startPrivateRedis();
-      const r = await startPrivateRedis(['--replicaof', '127.0.0.1', String(p.port), '--replica-read-only', 'no']);
-      const clients = [connect(p.url), connect(r.url)] as const;
-      const [viaP, viaR] = [s.open({ client: clients[0] }), s.open({ client: clients[1] })];
-      onTestFinished(async () => {
-        for (const m of [viaP, viaR]) await m.close();
-        for (const c of clients) c.disconnect();
-        await Promise.all([p.stop(), r.stop()]);
-      });
+      const { clients, managers } = await primaryAndReplica(s, ['--replica-read-only', 'no']);
+      const [viaP, viaR] = managers;
 
       const fences = await grants(viaP, 'job', 2);
       await inSync(clients[1], clients[0], redisKeyNames(s.namespace).fence);
@@ -228,15 +224,8 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
 
     it('a writable replica whose INFO shows role:master on another line (its primary host’s name) still grants nothing', async () => {
       const s = await redisScenario(REDIS_URL);
-      const p = await startPrivateRedis(PROMPT_SYNC);
-      const r = await startPrivateRedis(['--replicaof', '127.0.0.1', String(p.port), '--replica-read-only', 'no']);
-      const clients = [connect(p.url), connect(r.url)] as const;
-      const [viaP, viaR] = [s.open({ client: clients[0] }), s.open({ client: clients[1] })];
-      onTestFinished(async () => {
-        for (const m of [viaP, viaR]) await m.close();
-        for (const c of clients) c.disconnect();
-        await Promise.all([p.stop(), r.stop()]);
-      });
+      const { clients, managers } = await primaryAndReplica(s, ['--replica-read-only', 'no']);
+      const [viaP, viaR] = managers;
 
       const fences = await grants(viaP, 'job', 3);
       await inSync(clients[1], clients[0], redisKeyNames(s.namespace).fence);
