@@ -32,6 +32,7 @@ import {
   runInstallEpoch,
 } from '../../src/fencing/backends/redis/scripts/epoch.js';
 import { REDIS_MIN_VERSION } from '../../src/fencing/backends/redis/scripts/identity.js';
+import { RELEASE_SCRIPT } from '../../src/fencing/backends/redis/scripts/release.js';
 import { scriptRunner } from '../../src/fencing/backends/redis/scripts/script.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { hashTag, namespaceKeys, pauseAfter, redisScenario } from '../support/redis.js';
@@ -485,6 +486,27 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     const stats = await redis.info('commandstats');
     expect(stats).toMatch(/cmdstat_evalsha:calls=40,/); // the 20 grants and 20 releases ran
     expect(stats).not.toMatch(/cmdstat_zrem:/);
+  });
+
+  it('a grant whose script was unknown to the server is not sent again after its call timed out: the give-back stays last', async () => {
+    const server = await startPrivateRedis();
+    onTestFinished(() => server.stop());
+    const { open, redis, keys } = await redisScenario(server.url);
+    const manager = open({ commandTimeoutMs: 300 });
+    await (await manager.acquire('job', { ttlMs: 20_000 })).release(); // an epoch, the scripts loaded
+    // As after a restart or a failover, with another client's release loaded again since.
+    await redis.script('FLUSH');
+    await redis.script('LOAD', RELEASE_SCRIPT.lua);
+    server.pause();
+    const outcome = await manager.tryAcquire('job', { ttlMs: 20_000 }).catch((e: unknown) => e);
+    expect(outcome).toBeInstanceOf(CommandTimeoutError);
+    // Queued in order: the grant (NOSCRIPT), then its give-back. A full script sent on the NOSCRIPT reply
+    // would come after the give-back and take the lock for a token nobody holds, for its 20 s.
+    server.resume();
+    await sleep(200);
+    await redis.ping();
+    expect(await redis.exists(keys.lock('job'))).toBe(0);
+    expect(await manager.tryAcquire('job', { ttlMs: 1_000 })).not.toBeNull();
   });
 
   it('a waiter behind more dead places than one grant drops keeps its place until they are gone, then leaves the line with its grant', async () => {

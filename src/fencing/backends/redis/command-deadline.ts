@@ -11,8 +11,11 @@
 import { performance } from 'node:perf_hooks';
 import { CommandTimeoutError } from '../../../errors.js';
 
-/** @internal Runs a command and rejects with {@link CommandTimeoutError} if it has not settled after the bound. */
-export type Bounded = <T>(what: string, run: () => Promise<T>) => Promise<T>;
+/**
+ * @internal Runs a command and rejects with {@link CommandTimeoutError} if it has not settled after
+ * the bound. `run` gets `expired()`: true once that rejection happened (nobody waits for the rest).
+ */
+export type Bounded = <T>(what: string, run: (expired: () => boolean) => Promise<T>) => Promise<T>;
 
 interface Pending {
   readonly at: number;
@@ -81,7 +84,7 @@ export function commandDeadline(timeoutMs: number): Bounded {
     return true;
   }
 
-  return function bounded<T>(what: string, run: () => Promise<T>): Promise<T> {
+  return function bounded<T>(what: string, run: (expired: () => boolean) => Promise<T>): Promise<T> {
     return new Promise<T>((resolve, reject) => {
       const entry: Pending = { at: performance.now() + timeoutMs, what, reject, settled: false };
       pending.push(entry);
@@ -89,7 +92,8 @@ export function commandDeadline(timeoutMs: number): Bounded {
       arm();
       let work: Promise<T>;
       try {
-        work = run();
+        // Settled before `run` settles only by the timeout.
+        work = run(() => entry.settled);
       } catch (err) {
         if (settle(entry)) reject(err);
         return;

@@ -32,13 +32,16 @@ export function scriptRunner(client: RedisClient, scripts: readonly LuaScript[],
   const shas = new Map(scripts.map((s) => [s, createHash('sha1').update(s.lua).digest('hex')]));
   const evalsha = (client.evalsha as Eval).bind(client);
   const evalFull = (client.eval as Eval).bind(client);
-  const run = async (script: LuaScript, args: (string | number)[]) => {
+  const run = async (script: LuaScript, args: (string | number)[], expired: () => boolean) => {
     try {
       return await evalsha(shas.get(script) as string, script.numberOfKeys, args);
     } catch (err) {
       if (!(err instanceof Error) || !err.message.startsWith('NOSCRIPT')) throw err;
+      // Not once the call timed out: the caller may have sent a give-back since (a release of a grant's
+      // token), which this script, sent after it, would overtake — and take a lock nobody holds.
+      if (expired()) throw err;
       return evalFull(script.lua, script.numberOfKeys, args);
     }
   };
-  return (script, args) => bounded(`Redis script ${script.name}`, () => run(script, args));
+  return (script, args) => bounded(`Redis script ${script.name}`, (expired) => run(script, args, expired));
 }
