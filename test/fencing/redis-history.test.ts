@@ -2,6 +2,9 @@ import type { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { FenceSourceError } from '../../src/errors.js';
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
+import { commandDeadline } from '../../src/fencing/backends/redis/command-deadline.js';
+import { GRANT_SCRIPT, runGrant } from '../../src/fencing/backends/redis/scripts/grant.js';
+import { scriptRunner } from '../../src/fencing/backends/redis/scripts/script.js';
 import { toFence } from '../../src/fencing/fence.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { connect, pauseAfter, type RedisScenario, redisScenario } from '../support/redis.js';
@@ -215,11 +218,24 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       const [viaP, viaR] = managers;
 
       const fences = await grants(viaP, 'job', 2);
-      await inSync(clients[1], clients[0], redisKeyNames(s.namespace).fence);
+      const keys = redisKeyNames(s.namespace);
+      await inSync(clients[1], clients[0], keys.fence);
       const outcome = await viaR.acquire('job', { ttlMs: 5_000 }).catch((e: unknown) => e);
       expect(outcome).toBeInstanceOf(FenceSourceError);
-      expect(await clients[1].exists(redisKeyNames(s.namespace).lock('job'))).toBe(0);
+      expect(await clients[1].exists(keys.lock('job'))).toBe(0);
       expect(max(await grants(viaP, 'job', 1))).toBeGreaterThan(max(fences));
+
+      // Nor does its copy of a lock held on P count as a grant for the holder's token (a re-sent grant).
+      const held = await viaP.acquire('held', { ttlMs: 30_000 });
+      for (let i = 0; i < 250 && !(await clients[1].exists(keys.lock('held'))); i++) await sleep(20);
+      const token = (await clients[0].get(keys.lock('held'))) ?? '';
+      const run = scriptRunner(clients[1], [GRANT_SCRIPT], commandDeadline(2_000));
+      expect(await runGrant(run, keys, 'held', token, 30_000, null, false)).toEqual({
+        kind: 'no-epoch',
+        reason: 'replica',
+        observed: '',
+      });
+      await held.release();
     });
 
     it('a writable replica whose INFO shows role:master on another line (its primary host’s name) still grants nothing', async () => {
@@ -264,11 +280,20 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       onTestFinished(() => r.stop());
       for (let i = 0; i < 250 && !(await client.info('replication')).includes('ip=master_replid:'); i++)
         await sleep(20);
-      expect(await client.info('replication')).toContain('ip=master_replid:0123456789abcdef');
+      const info = await client.info('replication');
+      expect(info).toContain('slave1:ip=master_replid:0123456789abcdef');
+      // What makes the last master_replid line Redis's own: only Redis's numbers follow it.
+      const rest = info
+        .slice(info.lastIndexOf('\r\nmaster_replid:') + 2)
+        .trim()
+        .split('\r\n')
+        .slice(1);
+      expect(rest.length).toBeGreaterThan(0);
+      for (const line of rest) expect(line).toMatch(/^(master_replid2|\w+_offset|repl_backlog_\w+):[\w.-]*$/);
 
-      const after = await grants(manager, 'job', 1);
-      expect(splitRedisFence(toFence(max(after))).epoch).toBe(splitRedisFence(toFence(max(before))).epoch); // the same history
-      expect(max(after)).toBeGreaterThan(max(before));
+      const later = await grants(manager, 'job', 1);
+      expect(splitRedisFence(toFence(max(later))).epoch).toBe(splitRedisFence(toFence(max(before))).epoch); // the same history
+      expect(max(later)).toBeGreaterThan(max(before));
       expect(await client.hget(redisKeyNames(s.namespace).fence, 'id')).toBe(
         await replication(client, 'master_replid'),
       );

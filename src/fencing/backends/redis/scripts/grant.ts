@@ -76,6 +76,8 @@ local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
   local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter', 'handoff')
   if g[1] == ARGV[1] then
+    -- A replica's copy of the lock is no grant (it may lag the primary's), nor is it confirmed there.
+    if not identity() then return {'NOEPOCH', 'replica', ''} end
     if g[4] then
       -- Handed over by a release (only for its confirmation window): this grant confirms it.
       redis.call('PEXPIRE', KEYS[1], ARGV[2])
