@@ -115,14 +115,43 @@ export function stopOnAbort(
     fired = true;
     void look();
   };
-  for (const signal of signals) signal.addEventListener('abort', onAbort, { once: true });
+  const unwatch = signals.map((signal) => watch(signal, onAbort));
   // Aborted before the listeners were there (between the claim and now).
   if (signals.some((s) => s.aborted)) onAbort();
   return {
     disarm: () => {
       armed = false;
-      for (const signal of signals) signal.removeEventListener('abort', onAbort);
+      for (const stop of unwatch) stop();
       return fired;
     },
+  };
+}
+
+// One abort listener per signal, however many transactions of its lease run at once: a listener each
+// made Node warn of a leak (MaxListenersExceededWarning) from the eleventh on.
+const watchers = new WeakMap<AbortSignal, { readonly calls: Set<() => void>; readonly fire: () => void }>();
+
+/** Calls `onAbort` when `signal` aborts, until the returned function is called. */
+function watch(signal: AbortSignal, onAbort: () => void): () => void {
+  let watcher = watchers.get(signal);
+  if (!watcher) {
+    const calls = new Set<() => void>();
+    const fire = () => {
+      watchers.delete(signal);
+      for (const call of [...calls]) call();
+    };
+    watcher = { calls, fire };
+    watchers.set(signal, watcher);
+    signal.addEventListener('abort', fire, { once: true });
+  }
+  const { calls, fire } = watcher;
+  calls.add(onAbort);
+  return () => {
+    calls.delete(onAbort);
+    // The last one gone: so is the listener, and a long-lived signal keeps none.
+    if (calls.size === 0 && watchers.get(signal) === watcher) {
+      watchers.delete(signal);
+      signal.removeEventListener('abort', fire);
+    }
   };
 }

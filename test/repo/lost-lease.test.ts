@@ -366,6 +366,43 @@ for (const { name, open } of drivers) {
       for (let i = 0; i < 20; i++) expect((await execute(db, sql`select 1 as one`))[0]?.one).toBe(1);
     });
 
+    it('16 fenced transactions of one lease at once: one listener on its signal (no leak warning), and its loss stops each', async () => {
+      const t = await open({ max: 17 }); // one left for the stop's look at the sessions
+      opened.push(t);
+      const { db } = await prepare(t.db);
+      const warnings: string[] = [];
+      const onWarning = (w: Error) => warnings.push(w.name);
+      process.on('warning', onWarning);
+      try {
+        const controller = new AbortController();
+        const holder = { fence: toFence(1n), signal: controller.signal, lock: fakeLock };
+        // The register raised to this fence first: the 16 then share it (a raise holds it to its commit).
+        await fencedTransaction(db, holder, async (tx) => execute(tx, sql`select 1`));
+        let lastIn = () => {};
+        const allIn = new Promise<void>((resolve) => {
+          lastIn = resolve;
+        });
+        let inside = 0;
+        const outcomes = Array.from({ length: 16 }, () =>
+          settled(
+            fencedTransaction(db, holder, async (tx) => {
+              await execute(tx, sql`select 1`);
+              if (++inside === 16) lastIn();
+              await allIn;
+              await execute(tx, sql`select pg_sleep(10)`);
+            }),
+          ),
+        );
+        await allIn;
+        controller.abort();
+        for (const outcome of await Promise.all(outcomes)) expect(outcome).toBeInstanceOf(LeaseLostError);
+        await sleep(10); // a warning is emitted on the next tick
+        expect(warnings).not.toContain('MaxListenersExceededWarning');
+      } finally {
+        process.off('warning', onWarning);
+      }
+    });
+
     for (const max of [1, 5]) {
       it(`lost by its TTL while the function sits idle, on a pool of ${max}: LeaseLostError, whichever of the lease's expiry and the idle timeout comes first`, async () => {
         const t = await open({ max });
