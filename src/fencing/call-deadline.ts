@@ -14,17 +14,18 @@ import { SERVER_WAIT_GRACE_MS } from './options.js';
  * @internal Runs `run` and rejects with {@link CommandTimeoutError} if it
  * has not settled within `ms`. The work goes on where it is (a statement
  * already sent may still run): `abandoned` aborts at the deadline, so `run`
- * can stop before its next step. A value it resolves with afterwards goes
- * to `onLate` (a grant that lands late: given back from there, after it
- * landed — the lock manager's own give-back, sent at once, may reach the
- * server before the grant does, on another connection); a late failure is
- * dropped.
+ * can stop before its next step. What it settles with afterwards goes to
+ * `onLate`: its value, or `undefined` when it failed (a grant that lands
+ * late — or fails then, when it may have taken the lock with its reply
+ * lost — is given back from there, after it settled: the lock manager's
+ * own give-back, sent at once, may reach the server before the grant does,
+ * on another connection). The late failure itself reaches nobody.
  */
 export function withinMs<T>(
   what: string,
   ms: number,
   run: (abandoned: AbortSignal) => Promise<T>,
-  onLate?: (value: T) => void,
+  onLate?: (value: T | undefined) => void,
 ): Promise<T> {
   const abandoned = new AbortController();
   return new Promise<T>((resolve, reject) => {
@@ -47,7 +48,7 @@ export function withinMs<T>(
         resolve(value);
       },
       (err: unknown) => {
-        if (abandoned.signal.aborted) return;
+        if (abandoned.signal.aborted) return onLate?.(undefined);
         cancelDeadline(deadline);
         reject(err);
       },

@@ -2,9 +2,9 @@
  * withinMs, the client-side bound of the Postgres backends' calls: it
  * settles as the work does when the work is on time; at the deadline it
  * rejects with CommandTimeoutError and tells the work it was abandoned;
- * a value the work resolves with afterwards goes to `onLate` (where a late
- * grant is given back: test/fencing/postgres-frozen.test.ts), a late error
- * to nobody.
+ * what the work settles with afterwards goes to `onLate` — its value, or
+ * undefined for a failure (where a late grant is given back:
+ * test/fencing/postgres-frozen.test.ts) — and a late error to nobody else.
  */
 import { describe, expect, it } from 'vitest';
 import { CommandTimeoutError } from '../../src/errors.js';
@@ -50,7 +50,7 @@ describe('withinMs', () => {
 
   it('a value after the deadline goes to onLate, once, and the call stays rejected', async () => {
     const work = deferred<string>();
-    const late: string[] = [];
+    const late: (string | undefined)[] = [];
     const call = withinMs(
       'x',
       5,
@@ -75,12 +75,19 @@ describe('withinMs', () => {
     expect(late).toEqual(['granted after all']);
   });
 
-  it('an error after the deadline reaches nobody (no unhandled rejection)', async () => {
+  it('an error after the deadline reaches nobody (no unhandled rejection); onLate hears of it as undefined', async () => {
     const work = deferred<string>();
-    const call = withinMs('x', 5, () => work.promise);
+    const late: (string | undefined)[] = [];
+    const call = withinMs(
+      'x',
+      5,
+      () => work.promise,
+      (value) => late.push(value),
+    );
     await expect(call).rejects.toBeInstanceOf(CommandTimeoutError);
-    work.reject(new Error('connection closed'));
+    work.reject(new Error('connection closed')); // a grant may have committed before its reply was lost
     await work.promise.catch(() => {});
     await expect(call).rejects.toBeInstanceOf(CommandTimeoutError);
+    expect(late).toEqual([undefined]);
   });
 });

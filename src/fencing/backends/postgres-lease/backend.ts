@@ -288,9 +288,9 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
         'Postgres lease grant',
         wait + commandTimeoutMs,
         (abandoned) => grantOnce(name, token, ttlMs, holder, wait, abandoned),
-        // Landed after its call failed: given back now that it is there.
+        // Settled after its call failed: given back now that it is there (or may be: a late failure).
         (late) => {
-          if (late) void releaseToken(name, token).catch(() => {});
+          if (late !== null) void releaseToken(name, token).catch(() => {});
         },
       );
     },
