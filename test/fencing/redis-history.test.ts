@@ -212,6 +212,40 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       for (const fence of after) expect(fence).toBeGreaterThan(max([...snapshotted, ...lost]));
     });
 
+    it('a restart that replays its AOF takes a new epoch, though the counter came back whole', async () => {
+      const s = await redisScenario(REDIS_URL);
+      const server = await startPrivateRedis(['--appendonly', 'yes', '--appendfsync', 'always']);
+      const client = connect(server.url);
+      const manager = s.open({ client });
+      onTestFinished(async () => {
+        await manager.close();
+        client.disconnect();
+        await server.stop();
+      });
+      const fenceKey = redisKeyNames(s.namespace).fence;
+
+      const before = await grants(manager, 'job', 3);
+      const counter = await client.hget(fenceKey, 'counter');
+      const replid = await replication(client, 'master_replid');
+      await server.restart(); // kill -9; the new process replays the AOF
+      let back: string | null = null;
+      for (let i = 0; i < 100 && back === null; i++) {
+        back = await client.hget(fenceKey, 'counter').catch(() => null);
+        if (back === null) await sleep(20);
+      }
+      expect(back).toBe(counter); // the same counter, every grant in it
+      expect(await replication(client, 'master_replid')).not.toBe(replid);
+
+      let after: bigint[] = [];
+      for (let attempt = 0; attempt < 50 && after.length === 0; attempt++) {
+        after = await grants(manager, 'job', 1).catch(() => []);
+        if (after.length === 0) await sleep(50);
+      }
+      expect(after).toHaveLength(1);
+      // A new epoch: the history is the process's new replication id, not the data the file brought back.
+      expect(splitRedisFence(toFence(max(after))).epoch).toBeGreaterThan(splitRedisFence(toFence(max(before))).epoch);
+    });
+
     it('a replica never grants, even a writable one: its locks and counter are not the primary’s', async () => {
       const s = await redisScenario(REDIS_URL);
       const { clients, managers } = await primaryAndReplica(s, ['--replica-read-only', 'no']);
