@@ -35,6 +35,18 @@ const resource = pgTable('resource', { id: integer('id').primaryKey(), value: te
 // A holder that has not noticed it lost the lease (paused): its signal never fired.
 const unaware = (lease: Lease) => ({ fence: lease.fence, lock: lease.lock, signal: new AbortController().signal });
 
+/** `fn` with a one-connection postgres.js client on a database of the test's own; both closed after it. */
+async function withOneConnection(fn: (client: postgres.Sql) => Promise<void>): Promise<void> {
+  const own = await scenarioDatabase();
+  const client = postgres(own.url ?? '', { max: 1, onnotice: () => {} });
+  try {
+    await fn(client);
+  } finally {
+    await client.end({ timeout: 0 });
+    await own.close();
+  }
+}
+
 async function untilFree(manager: LockManager, name: string): Promise<void> {
   for (let i = 0; i < 200 && (await manager.inspect(name)) !== null; i++) await sleep(20);
   expect(await manager.inspect(name)).toBeNull();
@@ -182,10 +194,8 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
     it('a claim whose database stops answering ends on the client (CommandTimeoutError); the grant is given back', async () => {
       await withRedis(async ({ epochs, redis }) => {
         const namespace = uniqueNamespace('eager-stuck');
-        const fenced = await scenarioDatabase();
         // The claim's database has one connection, busy until the test ends: as a frozen host, nothing answers.
-        const stuck = postgres(fenced.url ?? '', { max: 1, onnotice: () => {} });
-        try {
+        await withOneConnection(async (stuck) => {
           stuck`select pg_sleep(600)`.execute().catch(() => {});
           const eager = redisLockManager({
             client: redis,
@@ -199,19 +209,14 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
             CommandTimeoutError,
           );
           await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
-        } finally {
-          await stuck.end({ timeout: 0 });
-          await fenced.close();
-        }
+        });
       });
     });
 
     it("a lock handed over to a waiter whose claim gets no answer: the waiter still gives up at its wait's end", async () => {
       await withRedis(async ({ epochs, redis }) => {
         const namespace = uniqueNamespace('eager-handover');
-        const fenced = await scenarioDatabase();
-        const claimDb = postgres(fenced.url ?? '', { max: 1, onnotice: () => {} });
-        try {
+        await withOneConnection(async (claimDb) => {
           // The claim may wait 10 minutes on the client: before the handover was cut at the wait's end,
           // the waiter waited that long.
           const eager = redisLockManager({
@@ -226,11 +231,8 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
           claimDb`select pg_sleep(600)`.execute().catch(() => {}); // from now on no claim is answered
           await holder.release(); // hands the lock over to the waiter, whose claim then waits
           expect(await waiter).toBeInstanceOf(PalisadeError);
-        } finally {
-          await claimDb.end({ timeout: 0 });
-        }
+        });
         await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
-        await fenced.close();
       });
     });
 
