@@ -494,7 +494,7 @@ async function serverBackend(kind: BackendKind): Promise<Backend> {
     async locksWithoutExpiry() {
       if (etcd) return (await etcdState()).keys.filter(([, leased]) => !leased).map(([key]) => key);
       if (redis) {
-        const keys = (await redisKeys()).filter((k) => k.includes('}:lock:') || k.includes('}:grant:'));
+        const keys = (await redisKeys()).filter((k) => k.includes('}:lock:'));
         const ttls = await Promise.all(keys.map(async (k) => [k, await redis.pttl(k)] as const));
         return ttls.filter(([, ttl]) => ttl <= 0).map(([k]) => k);
       }

@@ -2,7 +2,8 @@
  * Section 5 — what it costs to be handed a fence, by source:
  *
  * - Redis `INCR` on a plain key (the floor of any Redis counter);
- * - palisade's Redis grant script (lock + fence + grant record, one script);
+ * - palisade's Redis grant script (the lock key with its grant record and
+ *   the fence, one script);
  * - Postgres `nextval('palisade.fence_seq')` (prepared);
  * - palisade's Postgres lease grant (one statement: row + nextval).
  *
@@ -13,11 +14,16 @@
 import { randomBytes } from 'node:crypto';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import type { Database } from '../../src/driver.js';
+import type { LockBackend } from '../../src/fencing/backend.js';
 import { postgresLockBackend } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { redisLockBackend } from '../../src/fencing/backends/redis/backend.js';
 import type { BenchContext } from '../lib/context.js';
 import { type Case, compare, type Measured } from '../lib/measure.js';
 import { ms, ops, printTable, ratio } from '../lib/report.js';
+
+/** JSON with bigints and dates as text. */
+const stringify = (value: unknown): string =>
+  JSON.stringify(value, (_, v) => (typeof v === 'bigint' ? v.toString() : v));
 
 export async function fenceIssuance(ctx: BenchContext): Promise<void> {
   const { report, scale } = ctx;
@@ -32,13 +38,19 @@ export async function fenceIssuance(ctx: BenchContext): Promise<void> {
   const pgBackend = postgresLockBackend({ client: db, namespace: 'fences', listen: false });
   let n = 0;
   const token = () => randomBytes(16).toString('hex');
+  // A fresh name is never taken: if one is, say which backend, which name and what holds it.
+  const refused = async (backend: LockBackend, name: string): Promise<never> => {
+    const held = await backend.inspect(name).catch((err: unknown) => `inspect failed: ${String(err)}`);
+    throw new Error(`${backend.kind} grant refused on the fresh name ${name}; inspect: ${stringify(held)}`);
+  };
   const counterKey = `${ctx.redis.prefix}bench:counter`;
   const cases: Case[] = [
     { name: 'Redis INCR (plain counter)', fn: () => redis.incr(counterKey) },
     {
       name: 'palisade Redis grant script',
       fn: async () => {
-        if (!(await redisBackend.grant(`g${n++}`, token(), 1_000, null))) throw new Error('grant refused');
+        const name = `g${n++}`;
+        if (!(await redisBackend.grant(name, token(), 1_000, null))) await refused(redisBackend, name);
       },
     },
     {
@@ -48,7 +60,8 @@ export async function fenceIssuance(ctx: BenchContext): Promise<void> {
     {
       name: 'palisade Postgres lease grant',
       fn: async () => {
-        if (!(await pgBackend.grant(`g${n++}`, token(), 60_000, null))) throw new Error('grant refused');
+        const name = `g${n++}`;
+        if (!(await pgBackend.grant(name, token(), 60_000, null))) await refused(pgBackend, name);
       },
     },
   ];

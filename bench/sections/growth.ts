@@ -193,7 +193,7 @@ async function redisStore(ctx: BenchContext): Promise<LiveStore> {
     async fill(n) {
       await grantAll(10, 10 + n);
       const keys = await filler.dbsize();
-      return `Redis: ${keys.toLocaleString('en-US')} keys in the "many" server (a lock key and a grant record per name).`;
+      return `Redis: ${keys.toLocaleString('en-US')} keys in the "many" server (one lock key per name, its grant record in its value).`;
     },
     async close() {
       await backend.close();

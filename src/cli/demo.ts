@@ -78,12 +78,7 @@ async function cleanRedis(url: string, namespace: string): Promise<void> {
   try {
     await redis.connect();
     const keys = redisKeyNames(namespace);
-    await redis.del(
-      keys.fence,
-      keys.lock('counter'),
-      keys.grant('counter'),
-      `palisade-demo:${namespace}:naive:counter`,
-    );
+    await redis.del(keys.fence, keys.lock('counter'), `palisade-demo:${namespace}:naive:counter`);
   } catch {
     // Best effort: the keys are small and the lock keys expire.
   } finally {

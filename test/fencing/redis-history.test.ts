@@ -7,7 +7,7 @@ import { GRANT_SCRIPT, runGrant } from '../../src/fencing/backends/redis/scripts
 import { scriptRunner } from '../../src/fencing/backends/redis/scripts/script.js';
 import { toFence } from '../../src/fencing/fence.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { connect, pauseAfter, type RedisScenario, redisScenario } from '../support/redis.js';
+import { connect, lockToken, pauseAfter, type RedisScenario, redisScenario } from '../support/redis.js';
 import { type PrivateRedis, startPrivateRedis } from '../support/redis-server.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
@@ -262,7 +262,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       // Nor does its copy of a lock held on P count as a grant for the holder's token (a re-sent grant).
       const held = await viaP.acquire('held', { ttlMs: 30_000 });
       for (let i = 0; i < 250 && !(await clients[1].exists(keys.lock('held'))); i++) await sleep(20);
-      const token = (await clients[0].get(keys.lock('held'))) ?? '';
+      const token = (await lockToken(clients[0], keys.lock('held'))) ?? '';
       const run = scriptRunner(clients[1], [GRANT_SCRIPT], commandDeadline(2_000));
       expect(await runGrant(run, keys, 'held', token, 30_000, null, false)).toEqual({
         kind: 'no-epoch',

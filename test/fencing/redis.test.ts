@@ -85,6 +85,51 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(new Set(fences).size).toBe(fences.length);
   });
 
+  it('keeps a lock and its grant record in one key: holder labels of any text come back whole, and the record goes with the lock', async () => {
+    const { manager, redis, namespace, keys } = await redisScenario(REDIS_URL);
+    const labels = ['', '=', 'a=b:c', 'tab\there\r\nline ☃ 🔒', '\u0001\u00ff'];
+    const leases: Lease[] = [];
+    for (const [i, holder] of labels.entries()) {
+      leases.push(await manager.acquire(`l${i}`, { ttlMs: 30_000, holder }));
+    }
+    leases.push(await manager.acquire('nobody', { ttlMs: 30_000 }));
+    expect(await namespaceKeys(redis, namespace)).toEqual(
+      [keys.fence, ...labels.map((_, i) => keys.lock(`l${i}`)), keys.lock('nobody')].sort(),
+    );
+    for (const [i, holder] of labels.entries()) {
+      const info = await manager.inspect(`l${i}`);
+      expect(info?.holder, JSON.stringify(holder)).toBe(holder);
+      expect(info?.fence).toBe(leases[i]?.fence);
+    }
+    expect((await manager.inspect('nobody'))?.holder).toBeNull();
+    for (const lease of leases) expect(await lease.release()).toBe('released');
+    expect(await namespaceKeys(redis, namespace)).toEqual([keys.fence]);
+  });
+
+  it("refuses a token with NUL and writes nothing; treats a lock set as a bare token (an older palisade's) as someone else's", async () => {
+    const { manager, backend, redis, namespace, keys } = await redisScenario(REDIS_URL);
+    const bare = backend();
+    await expect(bare.grant('x', 'a\u0000b', 30_000, null)).rejects.toBeInstanceOf(InvalidArgumentError);
+    expect(await namespaceKeys(redis, namespace)).toEqual([]);
+
+    // An older palisade kept the token alone in the lock key (its record in a second key).
+    await manager.acquire('warm', { ttlMs: 1_000 }).then((lease) => lease.release());
+    await redis.set(keys.lock('old'), 'older-token', 'PX', 30_000);
+    expect(await manager.tryAcquire('old', { ttlMs: 1_000 })).toBeNull();
+    expect(await bare.grant('old', 'older', 1_000, null)).toBeNull(); // its prefix is no match either
+    expect(await bare.extend('old', 'older', 1_000)).toBe(false);
+    expect(await bare.release('old', 'older')).toBe(false);
+    const inspected = await manager.inspect('old').catch((err: unknown) => err);
+    expect(inspected).toBeInstanceOf(FenceSourceError);
+    expect(await redis.get(keys.lock('old'))).toBe('older-token');
+    // Its owner's release (the same token check) frees it; then it is granted as usual.
+    expect(await bare.release('old', 'older-token')).toBe(true);
+    const lease = await manager.tryAcquire('old', { ttlMs: 30_000 });
+    expect(lease).not.toBeNull();
+    expect((await manager.inspect('old'))?.fence).toBe(lease?.fence);
+    await lease?.release();
+  });
+
   it('keeps lock names apart from each other and from the namespace keys, all in one hash slot', async () => {
     const { manager, redis, namespace, keys } = await redisScenario(REDIS_URL);
     const names = ['a', 'a}', '{a}', '}:lock:a', ':fence', 'fence', 'grant:a', 'lock:a', 'naïve ☃ 🔒', '{', '}'];
@@ -95,7 +140,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
       if (lease) leases.push(lease);
     }
     const stored = await namespaceKeys(redis, namespace);
-    expect(stored).toEqual([keys.fence, ...names.flatMap((n) => [keys.lock(n), keys.grant(n)])].sort());
+    expect(stored).toEqual([keys.fence, ...names.map((n) => keys.lock(n))].sort());
     for (const key of stored) expect(hashTag(key)).toBe(`palisade:${namespace}`);
     for (const lease of leases) expect((await manager.inspect(lease.name))?.fence).toBe(lease.fence);
     // The composed and decomposed spellings of one name are one lock.

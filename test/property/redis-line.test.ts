@@ -10,7 +10,7 @@
 import { randomBytes } from 'node:crypto';
 import { fc } from '@fast-check/vitest';
 import { describe, expect, it } from 'vitest';
-import { redisScenario } from '../support/redis.js';
+import { lockToken, redisScenario } from '../support/redis.js';
 import { needs } from '../support/services.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
@@ -59,7 +59,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the Redis fair line
         }
         const line = placed.sort((a, b) => a.place - b.place);
         const inLine = async (t: string) => (await redis.zscore(keys.queue(name), t)) !== null;
-        const heldBy = () => redis.get(keys.lock(name));
+        const heldBy = () => lockToken(redis, keys.lock(name));
         // A live waiter keeps retrying (a real one every few hundred ms): before each step its last retry
         // is recorded as now, by the server's clock, so a slow step of this test never makes it look gone
         // (a handoff needs a retry within 500 ms; a grant drops places not retried for 1 s).
@@ -103,7 +103,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('the Redis fair line
           expect(await redis.zcard(keys.queue(name))).toBe(line.length);
           await release(t);
         }
-        await redis.del(keys.queue(name), keys.seen(name), keys.lock(name), keys.grant(name));
+        await redis.del(keys.queue(name), keys.seen(name), keys.lock(name));
       }),
       propertyParams({ numRuns: propertyRuns(150) }),
     );

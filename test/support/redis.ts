@@ -108,6 +108,12 @@ export async function namespaceKeys(redis: Redis, namespace: string): Promise<st
   return found.sort();
 }
 
+/** The token that holds a lock key (its value up to the first NUL: the grant record follows), or null if it is free. */
+export async function lockToken(redis: Redis, key: string): Promise<string | null> {
+  const value = await redis.get(key);
+  return value === null ? null : (value.split('\0')[0] as string);
+}
+
 async function deleteNamespace(redis: Redis, namespace: string): Promise<void> {
   const keys = await namespaceKeys(redis, namespace);
   if (keys.length > 0) await redis.del(...keys);

@@ -1,13 +1,13 @@
 /**
- * The Redis lock backend: `SET key token NX PX ttl` and the fence counter in
- * one Lua script (./scripts/grant.ts), on one ioredis client, with fences
- * that never go down even when Redis forgets its counter (./epochs.ts). The
+ * The Redis lock backend: the lock key (token and grant record, with its
+ * TTL) and the fence counter in one Lua script (./scripts/grant.ts), on one
+ * ioredis client, with fences that never go down even when Redis forgets its counter (./epochs.ts). The
  * keys are listed in ./keys.ts; the README (Lock managers → Redis, and what
  * each guarantees) is the manual.
  */
 import { createHash } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
-import { FenceSourceError } from '../../../errors.js';
+import { FenceSourceError, InvalidArgumentError } from '../../../errors.js';
 import type { Grant, GrantOptions, LockBackend } from '../../backend.js';
 import { commandDeadline } from './command-deadline.js';
 import { epochRecovery } from './epochs.js';
@@ -74,6 +74,8 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     waiting: boolean,
     recovering: GrantOptions['recovering'],
   ): Promise<Grant | null> {
+    // The lock's value is the token, a NUL, then its grant record (./scripts/record.ts).
+    if (token.includes('\0')) throw new InvalidArgumentError('a lock token must not contain NUL');
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
       const reply = await runGrant(run, keys, name, token, ttlMs, holder, waiting);

@@ -5,17 +5,17 @@
  * Every key of a namespace carries the hash tag `{palisade:<namespace>}`, so
  * a script's keys share one Redis Cluster slot (no CROSSSLOT):
  *
- * - `{palisade:<ns>}:lock:<name>` — the lock: a string holding the owner token, with the TTL.
- * - `{palisade:<ns>}:grant:<name>` — what `inspect` shows: token, fence, holder, grant time (same TTL).
+ * - `{palisade:<ns>}:lock:<name>` — the lock, with the TTL: a string holding the owner's token
+ *   and its grant record — fence, grant time, holder (./scripts/record.ts).
  * - `{palisade:<ns>}:fence` — the fence state: epoch, counter, data history (`master_replid`).
  * - `{palisade:<ns>}:queue:<name>` — the waiters in line: a sorted set of token → place (1, 2, …).
  * - `{palisade:<ns>}:seen:<name>` — when each waiter last retried: token → Redis `TIME` in ms.
  * - channel `{palisade:<ns>}:released` — the release script publishes the lock name here,
- *   followed by NUL and the token of the live waiter at the head of the line, if any.
+ *   followed by NUL and the SHA-1 of the live head of the line's token, if any.
  *
  * The namespace is restricted to `[A-Za-z0-9_.-]`, so it cannot close the
  * hash tag early; the lock name only ever follows a fixed `:lock:`,
- * `:grant:`, `:queue:` or `:seen:` prefix after the closing `}`, so a name
+ * `:queue:` or `:seen:` prefix after the closing `}`, so a name
  * with `{`, `}` or `:` neither moves the hash tag nor collides with a key of
  * another type.
  *
@@ -44,8 +44,6 @@ export interface RedisKeyNames {
   readonly channel: string;
   /** The lock key of a (validated, NFC) lock name. */
   lock(name: string): string;
-  /** The grant record (what `inspect` shows) of a lock name. */
-  grant(name: string): string;
   /** The waiters in line for a lock name: a sorted set, token → place. */
   queue(name: string): string;
   /** When each queued waiter of a lock name last retried: a sorted set, token → Redis time in ms. */
@@ -63,7 +61,6 @@ export function redisKeyNames(namespace: string): RedisKeyNames {
     fence: `${tag}:fence`,
     channel: `${tag}:released`,
     lock: (name) => `${tag}:lock:${name}`,
-    grant: (name) => `${tag}:grant:${name}`,
     queue: (name) => `${tag}:queue:${name}`,
     seen: (name) => `${tag}:seen:${name}`,
   };

@@ -16,8 +16,9 @@ import { redisFenceSource } from './source.js';
 const QUEUED_RETRY_MS = { min: 100, max: 200 } as const;
 
 /**
- * A lock manager on Redis (ioredis). Each grant is one Lua script: `SET key
- * token NX PX ttl`, the fence counter increment and the grant record, atomic.
+ * A lock manager on Redis (ioredis). Each grant is one Lua script: the lock
+ * key (the token and its grant record, with the TTL) and the fence counter
+ * increment, atomic.
  *
  * Guarantees:
  * - fences of a namespace strictly increase across all its lock names, and

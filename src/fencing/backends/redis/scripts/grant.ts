@@ -1,6 +1,6 @@
 /**
- * The grant script: `SET key token NX PX ttl`, the fence counter increment
- * and the grant record in one step, in the fair order of the lock's queue.
+ * The grant script: the lock (its key set to the token and the grant record,
+ * with the TTL) and the fence counter increment in one step, in the fair order of the lock's queue.
  *
  * A waiting `acquire` keeps one token for the whole wait. When its grant
  * finds the lock held — or free but promised to an earlier waiter — the
@@ -32,6 +32,7 @@ import { FenceSourceError } from '../../../../errors.js';
 import type { Fence } from '../../../fence.js';
 import { fenceOf, REDIS_MAX_COUNTER_ARG, type RedisKeyNames } from '../keys.js';
 import { IDENTITY_LUA } from './identity.js';
+import { RECORD_LUA } from './record.js';
 import type { LuaScript, RunScript } from './script.js';
 
 /**
@@ -45,12 +46,13 @@ export const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
 /** At most this many dead entries are dropped from a queue per grant (the rest at the next ones). */
 const MAX_PRUNE = 64;
 
-// KEYS: lock, grant record, fence state, queue, seen.
+// KEYS: lock, fence state, queue, seen.
 // ARGV: token, ttl ms, holder ('' for none, else '=' followed by the label), waiting ('1'/'0').
 // Replies: {'OK', epoch, counter} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}.
-// The queue: KEYS[4] token → place (order of arrival), KEYS[5] token → last retry (Redis TIME, ms).
+// The lock's value is the token and its grant record (./record.ts).
+// The queue: KEYS[3] token → place (order of arrival), KEYS[4] token → last retry (Redis TIME, ms).
 // The constants are part of the script (every argument is parsed on every call).
-const GRANT_LUA = `${IDENTITY_LUA}
+const GRANT_LUA = `${IDENTITY_LUA}${RECORD_LUA}
 local waiting = ARGV[4] == '1'
 local t
 local function now()
@@ -58,52 +60,50 @@ local function now()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function wait_in_line(ms)
-  if not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
-    local last = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')
+  if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
+    local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
     local place = 1
     if last[2] then place = tonumber(last[2]) + 1 end
-    redis.call('ZADD', KEYS[4], place, ARGV[1])
+    redis.call('ZADD', KEYS[3], place, ARGV[1])
   end
-  redis.call('ZADD', KEYS[5], ms, ARGV[1])
+  redis.call('ZADD', KEYS[4], ms, ARGV[1])
+  redis.call('PEXPIRE', KEYS[3], ${QUEUE_TTL_MS})
   redis.call('PEXPIRE', KEYS[4], ${QUEUE_TTL_MS})
-  redis.call('PEXPIRE', KEYS[5], ${QUEUE_TTL_MS})
   return {'BUSY'}
 end
 -- Whether this token is in the line: only then does a grant take it out (the common, uncontended
 -- grant finds no line and spends no call on it).
 local queued = false
 local current = redis.call('GET', KEYS[1])
-if current == ARGV[1] then
-  local g = redis.call('HMGET', KEYS[2], 'token', 'epoch', 'counter', 'handoff')
-  if g[1] == ARGV[1] then
+if current and token_of(current) == ARGV[1] then
+  local token, epoch, counter, at, handoff, holder = record_of(current)
+  if token then
     -- A replica's copy of the lock is no grant (it may lag the primary's), nor is it confirmed there.
     if not identity() then return {'NOEPOCH', 'replica', ''} end
-    if g[4] then
+    if handoff == '1' then
       -- Handed over by a release (only for its confirmation window): this grant confirms it.
-      redis.call('PEXPIRE', KEYS[1], ARGV[2])
-      redis.call('PEXPIRE', KEYS[2], ARGV[2])
-      redis.call('HDEL', KEYS[2], 'handoff')
-      if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], 'holder', string.sub(ARGV[3], 2)) end
+      if ARGV[3] ~= '' then holder = ARGV[3] end
+      redis.call('SET', KEYS[1], record(token, epoch, counter, at, '', holder), 'PX', ARGV[2])
     end
-    return {'OK', g[2], g[3]}
+    return {'OK', epoch, counter}
   end
 elseif current then
   if waiting then return wait_in_line(now()) end
   return {'BUSY'}
-elseif redis.call('ZRANGE', KEYS[4], 0, 0)[1] then
+elseif redis.call('ZRANGE', KEYS[3], 0, 0)[1] then
   -- Free, with a line: it goes to the head of the line, once waiters that stopped retrying are dropped.
   local ms = now()
-  local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ms - ${REDIS_QUEUE_STALE_MS}, 'LIMIT', 0, ${MAX_PRUNE})
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ms - ${REDIS_QUEUE_STALE_MS}, 'LIMIT', 0, ${MAX_PRUNE})
   for _, d in ipairs(dead) do
+    redis.call('ZREM', KEYS[3], d)
     redis.call('ZREM', KEYS[4], d)
-    redis.call('ZREM', KEYS[5], d)
   end
   -- Heads whose waiter left no retry at all go too, at most MAX_PRUNE of them per grant.
-  local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   for _ = 1, ${MAX_PRUNE} do
-    if not head or head == ARGV[1] or redis.call('ZSCORE', KEYS[5], head) then break end
-    redis.call('ZREM', KEYS[4], head)
-    head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+    if not head or head == ARGV[1] or redis.call('ZSCORE', KEYS[4], head) then break end
+    redis.call('ZREM', KEYS[3], head)
+    head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   end
   -- Someone else first: a live waiter, or more dead places than one grant drops (the next ones drop them).
   if head and head ~= ARGV[1] then
@@ -114,7 +114,7 @@ elseif redis.call('ZRANGE', KEYS[4], 0, 0)[1] then
 end
 local id = identity()
 if not id then return {'NOEPOCH', 'replica', ''} end
-local st = redis.call('HMGET', KEYS[3], 'state', 'epoch', 'counter', 'id')
+local st = redis.call('HMGET', KEYS[2], 'state', 'epoch', 'counter', 'id')
 if not st[1] then return {'NOEPOCH', 'missing', ''} end
 if st[1] ~= 'active' then
   if st[4] == id then return {'NOEPOCH', 'pending', st[2] or ''} end
@@ -122,31 +122,21 @@ if st[1] ~= 'active' then
 end
 if st[4] ~= id then return {'NOEPOCH', 'server', st[2]} end
 if tonumber(st[3]) >= ${REDIS_MAX_COUNTER_ARG} then return {'NOEPOCH', 'exhausted', st[2]} end
-if current then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-elseif not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {'BUSY'}
-end
 -- HINCRBY's reply is a Lua number, exact (a counter stays below 2^39) and printed in full by tostring (%.14g).
-local counter = tostring(redis.call('HINCRBY', KEYS[3], 'counter', 1))
+-- The lock is free or this token's (checked above, in this same script): a plain SET takes it.
+local counter = tostring(redis.call('HINCRBY', KEYS[2], 'counter', 1))
 now()
 local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
-redis.call('DEL', KEYS[2])
-if ARGV[3] ~= '' then
-  redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at, 'holder', string.sub(ARGV[3], 2))
-else
-  redis.call('HSET', KEYS[2], 'token', ARGV[1], 'epoch', st[2], 'counter', counter, 'at', at)
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[1], record(ARGV[1], st[2], counter, at, '', ARGV[3]), 'PX', ARGV[2])
 if queued then
+  redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
-  redis.call('ZREM', KEYS[5], ARGV[1])
 end
 return {'OK', st[2], counter}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV7', lua: GRANT_LUA, numberOfKeys: 5 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV8', lua: GRANT_LUA, numberOfKeys: 4 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or
@@ -176,7 +166,6 @@ export async function runGrant(
 ): Promise<GrantReply> {
   const reply = (await run(GRANT_SCRIPT, [
     keys.lock(name),
-    keys.grant(name),
     keys.fence,
     keys.queue(name),
     keys.seen(name),

@@ -15,6 +15,7 @@
 import { REDIS_MAX_COUNTER_ARG, type RedisKeyNames } from '../keys.js';
 import { REDIS_QUEUE_STALE_MS } from './grant.js';
 import { IDENTITY_LUA } from './identity.js';
+import { RECORD_LUA } from './record.js';
 import type { LuaScript, RunScript } from './script.js';
 
 /**
@@ -30,18 +31,19 @@ export const REDIS_HANDOFF_RECENT_MS = 500;
  */
 export const REDIS_HANDOFF_CONFIRM_MS = 2_000;
 
-// KEYS: lock, grant record, queue, seen, fence state. ARGV: token, channel, lock name.
+// KEYS: lock, queue, seen, fence state. ARGV: token, channel, lock name.
 // A live waiter seen within the handoff window at the head of the line gets the lock here, with its
 // fence, under the grant script's checks (current data history, active state, counter not used up),
 // for the confirmation window only; published as "<name>\0<sha1(token)>\0<epoch>\0<counter>".
 // Otherwise "<name>\0<sha1(token)>" wakes a live head (only it needs to wake), "<name>" wakes all.
 // Replies: {'HANDED', sha1(token), epoch, counter} | 'RELEASED' | 'LOST'.
 // The token itself is never published: a subscriber could release or extend with it.
-const RELEASE_LUA = `${IDENTITY_LUA}
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'LOST' end
-redis.call('DEL', KEYS[1], KEYS[2])
-local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
-local seen = head and redis.call('ZSCORE', KEYS[4], head)
+const RELEASE_LUA = `${IDENTITY_LUA}${RECORD_LUA}
+local current = redis.call('GET', KEYS[1])
+if not current or token_of(current) ~= ARGV[1] then return 'LOST' end
+redis.call('DEL', KEYS[1])
+local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+local seen = head and redis.call('ZSCORE', KEYS[3], head)
 if not seen then
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 'RELEASED'
@@ -52,15 +54,13 @@ local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local nul = string.char(0)
 if seen >= ms - ${REDIS_HANDOFF_RECENT_MS} then
   local id = identity()
-  local st = id and redis.call('HMGET', KEYS[5], 'state', 'epoch', 'counter', 'id')
+  local st = id and redis.call('HMGET', KEYS[4], 'state', 'epoch', 'counter', 'id')
   if st and st[1] == 'active' and st[4] == id and tonumber(st[3]) < ${REDIS_MAX_COUNTER_ARG} then
-    redis.call('SET', KEYS[1], head, 'PX', ${REDIS_HANDOFF_CONFIRM_MS})
-    local counter = tostring(redis.call('HINCRBY', KEYS[5], 'counter', 1))
+    local counter = tostring(redis.call('HINCRBY', KEYS[4], 'counter', 1))
     local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
-    redis.call('HSET', KEYS[2], 'token', head, 'epoch', st[2], 'counter', counter, 'at', at, 'handoff', '1')
-    redis.call('PEXPIRE', KEYS[2], ${REDIS_HANDOFF_CONFIRM_MS})
+    redis.call('SET', KEYS[1], record(head, st[2], counter, at, '1', ''), 'PX', ${REDIS_HANDOFF_CONFIRM_MS})
+    redis.call('ZREM', KEYS[2], head)
     redis.call('ZREM', KEYS[3], head)
-    redis.call('ZREM', KEYS[4], head)
     local hash = redis.sha1hex(head)
     redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. hash .. nul .. st[2] .. nul .. counter)
     return {'HANDED', hash, st[2], counter}
@@ -74,16 +74,17 @@ end
 return 'RELEASED'
 `;
 
-// A waiter gave up. KEYS: lock, queue, seen, grant record. ARGV: token, channel, lock name.
+// A waiter gave up. KEYS: lock, queue, seen. ARGV: token, channel, lock name.
 // A lock handed over to it and not yet confirmed is given back. If it was the head (or gave a lock
 // back) and the lock is free, the next waiter is woken. Replies: LEFT | ABSENT.
-const LEAVE_LUA = `
+const LEAVE_LUA = `${RECORD_LUA}
 local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
 redis.call('ZREM', KEYS[3], ARGV[1])
 local queued = redis.call('ZREM', KEYS[2], ARGV[1]) == 1
 local freed = false
-if redis.call('GET', KEYS[1]) == ARGV[1] and redis.call('HGET', KEYS[4], 'handoff') then
-  redis.call('DEL', KEYS[1], KEYS[4])
+local current = redis.call('GET', KEYS[1])
+if current and token_of(current) == ARGV[1] and select(5, record_of(current)) == '1' then
+  redis.call('DEL', KEYS[1])
   freed = true
 end
 if not queued and not freed then return 'ABSENT' end
@@ -99,9 +100,9 @@ return 'LEFT'
 `;
 
 /** @internal */
-export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV6', lua: RELEASE_LUA, numberOfKeys: 5 };
+export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV7', lua: RELEASE_LUA, numberOfKeys: 4 };
 /** @internal */
-export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV2', lua: LEAVE_LUA, numberOfKeys: 4 };
+export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV3', lua: LEAVE_LUA, numberOfKeys: 3 };
 
 /**
  * @internal What a release did: nothing (`token` did not hold the lock),
@@ -124,7 +125,6 @@ export async function runRelease(
 ): Promise<ReleaseReply> {
   const reply = await run(RELEASE_SCRIPT, [
     keys.lock(name),
-    keys.grant(name),
     keys.queue(name),
     keys.seen(name),
     keys.fence,
@@ -141,13 +141,5 @@ export async function runRelease(
 
 /** @internal Drops `token` from the lock's queue. */
 export async function runLeave(run: RunScript, keys: RedisKeyNames, name: string, token: string): Promise<void> {
-  await run(LEAVE_SCRIPT, [
-    keys.lock(name),
-    keys.queue(name),
-    keys.seen(name),
-    keys.grant(name),
-    token,
-    keys.channel,
-    name,
-  ]);
+  await run(LEAVE_SCRIPT, [keys.lock(name), keys.queue(name), keys.seen(name), token, keys.channel, name]);
 }
