@@ -106,14 +106,23 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(await namespaceKeys(redis, namespace)).toEqual([keys.fence]);
   });
 
-  it("refuses a token with NUL and writes nothing; treats a lock set as a bare token (an older palisade's) as someone else's", async () => {
+  it("refuses a token with NUL or a bad TTL and writes nothing; treats a lock set as a bare token (an older palisade's) as someone else's", async () => {
     const { manager, backend, redis, namespace, keys } = await redisScenario(REDIS_URL);
     const bare = backend();
     await expect(bare.grant('x', 'a\u0000b', 30_000, null)).rejects.toBeInstanceOf(InvalidArgumentError);
     expect(await namespaceKeys(redis, namespace)).toEqual([]);
 
+    // A TTL Redis would refuse is refused before the script counts a fence for it.
+    const warm = await manager.acquire('warm', { ttlMs: 1_000 });
+    expect(await warm.release()).toBe('released');
+    const counter = await redis.hget(keys.fence, 'counter');
+    for (const ttl of [0, -1, 1.5]) {
+      await expect(bare.grant('x', 'token', ttl, null)).rejects.toBeInstanceOf(InvalidArgumentError);
+    }
+    expect(await redis.hget(keys.fence, 'counter')).toBe(counter);
+    expect(await redis.exists(keys.lock('x'))).toBe(0);
+
     // An older palisade kept the token alone in the lock key (its record in a second key).
-    await manager.acquire('warm', { ttlMs: 1_000 }).then((lease) => lease.release());
     await redis.set(keys.lock('old'), 'older-token', 'PX', 30_000);
     expect(await manager.tryAcquire('old', { ttlMs: 1_000 })).toBeNull();
     expect(await bare.grant('old', 'older', 1_000, null)).toBeNull(); // its prefix is no match either

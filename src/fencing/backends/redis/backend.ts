@@ -9,6 +9,7 @@ import { createHash } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import { FenceSourceError, InvalidArgumentError } from '../../../errors.js';
 import type { Grant, GrantOptions, LockBackend } from '../../backend.js';
+import { checkTtl } from '../../options.js';
 import { commandDeadline } from './command-deadline.js';
 import { epochRecovery } from './epochs.js';
 import { fenceOf, redisKeyNames } from './keys.js';
@@ -76,6 +77,8 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
   ): Promise<Grant | null> {
     // The lock's value is the token, a NUL, then its grant record (./scripts/record.ts).
     if (token.includes('\0')) throw new InvalidArgumentError('a lock token must not contain NUL');
+    // The script counts the fence before it sets the lock: a TTL Redis refuses would use one up.
+    checkTtl(ttlMs);
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
       const reply = await runGrant(run, keys, name, token, ttlMs, holder, waiting);
