@@ -3,20 +3,23 @@
  * lock-scoped `modify`) runs (README, "Fenced transactions"), searched on a
  * REAL Postgres with both drivers. Each run draws:
  *
- * - what the function does before the loss (lock-scoped writes, plain
+ * - one to three such calls under the same lease, at once, each on rows of
+ *   its own (one lease signal stops them all);
+ * - what each function does before the loss (lock-scoped writes, plain
  *   statements, `Promise.all` of writes, savepoints that commit or roll
  *   back, waits outside the database) and after it (the same, plus a
  *   600 s statement — caught or not — and loops that go on sending
  *   statements and catch every error);
- * - when the loss comes (the lease released 0–20 ms after the function
- *   reaches that point);
+ * - when the loss comes (the lease released 0–20 ms after the first
+ *   function reaches that point; the others may be anywhere then, or
+ *   still waiting for a connection);
  * - the pool's size (2, 3 or 5 connections) and 0–3 other users of the same
  *   pool, each running plain queries and short transactions of its own
  *   throughout.
  *
- * The checks: the call either rejects with `LeaseLostError` and nothing the
- * function wrote is visible, or (the loss came after the function was done)
- * it applied and everything is; the lock's next grant, waiting at most 5 s,
+ * The checks: each call either rejects with `LeaseLostError` and nothing
+ * its function wrote is visible, or (the loss came after the function was
+ * done) it applied and everything is; the lock's next grant, waiting at most 5 s,
  * goes through while the function may still be going on; no query of the
  * other users failed and each of their transactions committed; once the
  * call settled, no connection of the pool is left in a transaction; the
@@ -48,7 +51,9 @@ import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+// Rows 1…ROWS are the first call's, ROWS+1…2·ROWS the second's, and so on.
 const ROWS = 4;
+const MAX_CALLS = 3;
 
 type Step =
   | { readonly t: 'write'; readonly row: number }
@@ -58,10 +63,13 @@ type Step =
   | { readonly t: 'idle'; readonly ms: number }
   | { readonly t: 'long'; readonly caught: boolean }
   | { readonly t: 'loop'; readonly n: number };
-interface Program {
+interface Call {
   readonly root: 'fenced' | 'modify';
   readonly before: readonly Step[];
   readonly after: readonly Step[];
+}
+interface Program {
+  readonly calls: readonly Call[];
   readonly lossDelayMs: number;
   readonly pool: 2 | 3 | 5;
   readonly others: number;
@@ -76,8 +84,8 @@ const live: fc.Arbitrary<Step>[] = [
   fc.record({ t: fc.constant('savepoint' as const), row, rollback: fc.boolean() }),
   fc.record({ t: fc.constant('idle' as const), ms: fc.integer({ min: 0, max: 30 }) }),
 ];
-const programArb: fc.Arbitrary<Program> = fc.record({
-  root: fc.constantFrom<Program['root']>('fenced', 'fenced', 'modify'),
+const callArb: fc.Arbitrary<Call> = fc.record({
+  root: fc.constantFrom<Call['root']>('fenced', 'fenced', 'modify'),
   before: fc.array(fc.oneof(...live), { maxLength: 4 }),
   after: fc.array(
     fc.oneof(
@@ -86,6 +94,13 @@ const programArb: fc.Arbitrary<Program> = fc.record({
       fc.record({ t: fc.constant('loop' as const), n: fc.integer({ min: 1, max: 40 }) }),
     ),
     { maxLength: 4 },
+  ),
+});
+const programArb: fc.Arbitrary<Program> = fc.record({
+  // One call most often (its stop in every detail); several share one lease signal.
+  calls: fc.oneof(
+    { weight: 2, arbitrary: fc.array(callArb, { minLength: 1, maxLength: 1 }) },
+    { weight: 1, arbitrary: fc.array(callArb, { minLength: 2, maxLength: MAX_CALLS }) },
   ),
   lossDelayMs: fc.integer({ min: 0, max: 20 }),
   pool: fc.constantFrom<Program['pool']>(2, 3, 5),
@@ -136,7 +151,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
     let lockPool: Pool;
     let locks: LockManager;
     let run = 0;
-    const reached = { lost: 0, duringStatement: 0, applied: 0 };
+    const reached = { lost: 0, duringStatement: 0, applied: 0, lostOfSeveral: 0 };
 
     beforeAll(async () => {
       base = await postgresDatabase({ max: 2 });
@@ -148,7 +163,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
       );
       await execute(
         base.db,
-        sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${ROWS}) g`,
+        sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${ROWS * MAX_CALLS}) g`,
       );
       await execute(base.db, sql`create table bystander (id int primary key, n int not null)`);
       await execute(base.db, sql`insert into bystander select g, 0 from generate_series(1, 3) g`);
@@ -164,7 +179,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
     });
 
     test.prop([programArb], propertyParams({ numRuns: propertyRuns(200) }))(
-      'LeaseLostError and nothing visible (or applied, all visible); the next grant goes through; no other query fails; no connection left in a transaction; no warning',
+      'each call: LeaseLostError and nothing visible (or applied, all visible); the next grant goes through; no other query fails; no connection left in a transaction; no warning',
       async (program) => {
         run++;
         let pool = bySize.get(program.pool);
@@ -181,25 +196,29 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
         const name = `L${run}`;
         const lease: Lease = await locks.acquire(name, { ttlMs: 60_000 });
 
-        // What a commit would show: the model of the function's writes, in order.
-        const expected = new Map<number, string>(Array.from({ length: ROWS }, (_, i) => [i + 1, 'initial']));
+        // What a commit would show: the model of each function's writes, in order (its own rows).
+        const expected = program.calls.map(
+          (_, c) => new Map<number, string>(Array.from({ length: ROWS }, (_, i) => [c * ROWS + i + 1, 'initial'])),
+        );
         let lost = false;
         let wrote = 0;
         const value = () => `w${++wrote}`;
-        const exec = async (tx: Database, steps: readonly Step[]) => {
+        const exec = async (tx: Database, steps: readonly Step[], c: number) => {
+          const at = (r: number) => c * ROWS + r;
+          const model = expected[c] as Map<number, string>;
           for (const s of steps) {
             if (s.t === 'write') {
               const v = value();
-              const r = await repo.with(lease).update({ id: s.row }, { value: v });
+              const r = await repo.with(lease).update({ id: at(s.row) }, { value: v });
               expect(r.status).toBe('applied');
-              expected.set(s.row, v);
+              model.set(at(s.row), v);
             } else if (s.t === 'plain') {
               const v = value();
-              await execute(tx, sql`update resource set value = ${v} where id = ${s.row}`);
-              expected.set(s.row, v);
+              await execute(tx, sql`update resource set value = ${v} where id = ${at(s.row)}`);
+              model.set(at(s.row), v);
             } else if (s.t === 'all') {
               const vs = s.rows.map(() => value());
-              const write = (r: number, i: number) => repo.with(lease).update({ id: r }, { value: vs[i] });
+              const write = (r: number, i: number) => repo.with(lease).update({ id: at(r) }, { value: vs[i] });
               // node-postgres deprecates queries sent to one client while another waits: there they go in turn.
               const rs =
                 driver === 'postgres.js'
@@ -209,12 +228,15 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
                       Promise.resolve([] as Awaited<ReturnType<typeof write>>[]),
                     );
               for (const r of rs) expect(r.status).toBe('applied');
-              for (const [i, r] of s.rows.entries()) expected.set(r, vs[i] as string);
+              for (const [i, r] of s.rows.entries()) model.set(at(r), vs[i] as string);
             } else if (s.t === 'savepoint') {
               const v = value();
               const done = await tx
                 .transaction(async (sp) => {
-                  await execute(sp as unknown as Database, sql`update resource set value = ${v} where id = ${s.row}`);
+                  await execute(
+                    sp as unknown as Database,
+                    sql`update resource set value = ${v} where id = ${at(s.row)}`,
+                  );
                   if (s.rollback) throw new RollBack();
                 })
                 .then(
@@ -224,7 +246,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
                     return false;
                   },
                 );
-              if (done) expected.set(s.row, v);
+              if (done) model.set(at(s.row), v);
             } else if (s.t === 'idle') {
               await sleep(s.ms);
             } else if (s.t === 'long') {
@@ -238,13 +260,19 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
             }
           }
         };
-        const fn = async (tx: Database) => {
-          await exec(tx, program.before);
-          setTimeout(() => {
-            lost = true;
-            void lease.release();
-          }, program.lossDelayMs);
-          await exec(tx, program.after);
+        // The loss comes once, after the first function to get there is done with its first steps.
+        let lossSet = false;
+        const fn = (c: number) => async (tx: Database) => {
+          const call = program.calls[c] as Call;
+          await exec(tx, call.before, c);
+          if (!lossSet) {
+            lossSet = true;
+            setTimeout(() => {
+              lost = true;
+              void lease.release();
+            }, program.lossDelayMs);
+          }
+          await exec(tx, call.after, c);
         };
 
         // The other users of the pool: plain queries and short transactions, until the run is over.
@@ -272,18 +300,30 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
           }
         });
 
-        const outcome = await (program.root === 'fenced'
-          ? fencedTransaction(db, lease, fn)
-          : repo.with(lease).modify({ id: 1 }, async (_row, tx) => {
-              await fn(tx);
-              const v = value();
-              expected.set(1, v);
-              return { value: v };
-            })
-        ).then(
-          (r) => r,
-          (err: unknown) => err,
+        // Every call settles: one that hangs fails the run (its program is the counterexample).
+        let hung: NodeJS.Timeout | undefined;
+        const settled = Promise.all(
+          program.calls.map((call, c) =>
+            (call.root === 'fenced'
+              ? fencedTransaction(db, lease, fn(c))
+              : repo.with(lease).modify({ id: c * ROWS + 1 }, async (_row, tx) => {
+                  await fn(c)(tx);
+                  const v = value();
+                  expected[c]?.set(c * ROWS + 1, v);
+                  return { value: v };
+                })
+            ).then(
+              (r) => r,
+              (err: unknown) => err,
+            ),
+          ),
         );
+        const outcomes = await Promise.race([
+          settled,
+          new Promise<never>((_, reject) => {
+            hung = setTimeout(() => reject(new Error('a call did not settle within 20 s of its lease loss')), 20_000);
+          }),
+        ]).finally(() => clearTimeout(hung));
         // The next holder: its grant claims the register, and finds it locked while the stopped transaction holds it.
         const next = await locks.acquire(name, { ttlMs: 60_000, waitMs: 5_000 }).catch((err: unknown) => err);
         over = true;
@@ -292,15 +332,20 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
 
         const seen = await execute(db, sql`select id, value from resource order by id`);
         const visible = new Map(seen.map((r) => [Number(r.id), String(r.value)]));
-        if (outcome instanceof Error) {
-          expect(outcome).toBeInstanceOf(LeaseLostError);
-          reached.lost++;
-          if (program.after.some((s) => s.t === 'long')) reached.duringStatement++;
-          expect([...visible.values()]).toEqual(Array.from({ length: ROWS }, () => 'initial'));
-        } else {
-          expect(outcome).toMatchObject({ status: 'applied' });
-          expect(visible).toEqual(expected);
-          reached.applied++;
+        for (const [c, outcome] of outcomes.entries()) {
+          const rows = [...(expected[c] as Map<number, string>).keys()];
+          const mine = new Map(rows.map((id) => [id, visible.get(id)]));
+          if (outcome instanceof Error) {
+            expect(outcome, `call ${c}`).toBeInstanceOf(LeaseLostError);
+            reached.lost++;
+            if (program.calls[c]?.after.some((s) => s.t === 'long')) reached.duringStatement++;
+            if (program.calls.length > 1) reached.lostOfSeveral++;
+            expect([...mine.values()], `call ${c}`).toEqual(rows.map(() => 'initial'));
+          } else {
+            expect(outcome, `call ${c}`).toMatchObject({ status: 'applied' });
+            expect(mine, `call ${c}`).toEqual(expected[c]);
+            reached.applied++;
+          }
         }
         expect(next).toHaveProperty('fence');
         await (next as Lease).release();
@@ -324,8 +369,9 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
       propertyTimeout(600_000),
     );
 
-    it('the runs reached the stop: lost leases, some in the middle of a statement, and calls done before the loss', () => {
+    it('the runs reached the stop: lost leases, some in the middle of a statement, some under one lease with other calls, and calls done before the loss', () => {
       expect(reached.lost).toBeGreaterThan(0);
+      expect(reached.lostOfSeveral).toBeGreaterThan(0);
       expect(reached.duringStatement).toBeGreaterThan(0);
       expect(reached.applied).toBeGreaterThan(0);
     });
