@@ -19,7 +19,6 @@ import {
 } from 'drizzle-orm/pg-core';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import {
-  cancelRunning as cancelOn,
   type EventClient,
   guardedTransaction,
   heardTransaction,
@@ -121,18 +120,8 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
  * and nothing done, otherwise.
  */
 export function refuseStatements(tx: Database, reason: Error): boolean {
-  return refuseOn(sessionClient(tx), reason);
+  return refuseOn((internals(tx).session as unknown as { client: unknown }).client, reason);
 }
-
-/**
- * @internal Cancels, out of band (no connection of the pool), the statement `tx` runs once its statements
- * were refused ({@link refuseStatements}), if it ran it at the previous call too (see lost-connection.ts).
- */
-export function cancelRunning(tx: Database): void {
-  cancelOn(sessionClient(tx));
-}
-
-const sessionClient = (tx: Database): unknown => (internals(tx).session as unknown as { client: unknown }).client;
 
 // What the caller's own code threw inside palisade's transactions, boxed so that it passes through
 // each of them (nested ones too) untranslated, and comes out where palisade returns to the caller.

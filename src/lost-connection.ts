@@ -25,7 +25,6 @@
  * unless the close came while COMMIT was under way (then it is unknown).
  */
 import { DatabaseError } from './errors.js';
-import { type LongStatementCancel, nodePostgresCancel, postgresJsCancel } from './long-statement-cancel.js';
 
 interface Connection {
   lost: boolean;
@@ -33,8 +32,6 @@ interface Connection {
   refused?: Error;
   /** Sends `ROLLBACK AND CHAIN` on the connection, past the refusal (see {@link refuseStatements}). */
   rollback?: () => void;
-  /** Cancels, out of band, a statement the connection runs (see {@link cancelRunning}). */
-  cancel?: LongStatementCancel;
 }
 
 /** The part of a postgres.js transaction's (or savepoint's) `sql` that drizzle and palisade call. */
@@ -70,13 +67,9 @@ const refusal = (connection: Connection): Error | undefined =>
 /** `client` with every statement refused, before it is sent, once `connection` is lost or refused. */
 function guarded(client: ScopedSql, connection: Connection): ScopedSql {
   if (connections.has(client)) return client;
-  const sent = (query: unknown) => {
-    connection.cancel?.sent(query);
-    return query;
-  };
   const unsafe = (...args: unknown[]) => {
     const refused = refusal(connection);
-    return refused ? refusedQuery(refused) : sent(client.unsafe(...args));
+    return refused ? refusedQuery(refused) : client.unsafe(...args);
   };
   const savepoint = (...args: unknown[]) => {
     const refused = refusal(connection);
@@ -100,7 +93,7 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
     get: (target, key) => (key === 'unsafe' ? unsafe : key === 'savepoint' ? savepoint : Reflect.get(target, key)),
     apply: (target, self, args) => {
       const refused = refusal(connection);
-      return refused ? refusedQuery(refused) : sent(Reflect.apply(target as never, self, args));
+      return refused ? refusedQuery(refused) : Reflect.apply(target as never, self, args);
     },
   });
   connections.set(proxy, connection);
@@ -147,7 +140,6 @@ export function guardedTransaction<Tx, T>(
     const client = session.client as ScopedSql;
     // A postgres.js query runs once it is awaited.
     connection.rollback = () => (client.unsafe(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
-    connection.cancel = postgresJsCancel();
     session.client = guarded(client, connection);
     try {
       const value = await unlessLost(() => fn(tx), connection);
@@ -292,7 +284,6 @@ function refusing(client: QueryClient, connection: Connection): QueryClient {
   };
   connection.rollback = () =>
     whenIdle(state, () => client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
-  connection.cancel = nodePostgresCancel(client);
   const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
   connections.set(proxy, connection);
   return proxy;
@@ -345,17 +336,6 @@ export function refuseStatements(client: unknown, reason: Error): boolean {
     connection.rollback?.();
   }
   return true;
-}
-
-/**
- * @internal Cancels, out of band, the statement the transaction whose statements
- * {@link refuseStatements} refused runs, if it ran it at the previous call too
- * (./long-statement-cancel.ts): call it every few tens of ms while a look from the pool waits for a
- * connection. Nothing where `client` is not one palisade began a transaction on, or was not refused.
- */
-export function cancelRunning(client: unknown): void {
-  const connection = connections.get(client as object);
-  if (connection?.refused) connection.cancel?.cancel();
 }
 
 // Ends the transaction at once (its locks go: a function that goes on, idle or catching its errors in a

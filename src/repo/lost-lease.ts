@@ -17,7 +17,7 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import { sql } from 'drizzle-orm';
-import { cancelRunning, type Database, driverOf, isTransaction, refuseStatements } from '../driver.js';
+import { type Database, driverOf, isTransaction, refuseStatements } from '../driver.js';
 import { LeaseLostError, PalisadeError } from '../errors.js';
 import type { Fence } from '../fencing/fence.js';
 import { prepared } from '../prepared.js';
@@ -85,9 +85,8 @@ const NOT_ARMED = { disarm: () => false };
  * While armed, the first abort of any of `signals` refuses every
  * further statement on `tx` (with `reason()`), rolls it back after the
  * statement it runs (see `refuseStatements`) and cancels, from `db` (another
- * connection of its pool) — or, while none is free, out of band
- * (`cancelRunning`) — each statement `session` runs until the transaction
- * ends, `disarm()` is called or {@link MAX_LOOKS} looks passed.
+ * connection of its pool), each statement `session` runs until the
+ * transaction ends, `disarm()` is called or {@link MAX_LOOKS} looks passed.
  * `disarm()` (call it once the function settled) tells whether it fired.
  */
 export function stopOnAbort(
@@ -101,20 +100,10 @@ export function stopOnAbort(
   let armed = true;
   let fired = false;
   const look = async () => {
-    let asking: Promise<'cancelled' | 'idle' | 'gone'> | undefined;
     for (let i = 0; i < MAX_LOOKS && armed; i++) {
-      // From the pool, one look at a time: where none is free it answers once a transaction gave its
-      // connection back, finding its session gone.
-      asking ??= cancelStatement(db, session).catch(() => 'idle' as const);
-      const found = await Promise.race([asking, sleep(LOOK_EVERY_MS, 'waiting' as const, { ref: false })]);
+      // A pool with no other connection free runs this once the transaction gave its back: it finds it gone.
+      const found = await cancelStatement(db, session).catch(() => 'idle' as const);
       if (found === 'gone') return;
-      if (found === 'waiting') {
-        // No connection free: the transactions of one lease may hold all of them, each in a statement
-        // only a cancel ends. Out of band then, for a statement that ran at the previous look too.
-        cancelRunning(tx);
-        continue;
-      }
-      asking = undefined;
       await sleep(LOOK_EVERY_MS, undefined, { ref: false });
     }
   };
