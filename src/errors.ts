@@ -289,6 +289,18 @@ export class DatabaseError extends PalisadeError {
     const cause = Object.assign(new Error("the transaction's connection was closed"), { code: 'CONNECTION_CLOSED' });
     return new DatabaseError(undefined, cause);
   }
+
+  /**
+   * @internal A COMMIT that Postgres answered with a rollback: a statement of the transaction had failed
+   * (and its error was caught), so nothing it wrote was kept (src/lost-connection.ts, node-postgres).
+   */
+  static commitRolledBack(): DatabaseError {
+    const cause = Object.assign(
+      new Error('the transaction was aborted by a failed statement whose error was caught: its COMMIT rolled back'),
+      { code: '25P02' },
+    );
+    return new DatabaseError('25P02', cause);
+  }
 }
 
 /** A Redis command or Postgres statement did not answer within `commandTimeoutMs`. */

@@ -171,11 +171,28 @@ interface QueryClient extends EventClient {
   query(...args: unknown[]): unknown;
 }
 
-// drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
-const isRollback = (query: unknown): boolean => {
+const textOf = (query: unknown): string => {
   const text = typeof query === 'string' ? query : (query as { text?: unknown } | null)?.text;
-  return typeof text === 'string' && /^rollback( to savepoint \w+)?$/i.test(text.trim());
+  return typeof text === 'string' ? text.trim() : '';
 };
+// drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
+const isRollback = (query: unknown): boolean => /^rollback( to savepoint \w+)?$/i.test(textOf(query));
+const isCommit = (query: unknown): boolean => /^commit$/i.test(textOf(query));
+
+/**
+ * drizzle's COMMIT, rejected when Postgres answered it with a rollback: a statement failed in the
+ * transaction and the function went on (it caught the error), so nothing was written. node-postgres
+ * resolves such a COMMIT as a success (its command tag says `ROLLBACK`), and the call would report its
+ * writes applied. `ended` notes that no transaction is left for drizzle's rollback that follows.
+ */
+function committed(result: unknown, ended: () => void): unknown {
+  if (typeof (result as PromiseLike<unknown> | null)?.then !== 'function') return result;
+  return (result as PromiseLike<{ command?: unknown } | undefined>).then((r) => {
+    if (r?.command !== 'ROLLBACK') return r;
+    ended();
+    throw DatabaseError.commitRolledBack();
+  });
+}
 
 /** What of a node-postgres `Client` the refusal reads (its own fields, stable across pg 8). */
 export interface PgClientState {
@@ -277,8 +294,17 @@ export function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
  */
 function refusing(client: QueryClient, connection: Connection): QueryClient {
   const state = client as unknown as PgClientState;
+  let ended = false;
   const query = (...args: unknown[]) => {
-    if (!connection.refused) return client.query(...args);
+    // After a COMMIT that rolled back: drizzle's rollback has no transaction left (it would warn).
+    if (ended && isRollback(args[0])) return Promise.resolve({ command: 'ROLLBACK', rows: [], rowCount: null });
+    if (!connection.refused) {
+      return isCommit(args[0])
+        ? committed(client.query(...args), () => {
+            ended = true;
+          })
+        : client.query(...args);
+    }
     if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
     return whenIdle(state, () => client.query(...args));
   };
