@@ -23,6 +23,10 @@
  *
  * The server rolled the transaction back when it closed the connection,
  * unless the close came while COMMIT was under way (then it is unknown).
+ *
+ * The same node-postgres proxy also reads drizzle's COMMIT: one that
+ * Postgres answered with a rollback (a failed statement aborted the
+ * transaction) rejects instead of passing for a success.
  */
 import { DatabaseError } from './errors.js';
 
