@@ -20,7 +20,9 @@
  *
  * The checks: each call either rejects with `LeaseLostError` and nothing
  * its function wrote is visible, or (the loss came after the function was
- * done) it applied and everything is; the lock's next grant, waiting at most 5 s,
+ * done) it applied and everything is — unless a statement of its function
+ * failed on the server (its error caught): then it rejects whatever the
+ * loss, and nothing is visible; the lock's next grant, waiting at most 5 s,
  * goes through while the function may still be going on; no query of the
  * other users failed and each of their transactions committed; once the
  * call settled, no connection of the pool is left in a transaction; the
@@ -37,7 +39,7 @@ import pg from 'pg';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
-import { LeaseLostError } from '../../src/errors.js';
+import { DatabaseError, LeaseLostError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
@@ -62,6 +64,7 @@ type Step =
   | { readonly t: 'all'; readonly rows: readonly number[] }
   | { readonly t: 'savepoint'; readonly row: number; readonly rollback: boolean }
   | { readonly t: 'idle'; readonly ms: number }
+  | { readonly t: 'fail' }
   | { readonly t: 'long'; readonly caught: boolean }
   | { readonly t: 'loop'; readonly n: number };
 interface Call {
@@ -80,6 +83,8 @@ interface Program {
 const row = fc.integer({ min: 2, max: ROWS });
 const live: fc.Arbitrary<Step>[] = [
   fc.record({ t: fc.constant('write' as const), row }),
+  // A statement that fails on the server, its error caught: the transaction is aborted, nothing it wrote is kept.
+  fc.record({ t: fc.constant('fail' as const) }),
   fc.record({ t: fc.constant('plain' as const), row }),
   fc.record({ t: fc.constant('all' as const), rows: fc.uniqueArray(row, { minLength: 2, maxLength: ROWS - 1 }) }),
   fc.record({ t: fc.constant('savepoint' as const), row, rollback: fc.boolean() }),
@@ -156,7 +161,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
     let lockPool: Pool;
     let locks: LockManager;
     let run = 0;
-    const reached = { lost: 0, duringStatement: 0, applied: 0, lostOfSeveral: 0 };
+    const reached = { lost: 0, duringStatement: 0, applied: 0, lostOfSeveral: 0, aborted: 0 };
 
     beforeAll(async () => {
       base = await postgresDatabase({ max: 2 });
@@ -184,7 +189,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
     });
 
     test.prop([programArb], propertyParams({ numRuns: propertyRuns(200) }))(
-      'each call: LeaseLostError and nothing visible (or applied, all visible); the next grant goes through; no other query fails; no connection left in a transaction; no warning',
+      'each call: LeaseLostError and nothing visible (or applied, all visible; never applied after a failed statement); the next grant goes through; no other query fails; no connection left in a transaction; no warning',
       async (program) => {
         run++;
         let pool = bySize.get(program.pool);
@@ -206,6 +211,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
           (_, c) => new Map<number, string>(Array.from({ length: ROWS }, (_, i) => [c * ROWS + i + 1, 'initial'])),
         );
         let lost = false;
+        const failed = program.calls.map(() => false);
         let wrote = 0;
         const value = () => `w${++wrote}`;
         const exec = async (tx: Database, steps: readonly Step[], c: number) => {
@@ -252,6 +258,13 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
                   },
                 );
               if (done) model.set(at(s.row), v);
+            } else if (s.t === 'fail') {
+              const err = await execute(tx, sql`select 1 / 0`).then(
+                () => undefined,
+                (e: unknown) => e,
+              );
+              // Failed on the server (not refused before it was sent, once the lease was lost).
+              if (err instanceof DatabaseError) failed[c] = true;
             } else if (s.t === 'idle') {
               await sleep(s.ms);
             } else if (s.t === 'long') {
@@ -329,6 +342,8 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
             hung = setTimeout(() => reject(new Error('a call did not settle within 20 s of its lease loss')), 20_000);
           }),
         ]).finally(() => clearTimeout(hung));
+        // Every call ended before one got to the loss (its function threw): the lease is let go here.
+        if (!lossSet) await lease.release();
         // The next holder: its grant claims the register, and finds it locked while the stopped transaction holds it.
         const next = await locks.acquire(name, { ttlMs: 60_000, waitMs: 5_000 }).catch((err: unknown) => err);
         over = true;
@@ -340,7 +355,13 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
         for (const [c, outcome] of outcomes.entries()) {
           const rows = [...(expected[c] as Map<number, string>).keys()];
           const mine = new Map(rows.map((id) => [id, visible.get(id)]));
-          if (outcome instanceof Error) {
+          if (failed[c]) {
+            // Never applied: the COMMIT of an aborted transaction is a rollback, whatever the driver says.
+            // (What the function itself throws after the failure reaches the caller as it was thrown.)
+            expect(outcome, `call ${c}`).toBeInstanceOf(Error);
+            expect([...mine.values()], `call ${c}`).toEqual(rows.map(() => 'initial'));
+            reached.aborted++;
+          } else if (outcome instanceof Error) {
             expect(outcome, `call ${c}`).toBeInstanceOf(LeaseLostError);
             reached.lost++;
             if (program.calls[c]?.after.some((s) => s.t === 'long')) reached.duringStatement++;
@@ -379,6 +400,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
       expect(reached.lostOfSeveral).toBeGreaterThan(0);
       expect(reached.duringStatement).toBeGreaterThan(0);
       expect(reached.applied).toBeGreaterThan(0);
+      expect(reached.aborted).toBeGreaterThan(0);
     });
   });
 }

@@ -1,9 +1,9 @@
 /**
  * The Redis lock backend: the lock key (token and grant record, with its
  * TTL) and the fence counter in one Lua script (./scripts/grant.ts), on one
- * ioredis client, with fences that never go down even when Redis forgets its counter (./epochs.ts). The
- * keys are listed in ./keys.ts; the README (Lock managers → Redis, and what
- * each guarantees) is the manual.
+ * ioredis client, with fences that never go down even when Redis forgets
+ * its counter (./epochs.ts). The keys are listed in ./keys.ts; the README
+ * (Lock managers → Redis, and what each guarantees) is the manual.
  */
 import { createHash } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
