@@ -17,6 +17,7 @@ import {
   type PgSession,
   PgTransaction,
 } from 'drizzle-orm/pg-core';
+import { watchedPgliteTransaction } from './aborted-transaction.js';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import {
   type EventClient,
@@ -105,8 +106,9 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
       db.transaction((tx) => callback(tx as unknown as Database));
     const driver = driverOf(db);
     if (driver === 'postgres-js') return await guardedTransaction(sessionOf(db).client, begin, sessionOf, fn);
-    if (driver === 'node-postgres') return await heardTransaction(begin, sessionOf, fn, sessionOf(db));
-    return await begin(fn);
+    if (driver === 'node-postgres')
+      return await heardTransaction(begin, sessionOf, fn, sessionOf(db), isTransaction(db));
+    return isTransaction(db) ? await begin(fn) : await watchedPgliteTransaction(begin, sessionOf, fn);
   } catch (err) {
     throw err instanceof CallerThrew ? err : translateError(err);
   }

@@ -24,10 +24,19 @@
  * The server rolled the transaction back when it closed the connection,
  * unless the close came while COMMIT was under way (then it is unknown).
  *
- * The same node-postgres proxy also reads drizzle's COMMIT: one that
- * Postgres answered with a rollback (a failed statement aborted the
- * transaction) rejects instead of passing for a success.
+ * The same proxies see the transaction's statements for one more purpose: a
+ * transaction a caught failure aborted must not pass for committed
+ * (aborted-transaction.ts).
  */
+import {
+  assertNotAborted,
+  commitAnswer,
+  committed,
+  Failures,
+  noted,
+  rejected,
+  Statements,
+} from './aborted-transaction.js';
 import { DatabaseError } from './errors.js';
 
 interface Connection {
@@ -36,6 +45,8 @@ interface Connection {
   refused?: Error;
   /** Sends `ROLLBACK AND CHAIN` on the connection, past the refusal (see {@link refuseStatements}). */
   rollback?: () => void;
+  /** postgres.js: the statements sent through the guarded clients, watched for a failure (aborted-transaction.ts). */
+  statements?: Statements;
 }
 
 /** The part of a postgres.js transaction's (or savepoint's) `sql` that drizzle and palisade call. */
@@ -51,12 +62,6 @@ const never = () => new Promise<never>(() => {});
 // Guarded clients, each with the connection it runs on (a transaction's savepoints share its entry).
 const connections = new WeakMap<object, Connection>();
 
-function rejected(error: Error = DatabaseError.connectionClosed()): Promise<never> {
-  const p = Promise.reject(error);
-  p.catch(() => {}); // rejects for whoever awaits it; no unhandled rejection for the ones nobody does
-  return p;
-}
-
 // What `unsafe` returns in place of a postgres.js query once the connection is lost (or its statements
 // refused): it rejects however it is read.
 function refusedQuery(error: Error): Promise<never> {
@@ -66,14 +71,14 @@ function refusedQuery(error: Error): Promise<never> {
 
 // Why a statement on `connection` is not sent, if it is not.
 const refusal = (connection: Connection): Error | undefined =>
-  connection.lost ? DatabaseError.connectionClosed() : connection.refused;
+  connection.lost ? DatabaseError.connectionClosed() : (connection.refused ?? connection.statements?.refusal());
 
 /** `client` with every statement refused, before it is sent, once `connection` is lost or refused. */
 function guarded(client: ScopedSql, connection: Connection): ScopedSql {
   if (connections.has(client)) return client;
   const unsafe = (...args: unknown[]) => {
     const refused = refusal(connection);
-    return refused ? refusedQuery(refused) : client.unsafe(...args);
+    return refused ? refusedQuery(refused) : sent(connection, client.unsafe(...args));
   };
   const savepoint = (...args: unknown[]) => {
     const refused = refusal(connection);
@@ -97,12 +102,15 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
     get: (target, key) => (key === 'unsafe' ? unsafe : key === 'savepoint' ? savepoint : Reflect.get(target, key)),
     apply: (target, self, args) => {
       const refused = refusal(connection);
-      return refused ? refusedQuery(refused) : Reflect.apply(target as never, self, args);
+      return refused ? refusedQuery(refused) : sent(connection, Reflect.apply(target as never, self, args));
     },
   });
   connections.set(proxy, connection);
   return proxy;
 }
+
+const sent = <S>(connection: Connection, statement: S): S =>
+  connection.statements ? connection.statements.sent(statement) : statement;
 
 // In place of a transaction's or savepoint's outcome once the connection is lost.
 const LOST = Symbol('the connection was lost');
@@ -136,17 +144,28 @@ export function guardedTransaction<Tx, T>(
   // A savepoint of a transaction palisade began: the driver opens it through the guarded client's
   // `savepoint`, which guards the savepoint's client and ends it safely.
   if (connections.has(parent as object)) return begin(fn);
-  const connection: Connection = { lost: false };
+  const connection: Connection = { lost: false, statements: new Statements() };
   let pending = false;
   const run = begin(async (tx) => {
     pending = true;
     const session = sessionOf(tx);
     const client = session.client as ScopedSql;
     // A postgres.js query runs once it is awaited.
-    connection.rollback = () => (client.unsafe(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
+    const send = (text: string) => client.unsafe(text) as PromiseLike<unknown>;
+    connection.rollback = () => send(ROLLBACK_AND_CHAIN).then(undefined, () => {});
     session.client = guarded(client, connection);
     try {
-      const value = await unlessLost(() => fn(tx), connection);
+      const value = await unlessLost(async () => {
+        const value = await fn(tx);
+        // postgres.js would COMMIT a transaction aborted by a statement that failed after `fn` returned,
+        // or in a savepoint nothing rolled back to (aborted-transaction.ts). Asked past the guards, but
+        // not on a session found gone meanwhile: sent there, postgres.js would end the process.
+        const failures = await (connection.statements as Statements).settled();
+        if (connection.refused || !failures.aborting) return value;
+        await new Promise((resolve) => setImmediate(resolve));
+        if (!connection.lost) await assertNotAborted(failures, () => send('select 1'));
+        return value;
+      }, connection);
       // Whichever way it settled, postgres.js would send COMMIT or ROLLBACK: it does not settle.
       return value === LOST ? never() : value;
     } finally {
@@ -182,21 +201,6 @@ const textOf = (query: unknown): string => {
 // drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
 const isRollback = (query: unknown): boolean => /^rollback( to savepoint \w+)?$/i.test(textOf(query));
 const isCommit = (query: unknown): boolean => /^commit$/i.test(textOf(query));
-
-/**
- * drizzle's COMMIT, rejected when Postgres answered it with a rollback: a statement failed in the
- * transaction and the function went on (it caught the error), so nothing was written. node-postgres
- * resolves such a COMMIT as a success (its command tag says `ROLLBACK`), and the call would report its
- * writes applied. `ended` notes that no transaction is left for drizzle's rollback that follows.
- */
-function committed(result: unknown, ended: () => void): unknown {
-  if (typeof (result as PromiseLike<unknown> | null)?.then !== 'function') return result;
-  return (result as PromiseLike<{ command?: unknown } | undefined>).then((r) => {
-    if (r?.command !== 'ROLLBACK') return r;
-    ended();
-    throw DatabaseError.commitRolledBack();
-  });
-}
 
 /** What of a node-postgres `Client` the refusal reads (its own fields, stable across pg 8). */
 export interface PgClientState {
@@ -299,15 +303,16 @@ export function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
 function refusing(client: QueryClient, connection: Connection): QueryClient {
   const state = client as unknown as PgClientState;
   let ended = false;
+  const failures = new Failures();
   const query = (...args: unknown[]) => {
     // After a COMMIT that rolled back: drizzle's rollback has no transaction left (it would warn).
     if (ended && isRollback(args[0])) return Promise.resolve({ command: 'ROLLBACK', rows: [], rowCount: null });
     if (!connection.refused) {
       return isCommit(args[0])
-        ? committed(client.query(...args), () => {
+        ? committed(client.query(...args), failures, () => {
             ended = true;
           })
-        : client.query(...args);
+        : noted(client.query(...args), failures);
     }
     if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
     return whenIdle(state, () => client.query(...args));
@@ -331,8 +336,10 @@ export function heardTransaction<Tx, T>(
   sessionOf: (tx: Tx) => { client: unknown },
   fn: (tx: Tx) => Promise<T>,
   parent: { client: unknown },
+  nested: boolean,
 ): Promise<T> {
   let client: EventClient | undefined;
+  let answer: ReturnType<typeof commitAnswer> | undefined;
   // Heard until the driver is done with the client, rollback included: a session ended while a
   // statement ran (pg_terminate_backend) fails that statement first and closes the socket after, and
   // the close comes as an event once no query is left to take it.
@@ -343,11 +350,21 @@ export function heardTransaction<Tx, T>(
       client = session.client as QueryClient;
       client.on('error', heard);
       // On a single client (not a pool) drizzle runs the transaction on the database's own session
-      // (`parent`), whose client the statements palisade prepares there keep for good: not refusable.
+      // (`parent`), whose client the statements palisade prepares there keep for good: not refusable,
+      // and its COMMIT's answer is read from the connection's messages instead.
       if (session !== parent) session.client = refusing(client as QueryClient, { lost: false });
+      else if (!nested) answer = commitAnswer(client);
     }
     return fn(tx);
-  }).finally(() => client?.removeListener('error', heard));
+  })
+    .then((value) => {
+      answer?.check();
+      return value;
+    })
+    .finally(() => {
+      client?.removeListener('error', heard);
+      answer?.off();
+    });
 }
 
 /**

@@ -69,7 +69,10 @@ const DEFAULT_IDLE_MS = 60_000;
  * after it), so a holder busy inside cannot hold it either, and the call
  * rejects with `LeaseLostError` — unless `db` is a transaction (the
  * outermost owns the session), PGlite or a single node-postgres `Client`.
- * Does not: retry — a deadlock
+ * A statement of `fn` that failed aborts the transaction even when its
+ * error was caught or never awaited: the call then rejects with that error
+ * and nothing is written (README, "Fenced transactions", for the drivers'
+ * details). Does not: retry — a deadlock
  * between tables (40P01) or a serialization failure rejects with
  * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
  *

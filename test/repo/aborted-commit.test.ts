@@ -2,12 +2,16 @@
  * A transaction palisade runs whose function catches the error of a failed
  * statement and returns: Postgres has aborted the transaction and answers
  * its COMMIT with a rollback, so nothing was written — the call must not
- * report it applied. node-postgres resolves such a COMMIT as a success;
- * postgres.js rejects with the statement's error.
+ * report it applied. node-postgres and PGlite resolve such a COMMIT as a
+ * success; postgres.js rejects with the statement's error, but only for a
+ * statement that failed while the function ran, outside a savepoint.
  */
 import { sql } from 'drizzle-orm';
+import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import pg from 'pg';
 import { afterEach, describe, expect, it } from 'vitest';
+import { Statements } from '../../src/aborted-transaction.js';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
@@ -15,19 +19,36 @@ import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { nodePostgresDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { nodePostgresDatabase, pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
+/** A database on one node-postgres `Client` (not a pool): drizzle runs its transactions on the database's own session. */
+async function singleClientDatabase(): Promise<TestDatabase> {
+  const t = await nodePostgresDatabase({ max: 1 });
+  const client = new pg.Client({ connectionString: t.url });
+  await client.connect();
+  return {
+    driver: 'node-postgres',
+    db: drizzleNodePostgres(client) as unknown as Database,
+    async close() {
+      await client.end();
+      await t.close();
+    },
+  };
+}
+
 const drivers = [
-  { name: 'postgres.js', open: postgresDatabase },
-  { name: 'node-postgres', open: nodePostgresDatabase },
+  { name: 'PGlite', open: pgliteDatabase, real: false },
+  { name: 'postgres.js', open: () => postgresDatabase({ max: 4 }), real: true },
+  { name: 'node-postgres', open: () => nodePostgresDatabase({ max: 4 }), real: true },
+  { name: 'a single node-postgres Client', open: singleClientDatabase, real: true },
 ] as const;
 
-for (const { name, open } of drivers) {
-  describe.runIf(needs('DATABASE_URL'))(`${name}: a function that catches a failed statement's error`, () => {
+for (const { name, open, real } of drivers) {
+  describe.runIf(!real || needs('DATABASE_URL'))(`${name}: a function that catches a failed statement's error`, () => {
     const opened: TestDatabase[] = [];
     const closing: { close(): Promise<void> }[] = [];
     afterEach(async () => {
@@ -35,7 +56,7 @@ for (const { name, open } of drivers) {
       await Promise.all(opened.splice(0).map((t) => t.close()));
     });
     async function fresh() {
-      const t = await open({ max: 4 });
+      const t = await open();
       opened.push(t);
       const db: Database = t.db;
       await migrate(db);
@@ -82,5 +103,166 @@ for (const { name, open } of drivers) {
       expect(await values()).toEqual(['initial']);
       await lease.release();
     });
+
+    it('a failing statement fn did not await, caught: the call rejects and nothing is visible', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 30_000 });
+      const outcome = await fencedTransaction(db, lease, async (tx) => {
+        expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
+        // Sent, not awaited: it fails after fn returned (before the COMMIT, on the same connection).
+        void execute(tx, sql`select 1 / 0`).catch(() => {});
+        return 'done';
+      }).catch((err: unknown) => err);
+      expect(outcome).toBeInstanceOf(DatabaseError);
+      expect(await values()).toEqual(['initial']);
+      await lease.release();
+    });
+
+    it('a statement that failed in a savepoint never rolled back to: the call rejects, nothing visible', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 30_000 });
+      const outcome = await fencedTransaction(db, lease, async (tx) => {
+        expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
+        // The savepoint's function returns before its statement fails: nothing rolls back to it
+        // (postgres.js). Where drizzle releases the savepoint, the release fails and fn throws that.
+        await tx.transaction(async (sp) => {
+          void execute(sp as unknown as Database, sql`select 1 / 0`).catch(() => {});
+        });
+        return 'done';
+      }).catch((err: unknown) => err);
+      expect(outcome).toBeInstanceOf(Error);
+      expect(await values()).toEqual(['initial']);
+      await lease.release();
+    });
+
+    it('a statement that failed in a savepoint rolled back to: the transaction goes on and applies', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 30_000 });
+      const outcome = await fencedTransaction(db, lease, async (tx) => {
+        const caught = await tx
+          .transaction(async (sp) => {
+            await execute(sp as unknown as Database, sql`select 1 / 0`);
+          })
+          .catch((err: unknown) => err);
+        expect(caught).toBeInstanceOf(Error);
+        return repo.with(lease).update({ id: 1 }, { value: 'after the savepoint' });
+      });
+      expect(outcome).toMatchObject({ status: 'applied' });
+      expect(await values()).toEqual(['after the savepoint']);
+      await lease.release();
+    });
+
+    it('a statement sent by code fn left behind, after it returned: never applied with nothing written', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      // Each delay is a number of microtasks after fn returned: before, during and after palisade's look.
+      for (let delay = 0; delay <= 12; delay++) {
+        await execute(db, sql`update resource set value = 'initial', last_fence = 0`);
+        const outcome = await fencedTransaction(db, lease, async (tx) => {
+          await repo.with(lease).update({ id: 1 }, { value: 'written' });
+          void (async () => {
+            for (let i = 0; i < delay; i++) await null;
+            await execute(tx, sql`select 1 / 0`);
+          })().catch(() => {});
+          return 'done';
+        }).catch((err: unknown) => err);
+        const applied = (outcome as { status?: unknown }).status === 'applied';
+        expect({ delay, applied, values: await values() }).toEqual({
+          delay,
+          applied,
+          values: [applied ? 'written' : 'initial'],
+        });
+      }
+      await lease.release();
+    });
+
+    it('a statement sent while palisade waits for one fn left running: never applied with nothing written', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      const outcome = await fencedTransaction(db, lease, async (tx) => {
+        await repo.with(lease).update({ id: 1 }, { value: 'written' });
+        void execute(tx, sql`select pg_sleep(0.3)`).catch(() => {});
+        setTimeout(() => {
+          void execute(tx, sql.raw('do $$ begin perform pg_sleep(0.2); perform 1 / 0; end $$')).catch(() => {});
+        }, 100);
+        return 'done';
+      }).catch((err: unknown) => err);
+      const applied = (outcome as { status?: unknown }).status === 'applied';
+      expect(await values()).toEqual([applied ? 'written' : 'initial']);
+      await lease.release();
+    });
+
+    it('a caught serialization failure still rejects as retryable, a caught unique violation with its SQLSTATE', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      const serialization = sql.raw("do $$ begin raise exception 'conflict' using errcode = '40001'; end $$");
+      for (const [failing, expected] of [
+        [serialization, { code: 'retryable' }],
+        [sql`insert into resource (id, value) values (1, 'again')`, { code: 'database', sqlState: '23505' }],
+      ] as const) {
+        const outcome = await fencedTransaction(db, lease, async (tx) => {
+          await repo.with(lease).update({ id: 1 }, { value: 'written' });
+          await execute(tx, failing).catch(() => {});
+          return 'done';
+        }).catch((err: unknown) => err);
+        expect(outcome).toMatchObject(expected);
+        expect(await values()).toEqual(['initial']);
+      }
+      await lease.release();
+    });
   });
 }
+
+for (const { name, open } of drivers.filter((d) => d.name === 'postgres.js' || d.name === 'node-postgres')) {
+  describe.runIf(needs('DATABASE_URL'))(`${name}: fn catches the error of its session being ended`, () => {
+    it('the call rejects, nothing is visible, and the process goes on', async () => {
+      const t = await open();
+      const db: Database = t.db;
+      await migrate(db);
+      await execute(
+        db,
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await execute(db, sql`insert into resource (id, value) values (1, 'initial')`);
+      const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('aborted') });
+      try {
+        const repo = fencedRepository(db, resource);
+        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        const outcome = await fencedTransaction(db, lease, async (tx) => {
+          await repo.with(lease).update({ id: 1 }, { value: 'written' });
+          const [row] = await execute(tx, sql`select pg_backend_pid() as pid`);
+          const ending = execute(db, sql`select pg_terminate_backend(${Number(row?.pid)}::int)`);
+          await execute(tx, sql`select pg_sleep(5)`).catch(() => {});
+          await ending;
+          return 'done';
+        }).catch((err: unknown) => err);
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        expect((await execute(db, sql`select value from resource`)).map((r) => r.value)).toEqual(['initial']);
+        await lease.release();
+      } finally {
+        await locks.close();
+        await t.close();
+      }
+    });
+  });
+}
+
+describe('the statements of a transaction, watched', () => {
+  it('looks at statements not yet run a bounded number of times, however many are sent before any runs', async () => {
+    const statements = new Statements();
+    let looks = 0;
+    const n = 4_096;
+    for (let i = 0; i < n; i++) {
+      statements.sent({
+        get executed() {
+          looks++;
+          return false;
+        },
+        then: () => undefined,
+      });
+    }
+    // Amortised: each look at least doubles what is left to look at next time.
+    expect(looks).toBeLessThanOrEqual(2 * n);
+    expect(looks).toBeGreaterThan(0);
+  });
+});

@@ -1,0 +1,256 @@
+/**
+ * A transaction aborted by a failed statement whose error was caught (or
+ * never awaited): Postgres answers its COMMIT with a rollback, and nothing it
+ * wrote is kept. The drivers pass such a COMMIT for a success where they do
+ * not see the failure themselves (README, "Fenced transactions"), so:
+ *
+ * - postgres.js and PGlite: the statements of the transaction are watched;
+ *   once its function returned, palisade waits for the ones still running,
+ *   refuses any sent later, and — where one failed — asks the server with
+ *   one `select 1` before the driver's COMMIT.
+ * - node-postgres: the COMMIT's own answer is read (its command tag), on a
+ *   pool by the transaction's client proxy (lost-connection.ts), on a single
+ *   `Client` from its connection's messages.
+ *
+ * Either way the call rejects with the error of the statement that aborted
+ * the transaction (a caught 40001 is still retryable), or 25P02 where
+ * palisade did not see it. The success path sends nothing more.
+ */
+import { DatabaseError, InvalidArgumentError } from './errors.js';
+import { sqlStateOf } from './server-error.js';
+
+/**
+ * @internal The failures seen in one transaction: the last one that could
+ * have aborted it is what the call reports (later statements fail with
+ * 25P02, which says nothing of why).
+ */
+export class Failures {
+  #cause: unknown;
+  #failed = false;
+  #gone = false;
+
+  note(err: unknown): void {
+    const state = sqlStateOf(err);
+    const code = (err as { code?: unknown } | null)?.code;
+    // The session is gone (or going): nothing more may be sent on it to ask.
+    if (state === undefined) this.#gone ||= typeof code === 'string' && /^(CONNECT|E[A-Z]+$)/.test(code);
+    else if (state.startsWith('08') || /^57P0[1-3]$/.test(state)) this.#gone = true;
+    else {
+      this.#failed = true;
+      if (state !== '25P02') this.#cause = err;
+    }
+  }
+
+  /** Whether a statement failed on the server (so the transaction may be aborted) on a session still there. */
+  get aborting(): boolean {
+    return this.#failed && !this.#gone;
+  }
+
+  /** The error a call whose COMMIT rolled back rejects with. */
+  error(): unknown {
+    return this.#cause ?? DatabaseError.commitRolledBack();
+  }
+}
+
+// A postgres.js query runs only once it is awaited (`executed`): palisade must not be what runs it.
+interface Statement extends PromiseLike<unknown> {
+  readonly executed?: boolean;
+}
+
+// How many statements wait to be looked at before they are (then twice as many as were left waiting).
+const LOOK_EVERY = 32;
+
+/**
+ * @internal The statements sent in one transaction (its savepoints' too):
+ * how many still run, and which failed. Once {@link Statements.settled}
+ * answered, every later one is refused ({@link Statements.refusal}).
+ */
+export class Statements {
+  readonly failures = new Failures();
+  #unlooked: Statement[] = [];
+  #lookAt = LOOK_EVERY;
+  #running = 0;
+  #idle: (() => void) | undefined;
+  #ended = false;
+
+  /** Why a statement may not be sent now: the transaction's function has returned. */
+  refusal(): Error | undefined {
+    return this.#ended
+      ? new InvalidArgumentError(
+          'a statement was sent on a transaction whose function had returned: await every statement in it',
+        )
+      : undefined;
+  }
+
+  /** Notes `statement`, sent (or about to be) in the transaction; returns it. */
+  sent<S>(statement: S): S {
+    this.#unlooked.push(statement as Statement);
+    if (this.#unlooked.length >= this.#lookAt) {
+      this.#look();
+      this.#lookAt = Math.max(LOOK_EVERY, this.#unlooked.length * 2);
+    }
+    return statement;
+  }
+
+  // Watches the statements that run; a postgres.js query nobody awaited yet stays unlooked.
+  #look(): void {
+    const waiting: Statement[] = [];
+    for (const s of this.#unlooked) {
+      if (s.executed === false) waiting.push(s);
+      else this.#watch(s);
+    }
+    this.#unlooked = waiting;
+  }
+
+  #watch(s: Statement): void {
+    this.#running++;
+    const done = () => {
+      if (--this.#running === 0) this.#idle?.();
+    };
+    s.then(done, (err: unknown) => {
+      this.failures.note(err);
+      done();
+    });
+  }
+
+  /**
+   * Once the transaction's function returned: waits until no statement of
+   * it runs (those sent meanwhile included), then refuses every later one.
+   */
+  async settled(): Promise<Failures> {
+    let unawaited = 0;
+    for (;;) {
+      this.#look();
+      if (this.#running > 0) await new Promise<void>((resolve) => (this.#idle = resolve));
+      else if (this.#unlooked.length > unawaited) {
+        // Sent and not awaited yet: drizzle awaits its query a few microtasks on. One turn for them.
+        unawaited = this.#unlooked.length;
+        await new Promise((resolve) => setImmediate(resolve));
+      } else break;
+    }
+    this.#idle = undefined;
+    this.#ended = true;
+    return this.failures;
+  }
+}
+
+/**
+ * @internal Where `failures` could have aborted the transaction, asks the
+ * server with `probe` (a statement on the transaction's connection, past
+ * palisade's guards): aborted (25P02), it throws the error that aborted it.
+ */
+export async function assertNotAborted(failures: Failures, probe: () => PromiseLike<unknown>): Promise<void> {
+  if (!failures.aborting) return;
+  try {
+    await probe();
+  } catch (err) {
+    throw sqlStateOf(err) === '25P02' ? failures.error() : err;
+  }
+}
+
+/** @internal A promise rejected with `error`, for whoever awaits it. */
+export const rejected = (error: Error): Promise<never> => {
+  const p = Promise.reject(error);
+  p.catch(() => {}); // for whoever awaits it; no unhandled rejection for the ones nobody does
+  return p;
+};
+
+/** The part of PGlite's transaction object drizzle sends statements through. */
+interface PgliteTx {
+  query(...args: unknown[]): Promise<unknown>;
+  exec(...args: unknown[]): Promise<unknown>;
+  sql(...args: unknown[]): Promise<unknown>;
+}
+
+/**
+ * @internal PGlite: runs the driver's transaction call `begin(callback)` with
+ * the statements of the transaction watched ({@link Statements}), and asks
+ * the server before its COMMIT when one of them failed. `sessionOf` gives
+ * the drizzle session of the transaction object the driver passes to the
+ * callback.
+ */
+export function watchedPgliteTransaction<Tx, T>(
+  begin: (callback: (tx: Tx) => Promise<T>) => Promise<T>,
+  sessionOf: (tx: Tx) => { client: unknown },
+  fn: (tx: Tx) => Promise<T>,
+): Promise<T> {
+  return begin(async (tx) => {
+    const session = sessionOf(tx);
+    const client = session.client as PgliteTx;
+    const statements = new Statements();
+    const watched =
+      (method: keyof PgliteTx) =>
+      (...args: unknown[]) => {
+        const refused = statements.refusal();
+        return refused ? rejected(refused) : statements.sent(client[method](...args));
+      };
+    const calls = { query: watched('query'), exec: watched('exec'), sql: watched('sql') };
+    session.client = new Proxy(client, {
+      get: (target, key) => (Object.hasOwn(calls, key) ? calls[key as keyof PgliteTx] : Reflect.get(target, key)),
+    });
+    const value = await fn(tx);
+    await assertNotAborted(await statements.settled(), () => client.query('select 1'));
+    return value;
+  });
+}
+
+/**
+ * @internal drizzle's COMMIT, rejected when Postgres answered it with a rollback: a statement failed in the
+ * transaction and the function went on (it caught the error), so nothing was written. node-postgres
+ * resolves such a COMMIT as a success (its command tag says `ROLLBACK`), and the call would report its
+ * writes applied. `ended` notes that no transaction is left for drizzle's rollback that follows.
+ */
+export function committed(result: unknown, failures: Failures, ended: () => void): unknown {
+  if (typeof (result as PromiseLike<unknown> | null)?.then !== 'function') return result;
+  return (result as PromiseLike<{ command?: unknown } | undefined>).then((r) => {
+    if (r?.command !== 'ROLLBACK') return r;
+    ended();
+    throw failures.error();
+  });
+}
+
+/** @internal `result`, its failure noted in `failures` (a statement without a promise — a callback's — is not seen). */
+export function noted(result: unknown, failures: Failures): unknown {
+  if (typeof (result as PromiseLike<unknown> | null)?.then === 'function') {
+    (result as PromiseLike<unknown>).then(undefined, (err: unknown) => failures.note(err));
+  }
+  return result;
+}
+
+/** The messages of a node-postgres `Client`'s protocol connection palisade hears. */
+interface MessageClient {
+  readonly connection?: {
+    on(event: 'commandComplete' | 'errorMessage', listener: (message: never) => void): unknown;
+    removeListener(event: 'commandComplete' | 'errorMessage', listener: (message: never) => void): unknown;
+  };
+}
+
+/**
+ * @internal A single node-postgres `Client`: the command tags and errors of
+ * its connection, heard from now on. `check()`, once the driver's COMMIT was
+ * answered, throws the error that aborted the transaction when the COMMIT's
+ * tag says `ROLLBACK`; `off()` stops listening. Nothing is heard on a client
+ * without a protocol connection (pg-native).
+ */
+export function commitAnswer(client: unknown): { check(): void; off(): void } {
+  const connection = (client as MessageClient).connection;
+  const failures = new Failures();
+  let tag: unknown;
+  const onComplete = (message: { text?: unknown }) => {
+    tag = message.text;
+  };
+  const onError = (message: unknown) => failures.note(message);
+  if (typeof connection?.on === 'function') {
+    connection.on('commandComplete', onComplete);
+    connection.on('errorMessage', onError);
+  }
+  return {
+    check() {
+      if (tag === 'ROLLBACK') throw failures.error();
+    },
+    off() {
+      connection?.removeListener('commandComplete', onComplete);
+      connection?.removeListener('errorMessage', onError);
+    },
+  };
+}
