@@ -112,8 +112,9 @@ const unpaused: Pause = (work) => work();
 
 /** @internal An attempt abandoned at the wait's deadline (it may still land: then it is given back). */
 export class AttemptCutShort extends Error {
-  constructor() {
-    super('no answer before the wait ended');
+  /** `step`: what the attempt was waiting on when it was cut, where that was not the lock service itself. */
+  constructor(readonly step?: string) {
+    super(`${step ?? 'no answer'} before the wait ended`);
   }
 }
 
@@ -164,6 +165,11 @@ export function serviceError(hooks: LockManagerHooks, kind: string, err: unknown
       (waitedMs !== undefined && err.code !== 'lock_service') ||
       (err.code === 'command_timeout' && connection !== undefined);
     if (!rephrase) return err;
+  }
+  // Cut short while it waited on something else than the service (an eager claim's database): that one is named.
+  if (err instanceof AttemptCutShort && err.step !== undefined) {
+    const waited = waitedMs === undefined ? '' : ` (retried for waitMs = ${waitedMs} ms)`;
+    return new LockServiceError('postgres', `${err.step} got no answer before the wait ended${waited}`, err);
   }
   const why = describeFailure(connection ?? err);
   const waited = waitedMs === undefined ? '' : ` (retried for waitMs = ${waitedMs} ms)`;

@@ -10,6 +10,18 @@ import { forwardTo, type Grant, type LockBackend } from './backend.js';
 import { withinMs } from './call-deadline.js';
 import { checkCommandTimeout, POSTGRES_COMMAND_TIMEOUT_MS } from './options.js';
 
+// The tokens (random, one per attempt) whose register claim runs: an attempt cut short at the end of its wait
+// while one ran was waiting on the claim's database, not on the lock service.
+const claiming = new Set<string>();
+
+/**
+ * @internal What the attempt of `token` is doing besides asking its lock
+ * service: its register claim, while one runs; otherwise `undefined`.
+ */
+export function pendingClaim(token: string): string | undefined {
+  return claiming.has(token) ? 'the lock register claim on claimRegisters.db' : undefined;
+}
+
 /** The `claimRegisters` option of the lock managers. */
 export interface ClaimRegistersOption {
   /**
@@ -72,6 +84,7 @@ export function withEagerClaim(backend: LockBackend, option: CheckedClaim | unde
     if (grant.source === undefined) return grant;
     const lock = { kind: backend.kind, source: grant.source, namespace, name };
     let registered: bigint | null;
+    claiming.add(token);
     try {
       // Bounded on the client too, as the Postgres managers' calls are: a stuck connection (a frozen host,
       // a connection pool with no free connection) hung tryAcquire, which no wait cuts short. A claim that
@@ -83,6 +96,8 @@ export function withEagerClaim(backend: LockBackend, option: CheckedClaim | unde
       // Not claimed, so not handed out: the lock frees now rather than at its TTL.
       await backend.release(name, token).catch(() => {});
       throw err;
+    } finally {
+      claiming.delete(token);
     }
     if (registered === null) {
       await backend.release(name, token).catch(() => {});

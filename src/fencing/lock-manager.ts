@@ -3,6 +3,7 @@ import { InvalidArgumentError, LockUnavailableError } from '../errors.js';
 import { observeAcquire } from '../telemetry/locks.js';
 import { AttemptCutShort, bounded, isUnreachable, serviceError } from './attempt.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
+import { pendingClaim } from './eager-claim.js';
 import { Emitter, type LockEvents } from './events.js';
 import type { Fence } from './fence.js';
 import { ActiveLease, type Lease } from './lease.js';
@@ -246,13 +247,14 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           unreachable = undefined;
           answered = true;
         } catch (err) {
+          const step = err instanceof AttemptCutShort ? pendingClaim(token) : undefined;
           giveBack(name, token);
           token = newToken();
           // Aborted while the service's own work ran (the attempt ends at once then): the caller gave up.
           if (opts.signal?.aborted) throw new LockUnavailableError(name, 'aborted');
           // The service may come back (a restart, a connection not up yet): retry within the wait.
           if (!isUnreachable(err, hooks)) throw serviceError(hooks, backend.kind, err);
-          unreachable = err;
+          unreachable = step === undefined ? err : new AttemptCutShort(step);
         }
         if (lease) {
           queued = false;

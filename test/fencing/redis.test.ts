@@ -272,7 +272,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(info).toBeNull();
   });
 
-  it('a lock register claim after a new epoch is still cut short at the end of waitMs (its database stuck)', async () => {
+  it('a lock register claim after a new epoch is still cut short at the end of waitMs (its database stuck), and named', async () => {
     const { open, test } = await redisScenario(REDIS_URL);
     // The claim's database has one connection, busy until the test ends: the claim waits in its queue.
     const stuck = postgres(test.url ?? '', { max: 1, onnotice: () => {} });
@@ -282,6 +282,8 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     // A fresh namespace: the grant takes a new epoch first, which lifts the cut-off only while it runs.
     const err = await manager.acquire('claimed', { ttlMs: 5_000, waitMs: 300 }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(LockServiceError);
+    // Redis answered; the register's database did not: the error says which.
+    expect((err as Error).message).toMatch(/^the lock register claim on claimRegisters\.db got no answer/);
   });
 
   it('a grant waits out an epoch install that another client abandoned, however long its placeholder lives', async () => {
