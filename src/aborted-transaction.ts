@@ -32,24 +32,65 @@ export class Failures {
   note(err: unknown): void {
     const state = sqlStateOf(err);
     const code = (err as { code?: unknown } | null)?.code;
-    // The session is gone (or going): nothing more may be sent on it to ask.
+    // The client lost the session (or refused the statement): nothing reached the server.
     if (state === undefined) this.#gone ||= typeof code === 'string' && /^(CONNECT|E[A-Z]+$)/.test(code);
-    else if (state.startsWith('08') || /^57P0[1-3]$/.test(state)) this.#gone = true;
     else {
       this.#failed = true;
       if (state !== '25P02') this.#cause = err;
     }
   }
 
-  /** Whether a statement failed on the server (so the transaction may be aborted) on a session still there. */
+  /** Whether a statement failed on the server (so the transaction may be aborted), the client's session not lost. */
   get aborting(): boolean {
     return this.#failed && !this.#gone;
+  }
+
+  /**
+   * Whether the last failure says the session is ending, or may be (class 08, 57P01–57P03): a
+   * statement sent to ask the server could go out on a closed connection.
+   */
+  get ending(): boolean {
+    const state = sqlStateOf(this.#cause);
+    return state !== undefined && (state.startsWith('08') || /^57P0[1-3]$/.test(state));
+  }
+
+  /** The last failure that was not a 25P02, if any. */
+  get cause(): unknown {
+    return this.#cause;
   }
 
   /** The error a call whose COMMIT rolled back rejects with. */
   error(): unknown {
     return this.#cause ?? DatabaseError.commitRolledBack();
   }
+}
+
+// The failures of each transaction client palisade watches (its savepoints' clients too): seen as they
+// come, or by statements looked at on demand.
+const failuresOf = new WeakMap<object, Failures | Statements>();
+
+/** @internal Notes that `client`'s failures are seen by `by` (until `client` is collected or {@link unwatch}ed). */
+export function watch(client: object, by: Failures | Statements): void {
+  failuresOf.set(client, by);
+}
+
+/** @internal Forgets `client`'s failures (a long-lived client, once its transaction ended). */
+export function unwatch(client: object): void {
+  failuresOf.delete(client);
+}
+
+/**
+ * @internal `err`, or — when it is a 25P02 ("current transaction is
+ * aborted") out of a transaction on `client` whose failures palisade saw —
+ * the error of the statement that aborted it: what the caller can act on
+ * (a caught 40001 followed by palisade's own write is still retryable).
+ */
+export async function causeOf(client: unknown, err: unknown): Promise<unknown> {
+  // A postgres.js client is a function.
+  if (sqlStateOf(err) !== '25P02' || (typeof client !== 'object' && typeof client !== 'function')) return err;
+  const by = client === null ? undefined : failuresOf.get(client);
+  const failures = by instanceof Statements ? await by.seen() : by;
+  return failures?.cause ?? err;
 }
 
 // A postgres.js query runs only once it is awaited (`executed`): palisade must not be what runs it.
@@ -70,7 +111,7 @@ export class Statements {
   #unlooked: Statement[] = [];
   #lookAt = LOOK_EVERY;
   #running = 0;
-  #idle: (() => void) | undefined;
+  #idle: (() => void)[] = [];
   #ended = false;
 
   /** Why a statement may not be sent now: the transaction's function has returned. */
@@ -105,7 +146,7 @@ export class Statements {
   #watch(s: Statement): void {
     this.#running++;
     const done = () => {
-      if (--this.#running === 0) this.#idle?.();
+      if (--this.#running === 0) for (const idle of this.#idle.splice(0)) idle();
     };
     s.then(done, (err: unknown) => {
       this.failures.note(err);
@@ -121,16 +162,26 @@ export class Statements {
     let unawaited = 0;
     for (;;) {
       this.#look();
-      if (this.#running > 0) await new Promise<void>((resolve) => (this.#idle = resolve));
+      if (this.#running > 0) await this.#whenIdle();
       else if (this.#unlooked.length > unawaited) {
         // Sent and not awaited yet: drizzle awaits its query a few microtasks on. One turn for them.
         unawaited = this.#unlooked.length;
         await new Promise((resolve) => setImmediate(resolve));
       } else break;
     }
-    this.#idle = undefined;
     this.#ended = true;
     return this.failures;
+  }
+
+  /** The failures of the statements that ran so far, once those still running have settled. */
+  async seen(): Promise<Failures> {
+    this.#look();
+    while (this.#running > 0) await this.#whenIdle();
+    return this.failures;
+  }
+
+  #whenIdle(): Promise<void> {
+    return new Promise<void>((resolve) => this.#idle.push(resolve));
   }
 }
 
@@ -185,10 +236,13 @@ export function watchedPgliteTransaction<Tx, T>(
         return refused ? rejected(refused) : statements.sent(client[method](...args));
       };
     const calls = { query: watched('query'), exec: watched('exec'), sql: watched('sql') };
-    session.client = new Proxy(client, {
+    const proxy = new Proxy(client, {
       get: (target, key) => (Object.hasOwn(calls, key) ? calls[key as keyof PgliteTx] : Reflect.get(target, key)),
     });
+    session.client = proxy;
+    watch(proxy, statements);
     const value = await fn(tx);
+    // In process: no session to lose, so any failure is asked about.
     await assertNotAborted(await statements.settled(), () => client.query('select 1'));
     return value;
   });
@@ -227,12 +281,13 @@ interface MessageClient {
 
 /**
  * @internal A single node-postgres `Client`: the command tags and errors of
- * its connection, heard from now on. `check()`, once the driver's COMMIT was
+ * its connection, heard from now on, and its failures watched for
+ * {@link causeOf}. `check()`, once the driver's COMMIT was
  * answered, throws the error that aborted the transaction when the COMMIT's
  * tag says `ROLLBACK`; `off()` stops listening. Nothing is heard on a client
  * without a protocol connection (pg-native).
  */
-export function commitAnswer(client: unknown): { check(): void; off(): void } {
+export function commitAnswer(client: unknown): { readonly failures: Failures; check(): void; off(): void } {
   const connection = (client as MessageClient).connection;
   const failures = new Failures();
   let tag: unknown;
@@ -244,11 +299,14 @@ export function commitAnswer(client: unknown): { check(): void; off(): void } {
     connection.on('commandComplete', onComplete);
     connection.on('errorMessage', onError);
   }
+  watch(client as object, failures);
   return {
+    failures,
     check() {
       if (tag === 'ROLLBACK') throw failures.error();
     },
     off() {
+      unwatch(client as object);
       connection?.removeListener('commandComplete', onComplete);
       connection?.removeListener('errorMessage', onError);
     },

@@ -17,7 +17,7 @@ import {
   type PgSession,
   PgTransaction,
 } from 'drizzle-orm/pg-core';
-import { watchedPgliteTransaction } from './aborted-transaction.js';
+import { causeOf, watchedPgliteTransaction } from './aborted-transaction.js';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import {
   type EventClient,
@@ -102,15 +102,24 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
   try {
     // A connection the server closes inside the transaction must not end the process: see lost-connection.ts.
     const sessionOf = (d: Database) => internals(d).session as unknown as { client: unknown };
+    // A statement refused with 25P02 (the transaction is aborted): the error that aborted it is the news.
     const begin = (callback: (tx: Database) => Promise<T>) =>
-      db.transaction((tx) => callback(tx as unknown as Database));
+      db.transaction(async (tx) => {
+        try {
+          return await callback(tx as unknown as Database);
+        } catch (err) {
+          throw await causeOf(sessionOf(tx as unknown as Database).client, err);
+        }
+      });
     const driver = driverOf(db);
     if (driver === 'postgres-js') return await guardedTransaction(sessionOf(db).client, begin, sessionOf, fn);
     if (driver === 'node-postgres')
       return await heardTransaction(begin, sessionOf, fn, sessionOf(db), isTransaction(db));
     return isTransaction(db) ? await begin(fn) : await watchedPgliteTransaction(begin, sessionOf, fn);
   } catch (err) {
-    throw err instanceof CallerThrew ? err : translateError(err);
+    // A savepoint's release that found the transaction aborted (25P02): why it was aborted, as inside it.
+    if (err instanceof CallerThrew) throw err;
+    throw translateError(await causeOf((internals(db).session as unknown as { client: unknown }).client, err));
   }
 }
 

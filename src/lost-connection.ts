@@ -36,6 +36,7 @@ import {
   noted,
   rejected,
   Statements,
+  watch,
 } from './aborted-transaction.js';
 import { DatabaseError } from './errors.js';
 
@@ -106,6 +107,7 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
     },
   });
   connections.set(proxy, connection);
+  if (connection.statements) watch(proxy, connection.statements);
   return proxy;
 }
 
@@ -162,6 +164,9 @@ export function guardedTransaction<Tx, T>(
         // not on a session found gone meanwhile: sent there, postgres.js would end the process.
         const failures = await (connection.statements as Statements).settled();
         if (connection.refused || !failures.aborting) return value;
+        // A session the server is ending (57P01…) or a link's failure (08): asked, the probe could go out on
+        // a closed connection. Taken as aborted instead (a savepoint rolled back after one is rolled back too).
+        if (failures.ending) throw failures.error();
         await new Promise((resolve) => setImmediate(resolve));
         if (!connection.lost) await assertNotAborted(failures, () => send('select 1'));
         return value;
@@ -321,6 +326,7 @@ function refusing(client: QueryClient, connection: Connection): QueryClient {
     whenIdle(state, () => client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
   const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
   connections.set(proxy, connection);
+  watch(proxy, failures);
   return proxy;
 }
 

@@ -192,6 +192,52 @@ for (const { name, open, real } of drivers) {
       await lease.release();
     });
 
+    it('a caught failure of class 08 raised on a live session (a remote link down): rejects, nothing visible', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      const linkDown = sql.raw("do $$ begin raise exception 'link down' using errcode = '08006'; end $$");
+      for (const inSavepoint of [false, true]) {
+        const outcome = await fencedTransaction(db, lease, async (tx) => {
+          await repo.with(lease).update({ id: 1 }, { value: 'written' });
+          if (!inSavepoint) await execute(tx, linkDown).catch(() => {});
+          // Left running by a savepoint's function that returned: nothing rolls back to it.
+          else
+            await tx.transaction(async (sp) => {
+              void execute(sp as unknown as Database, linkDown).catch(() => {});
+            });
+          return 'done';
+        }).catch((err: unknown) => err);
+        expect({ inSavepoint, rejected: outcome instanceof Error }).toEqual({ inSavepoint, rejected: true });
+        expect(await values()).toEqual(['initial']);
+      }
+      await lease.release();
+    });
+
+    it('a modify and a nested fencedTransaction whose function caught a 40001 reject as retryable', async () => {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      const conflict = sql.raw("do $$ begin raise exception 'conflict' using errcode = '40001'; end $$");
+      const modified = await repo
+        .with(lease)
+        .modify({ id: 1 }, async (_row, tx) => {
+          await execute(tx, conflict).catch(() => {});
+          return { value: 'modified' };
+        })
+        .catch((err: unknown) => err);
+      expect(modified).toMatchObject({ code: 'retryable' });
+      const nested = await fencedTransaction(db, lease, async (tx) => {
+        const inner = await fencedTransaction(tx, lease, async (inTx) => {
+          await execute(inTx, conflict).catch(() => {});
+          return 'inner';
+        }).catch((err: unknown) => err);
+        expect(inner).toMatchObject({ code: 'retryable' });
+        return repo.with(lease).update({ id: 1 }, { value: 'after the inner one' });
+      });
+      expect(nested).toMatchObject({ status: 'applied' });
+      expect(await values()).toEqual(['after the inner one']);
+      await lease.release();
+    });
+
     it('a caught serialization failure still rejects as retryable, a caught unique violation with its SQLSTATE', async () => {
       const { db, locks, repo, values } = await fresh();
       const lease = await locks.acquire('L', { ttlMs: 60_000 });
@@ -258,6 +304,7 @@ describe('the statements of a transaction, watched', () => {
           looks++;
           return false;
         },
+        // biome-ignore lint/suspicious/noThenProperty: a stand-in for a postgres.js query, which is a thenable.
         then: () => undefined,
       });
     }
