@@ -71,6 +71,20 @@ for (const { name, open, real } of drivers) {
       return { db, locks, repo: fencedRepository(db, resource), values };
     }
 
+    /** A fenced transaction that writes row 1, then runs `then(tx)`: its outcome (a result or an error), and what is visible after. */
+    async function afterWrite(then: (tx: Database, db: Database) => unknown) {
+      const { db, locks, repo, values } = await fresh();
+      const lease = await locks.acquire('L', { ttlMs: 30_000 });
+      const outcome = await fencedTransaction(db, lease, async (tx) => {
+        expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
+        await then(tx, db);
+        return 'done';
+      }).catch((err: unknown) => err);
+      const visible = await values();
+      await lease.release();
+      return { outcome, visible };
+    }
+
     it('fencedTransaction rejects with a DatabaseError and nothing is visible, never applied', async () => {
       const { db, locks, repo, values } = await fresh();
       const lease = await locks.acquire('L', { ttlMs: 30_000 });
@@ -105,34 +119,24 @@ for (const { name, open, real } of drivers) {
     });
 
     it('a failing statement fn did not await, caught: the call rejects and nothing is visible', async () => {
-      const { db, locks, repo, values } = await fresh();
-      const lease = await locks.acquire('L', { ttlMs: 30_000 });
-      const outcome = await fencedTransaction(db, lease, async (tx) => {
-        expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
-        // Sent, not awaited: it fails after fn returned (before the COMMIT, on the same connection).
+      // Sent, not awaited: it fails after fn returned (before the COMMIT, on the same connection).
+      const { outcome, visible } = await afterWrite((tx) => {
         void execute(tx, sql`select 1 / 0`).catch(() => {});
-        return 'done';
-      }).catch((err: unknown) => err);
+      });
       expect(outcome).toBeInstanceOf(DatabaseError);
-      expect(await values()).toEqual(['initial']);
-      await lease.release();
+      expect(visible).toEqual(['initial']);
     });
 
     it('a statement that failed in a savepoint never rolled back to: the call rejects, nothing visible', async () => {
-      const { db, locks, repo, values } = await fresh();
-      const lease = await locks.acquire('L', { ttlMs: 30_000 });
-      const outcome = await fencedTransaction(db, lease, async (tx) => {
-        expect((await repo.with(lease).update({ id: 1 }, { value: 'written' })).status).toBe('applied');
-        // The savepoint's function returns before its statement fails: nothing rolls back to it
-        // (postgres.js). Where drizzle releases the savepoint, the release fails and fn throws that.
-        await tx.transaction(async (sp) => {
+      // The savepoint's function returns before its statement fails: nothing rolls back to it
+      // (postgres.js). Where drizzle releases the savepoint, the release fails and fn throws that.
+      const { outcome, visible } = await afterWrite((tx) =>
+        tx.transaction(async (sp) => {
           void execute(sp as unknown as Database, sql`select 1 / 0`).catch(() => {});
-        });
-        return 'done';
-      }).catch((err: unknown) => err);
+        }),
+      );
       expect(outcome).toBeInstanceOf(Error);
-      expect(await values()).toEqual(['initial']);
-      await lease.release();
+      expect(visible).toEqual(['initial']);
     });
 
     it('a statement that failed in a savepoint rolled back to: the transaction goes on and applies', async () => {
@@ -177,40 +181,29 @@ for (const { name, open, real } of drivers) {
     });
 
     it('a statement sent while palisade waits for one fn left running: never applied with nothing written', async () => {
-      const { db, locks, repo, values } = await fresh();
-      const lease = await locks.acquire('L', { ttlMs: 60_000 });
-      const outcome = await fencedTransaction(db, lease, async (tx) => {
-        await repo.with(lease).update({ id: 1 }, { value: 'written' });
+      const { outcome, visible } = await afterWrite((tx) => {
         void execute(tx, sql`select pg_sleep(0.3)`).catch(() => {});
         setTimeout(() => {
           void execute(tx, sql.raw('do $$ begin perform pg_sleep(0.2); perform 1 / 0; end $$')).catch(() => {});
         }, 100);
-        return 'done';
-      }).catch((err: unknown) => err);
+      });
       const applied = (outcome as { status?: unknown }).status === 'applied';
-      expect(await values()).toEqual([applied ? 'written' : 'initial']);
-      await lease.release();
+      expect(visible).toEqual([applied ? 'written' : 'initial']);
     });
 
     it('a caught failure of class 08 raised on a live session (a remote link down): rejects, nothing visible', async () => {
-      const { db, locks, repo, values } = await fresh();
-      const lease = await locks.acquire('L', { ttlMs: 60_000 });
       const linkDown = sql.raw("do $$ begin raise exception 'link down' using errcode = '08006'; end $$");
-      for (const inSavepoint of [false, true]) {
-        const outcome = await fencedTransaction(db, lease, async (tx) => {
-          await repo.with(lease).update({ id: 1 }, { value: 'written' });
-          if (!inSavepoint) await execute(tx, linkDown).catch(() => {});
-          // Left running by a savepoint's function that returned: nothing rolls back to it.
-          else
-            await tx.transaction(async (sp) => {
-              void execute(sp as unknown as Database, linkDown).catch(() => {});
-            });
-          return 'done';
-        }).catch((err: unknown) => err);
-        expect({ inSavepoint, rejected: outcome instanceof Error }).toEqual({ inSavepoint, rejected: true });
-        expect(await values()).toEqual(['initial']);
+      const caught = await afterWrite((tx) => execute(tx, linkDown).catch(() => {}));
+      // Left running by a savepoint's function that returned: nothing rolls back to it.
+      const inSavepoint = await afterWrite((tx) =>
+        tx.transaction(async (sp) => {
+          void execute(sp as unknown as Database, linkDown).catch(() => {});
+        }),
+      );
+      for (const { outcome, visible } of [caught, inSavepoint]) {
+        expect(outcome).toBeInstanceOf(Error);
+        expect(visible).toEqual(['initial']);
       }
-      await lease.release();
     });
 
     it('a modify and a nested fencedTransaction whose function caught a 40001 reject as retryable', async () => {
@@ -238,56 +231,28 @@ for (const { name, open, real } of drivers) {
       await lease.release();
     });
 
+    // Where palisade guards the transaction's connection (a pool): a single Client's own session is the one ended.
+    if (name === 'postgres.js' || name === 'node-postgres')
+      it('fn catches the error of its session being ended: the call rejects, nothing is visible, the process goes on', async () => {
+        const { outcome, visible } = await afterWrite(async (tx, db) => {
+          const [row] = await execute(tx, sql`select pg_backend_pid() as pid`);
+          const ending = execute(db, sql`select pg_terminate_backend(${Number(row?.pid)}::int)`);
+          await execute(tx, sql`select pg_sleep(5)`).catch(() => {});
+          await ending;
+        });
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        expect(visible).toEqual(['initial']);
+      });
+
     it('a caught serialization failure still rejects as retryable, a caught unique violation with its SQLSTATE', async () => {
-      const { db, locks, repo, values } = await fresh();
-      const lease = await locks.acquire('L', { ttlMs: 60_000 });
       const serialization = sql.raw("do $$ begin raise exception 'conflict' using errcode = '40001'; end $$");
       for (const [failing, expected] of [
         [serialization, { code: 'retryable' }],
         [sql`insert into resource (id, value) values (1, 'again')`, { code: 'database', sqlState: '23505' }],
       ] as const) {
-        const outcome = await fencedTransaction(db, lease, async (tx) => {
-          await repo.with(lease).update({ id: 1 }, { value: 'written' });
-          await execute(tx, failing).catch(() => {});
-          return 'done';
-        }).catch((err: unknown) => err);
+        const { outcome, visible } = await afterWrite((tx) => execute(tx, failing).catch(() => {}));
         expect(outcome).toMatchObject(expected);
-        expect(await values()).toEqual(['initial']);
-      }
-      await lease.release();
-    });
-  });
-}
-
-for (const { name, open } of drivers.filter((d) => d.name === 'postgres.js' || d.name === 'node-postgres')) {
-  describe.runIf(needs('DATABASE_URL'))(`${name}: fn catches the error of its session being ended`, () => {
-    it('the call rejects, nothing is visible, and the process goes on', async () => {
-      const t = await open();
-      const db: Database = t.db;
-      await migrate(db);
-      await execute(
-        db,
-        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
-      );
-      await execute(db, sql`insert into resource (id, value) values (1, 'initial')`);
-      const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('aborted') });
-      try {
-        const repo = fencedRepository(db, resource);
-        const lease = await locks.acquire('L', { ttlMs: 60_000 });
-        const outcome = await fencedTransaction(db, lease, async (tx) => {
-          await repo.with(lease).update({ id: 1 }, { value: 'written' });
-          const [row] = await execute(tx, sql`select pg_backend_pid() as pid`);
-          const ending = execute(db, sql`select pg_terminate_backend(${Number(row?.pid)}::int)`);
-          await execute(tx, sql`select pg_sleep(5)`).catch(() => {});
-          await ending;
-          return 'done';
-        }).catch((err: unknown) => err);
-        expect(outcome).toBeInstanceOf(DatabaseError);
-        expect((await execute(db, sql`select value from resource`)).map((r) => r.value)).toEqual(['initial']);
-        await lease.release();
-      } finally {
-        await locks.close();
-        await t.close();
+        expect(visible).toEqual(['initial']);
       }
     });
   });
