@@ -58,8 +58,10 @@ function compiledOf(dialect: PgDialect, key: string, build: () => SQL): Compiled
 }
 
 /**
- * A statement that is compiled once per session and `key`: `build()` runs
- * only on the first call, later calls only fill the placeholders. Use
+ * A statement that is compiled once per database and `key` (its
+ * transactions share the text; each session keeps its own prepared query):
+ * `build()` runs only on the first call, later calls only fill the
+ * placeholders. Use
  * `sql.placeholder(name)` (or `new Param(placeholder, column)` to keep a
  * column's encoder) inside the built SQL. With no `key` the statement is
  * compiled for this call only.
