@@ -8,7 +8,9 @@
  *   to spare;
  * - what each function does before the loss (lock-scoped writes, plain
  *   statements, `Promise.all` of writes, savepoints that commit or roll
- *   back, waits outside the database) and after it (the same, plus a
+ *   back, waits outside the database, a statement that fails on the
+ *   server — awaited and caught, or on postgres.js not awaited at all and
+ *   sent a few microtasks on, perhaps after the function returned) and after it (the same, plus a
  *   600 s statement — caught or not — and loops that go on sending
  *   statements and catch every error);
  * - when the loss comes (the lease released 0–20 ms after the first
@@ -65,6 +67,7 @@ type Step =
   | { readonly t: 'savepoint'; readonly row: number; readonly rollback: boolean }
   | { readonly t: 'idle'; readonly ms: number }
   | { readonly t: 'fail' }
+  | { readonly t: 'stray'; readonly ticks: number }
   | { readonly t: 'long'; readonly caught: boolean }
   | { readonly t: 'loop'; readonly n: number };
 interface Call {
@@ -85,6 +88,9 @@ const live: fc.Arbitrary<Step>[] = [
   fc.record({ t: fc.constant('write' as const), row }),
   // A statement that fails on the server, its error caught: the transaction is aborted, nothing it wrote is kept.
   fc.record({ t: fc.constant('fail' as const) }),
+  // The same, not awaited: sent some microtasks on, maybe after the function returned (postgres.js; on
+  // node-postgres, which deprecates a statement handed to a client while another runs, awaited as 'fail').
+  fc.record({ t: fc.constant('stray' as const), ticks: fc.integer({ min: 0, max: 6 }) }),
   fc.record({ t: fc.constant('plain' as const), row }),
   fc.record({ t: fc.constant('all' as const), rows: fc.uniqueArray(row, { minLength: 2, maxLength: ROWS - 1 }) }),
   fc.record({ t: fc.constant('savepoint' as const), row, rollback: fc.boolean() }),
@@ -212,6 +218,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
         );
         let lost = false;
         const failed = program.calls.map(() => false);
+        const settledCalls = program.calls.map(() => false);
         let wrote = 0;
         const value = () => `w${++wrote}`;
         const exec = async (tx: Database, steps: readonly Step[], c: number) => {
@@ -258,7 +265,16 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
                   },
                 );
               if (done) model.set(at(s.row), v);
-            } else if (s.t === 'fail') {
+            } else if (s.t === 'stray' && driver === 'postgres.js') {
+              void (async () => {
+                for (let i = 0; i < s.ticks; i++) await null;
+                await execute(tx, sql`select 1 / 0`);
+              })().catch((e: unknown) => {
+                // Failed on the server inside the transaction (not refused: after the loss, or sent once
+                // the function had returned).
+                if (e instanceof DatabaseError && !settledCalls[c]) failed[c] = true;
+              });
+            } else if (s.t === 'fail' || s.t === 'stray') {
               const err = await execute(tx, sql`select 1 / 0`).then(
                 () => undefined,
                 (e: unknown) => e,
@@ -331,8 +347,14 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
                   return { value: v };
                 })
             ).then(
-              (r) => r,
-              (err: unknown) => err,
+              (r) => {
+                settledCalls[c] = true;
+                return r;
+              },
+              (err: unknown) => {
+                settledCalls[c] = true;
+                return err;
+              },
             ),
           ),
         );
