@@ -8,9 +8,9 @@
  *   once its function returned, palisade waits for the ones still running,
  *   refuses any sent later, and — where one failed — asks the server with
  *   one `select 1` before the driver's COMMIT.
- * - node-postgres: the COMMIT's own answer is read (its command tag), on a
- *   pool by the transaction's client proxy (lost-connection.ts), on a single
- *   `Client` from its connection's messages.
+ * - node-postgres: the COMMIT's own answer (its command tag) and the
+ *   statements' errors are read from the client's connection, on a pool's
+ *   client as on a single `Client` (lost-connection.ts calls it).
  *
  * Either way the call rejects with the error of the statement that aborted
  * the transaction (a caught 40001 is still retryable), or 25P02 where
@@ -248,29 +248,6 @@ export function watchedPgliteTransaction<Tx, T>(
   });
 }
 
-/**
- * @internal drizzle's COMMIT, rejected when Postgres answered it with a rollback: a statement failed in the
- * transaction and the function went on (it caught the error), so nothing was written. node-postgres
- * resolves such a COMMIT as a success (its command tag says `ROLLBACK`), and the call would report its
- * writes applied. `ended` notes that no transaction is left for drizzle's rollback that follows.
- */
-export function committed(result: unknown, failures: Failures, ended: () => void): unknown {
-  if (typeof (result as PromiseLike<unknown> | null)?.then !== 'function') return result;
-  return (result as PromiseLike<{ command?: unknown } | undefined>).then((r) => {
-    if (r?.command !== 'ROLLBACK') return r;
-    ended();
-    throw failures.error();
-  });
-}
-
-/** @internal `result`, its failure noted in `failures` (a statement without a promise — a callback's — is not seen). */
-export function noted(result: unknown, failures: Failures): unknown {
-  if (typeof (result as PromiseLike<unknown> | null)?.then === 'function') {
-    (result as PromiseLike<unknown>).then(undefined, (err: unknown) => failures.note(err));
-  }
-  return result;
-}
-
 /** The messages of a node-postgres `Client`'s protocol connection palisade hears. */
 interface MessageClient {
   readonly connection?: {
@@ -280,12 +257,12 @@ interface MessageClient {
 }
 
 /**
- * @internal A single node-postgres `Client`: the command tags and errors of
- * its connection, heard from now on, and its failures watched for
- * {@link causeOf}. `check()`, once the driver's COMMIT was
- * answered, throws the error that aborted the transaction when the COMMIT's
- * tag says `ROLLBACK`; `off()` stops listening. Nothing is heard on a client
- * without a protocol connection (pg-native).
+ * @internal A node-postgres client in a transaction: the command tags and
+ * errors of its connection, heard from now on (`failures`, for
+ * {@link causeOf}). `check()`, once the driver's COMMIT was answered,
+ * throws the error that aborted the transaction when the COMMIT's tag says
+ * `ROLLBACK`; `off()` stops listening. Nothing is heard on a client without
+ * a protocol connection (pg-native).
  */
 export function commitAnswer(client: unknown): { readonly failures: Failures; check(): void; off(): void } {
   const connection = (client as MessageClient).connection;
@@ -299,14 +276,12 @@ export function commitAnswer(client: unknown): { readonly failures: Failures; ch
     connection.on('commandComplete', onComplete);
     connection.on('errorMessage', onError);
   }
-  watch(client as object, failures);
   return {
     failures,
     check() {
       if (tag === 'ROLLBACK') throw failures.error();
     },
     off() {
-      unwatch(client as object);
       connection?.removeListener('commandComplete', onComplete);
       connection?.removeListener('errorMessage', onError);
     },

@@ -292,7 +292,7 @@ export class DatabaseError extends PalisadeError {
 
   /**
    * @internal A COMMIT that Postgres answered with a rollback: a statement of the transaction had failed
-   * (and its error was caught), so nothing it wrote was kept (src/lost-connection.ts, node-postgres).
+   * (and its error was caught), so nothing it wrote was kept (src/aborted-transaction.ts).
    */
   static commitRolledBack(): DatabaseError {
     const cause = Object.assign(

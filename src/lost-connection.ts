@@ -28,16 +28,7 @@
  * transaction a caught failure aborted must not pass for committed
  * (aborted-transaction.ts).
  */
-import {
-  assertNotAborted,
-  commitAnswer,
-  committed,
-  Failures,
-  noted,
-  rejected,
-  Statements,
-  watch,
-} from './aborted-transaction.js';
+import { assertNotAborted, commitAnswer, rejected, Statements, unwatch, watch } from './aborted-transaction.js';
 import { DatabaseError } from './errors.js';
 
 interface Connection {
@@ -199,13 +190,11 @@ interface QueryClient extends EventClient {
   query(...args: unknown[]): unknown;
 }
 
-const textOf = (query: unknown): string => {
-  const text = typeof query === 'string' ? query : (query as { text?: unknown } | null)?.text;
-  return typeof text === 'string' ? text.trim() : '';
-};
 // drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
-const isRollback = (query: unknown): boolean => /^rollback( to savepoint \w+)?$/i.test(textOf(query));
-const isCommit = (query: unknown): boolean => /^commit$/i.test(textOf(query));
+const isRollback = (query: unknown): boolean => {
+  const text = typeof query === 'string' ? query : (query as { text?: unknown } | null)?.text;
+  return typeof text === 'string' && /^rollback( to savepoint \w+)?$/i.test(text.trim());
+};
 
 /** What of a node-postgres `Client` the refusal reads (its own fields, stable across pg 8). */
 export interface PgClientState {
@@ -307,18 +296,8 @@ export function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
  */
 function refusing(client: QueryClient, connection: Connection): QueryClient {
   const state = client as unknown as PgClientState;
-  let ended = false;
-  const failures = new Failures();
   const query = (...args: unknown[]) => {
-    // After a COMMIT that rolled back: drizzle's rollback has no transaction left (it would warn).
-    if (ended && isRollback(args[0])) return Promise.resolve({ command: 'ROLLBACK', rows: [], rowCount: null });
-    if (!connection.refused) {
-      return isCommit(args[0])
-        ? committed(client.query(...args), failures, () => {
-            ended = true;
-          })
-        : noted(client.query(...args), failures);
-    }
+    if (!connection.refused) return client.query(...args);
     if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
     return whenIdle(state, () => client.query(...args));
   };
@@ -326,7 +305,6 @@ function refusing(client: QueryClient, connection: Connection): QueryClient {
     whenIdle(state, () => client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
   const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
   connections.set(proxy, connection);
-  watch(proxy, failures);
   return proxy;
 }
 
@@ -346,6 +324,7 @@ export function heardTransaction<Tx, T>(
 ): Promise<T> {
   let client: EventClient | undefined;
   let answer: ReturnType<typeof commitAnswer> | undefined;
+  let watched: object | undefined;
   // Heard until the driver is done with the client, rollback included: a session ended while a
   // statement ran (pg_terminate_backend) fails that statement first and closes the socket after, and
   // the close comes as an event once no query is left to take it.
@@ -356,10 +335,14 @@ export function heardTransaction<Tx, T>(
       client = session.client as QueryClient;
       client.on('error', heard);
       // On a single client (not a pool) drizzle runs the transaction on the database's own session
-      // (`parent`), whose client the statements palisade prepares there keep for good: not refusable,
-      // and its COMMIT's answer is read from the connection's messages instead.
+      // (`parent`), whose client the statements palisade prepares there keep for good: not refusable.
       if (session !== parent) session.client = refusing(client as QueryClient, { lost: false });
-      else if (!nested) answer = commitAnswer(client);
+      // The COMMIT's answer, read from the connection (not in the caller's own transaction: its COMMIT is theirs).
+      if (!nested) {
+        answer = commitAnswer(client);
+        watched = session.client as object;
+        watch(watched, answer.failures);
+      }
     }
     return fn(tx);
   })
@@ -369,6 +352,7 @@ export function heardTransaction<Tx, T>(
     })
     .finally(() => {
       client?.removeListener('error', heard);
+      if (watched) unwatch(watched);
       answer?.off();
     });
 }
