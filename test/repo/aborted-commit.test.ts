@@ -13,7 +13,7 @@ import pg from 'pg';
 import { afterEach, describe, expect, it } from 'vitest';
 import { Statements } from '../../src/aborted-transaction.js';
 import { type Database, execute } from '../../src/driver.js';
-import { DatabaseError } from '../../src/errors.js';
+import { DatabaseError, InvalidArgumentError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
@@ -230,6 +230,23 @@ for (const { name, open, real } of drivers) {
       expect(await values()).toEqual(['after the inner one']);
       await lease.release();
     });
+
+    // Where palisade watches the transaction's statements (node-postgres hands a late one to the client as it is).
+    if (name === 'postgres.js' || name === 'PGlite')
+      it('a statement sent on the transaction after the call settled is refused with InvalidArgumentError', async () => {
+        const { db, locks, repo, values } = await fresh();
+        const lease = await locks.acquire('L', { ttlMs: 30_000 });
+        let kept: Database | undefined;
+        const outcome = await fencedTransaction(db, lease, async (tx) => {
+          kept = tx;
+          return repo.with(lease).update({ id: 1 }, { value: 'written' });
+        });
+        expect(outcome).toMatchObject({ status: 'applied' });
+        const late = await execute(kept as Database, sql`update resource set value = 'late'`).catch((e: unknown) => e);
+        expect(late).toBeInstanceOf(InvalidArgumentError);
+        expect(await values()).toEqual(['written']);
+        await lease.release();
+      });
 
     // Where palisade guards the transaction's connection (a pool): a single Client's own session is the one ended.
     if (name === 'postgres.js' || name === 'node-postgres')
