@@ -110,6 +110,26 @@ export function bounded<T>(
 
 const unpaused: Pause = (work) => work();
 
+// What each attempt (by its token: random, one per attempt) is doing besides asking its lock service, while it does.
+const steps = new Map<string, string>();
+
+/**
+ * @internal Runs `work` as the step `what` of the attempt of `token`: an
+ * attempt cut short at the end of its wait during it was waiting on that
+ * (an eager claim's database), not on the lock service, and says so.
+ */
+export async function inStep<T>(token: string, what: string, work: () => Promise<T>): Promise<T> {
+  steps.set(token, what);
+  try {
+    return await work();
+  } finally {
+    steps.delete(token);
+  }
+}
+
+/** @internal The step the attempt of `token` is in ({@link inStep}), if any. */
+export const stepOf = (token: string): string | undefined => steps.get(token);
+
 /** @internal An attempt abandoned at the wait's deadline (it may still land: then it is given back). */
 export class AttemptCutShort extends Error {
   /** `step`: what the attempt was waiting on when it was cut, where that was not the lock service itself. */

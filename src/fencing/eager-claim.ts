@@ -6,21 +6,12 @@
 import { assertSupportedDriver, type Database, isTransaction } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../errors.js';
 import { claimLockWithin } from '../repo/lock-scope.js';
+import { inStep } from './attempt.js';
 import { forwardTo, type Grant, type LockBackend } from './backend.js';
 import { withinMs } from './call-deadline.js';
 import { checkCommandTimeout, POSTGRES_COMMAND_TIMEOUT_MS } from './options.js';
 
-// The tokens (random, one per attempt) whose register claim runs: an attempt cut short at the end of its wait
-// while one ran was waiting on the claim's database, not on the lock service.
-const claiming = new Set<string>();
-
-/**
- * @internal What the attempt of `token` is doing besides asking its lock
- * service: its register claim, while one runs; otherwise `undefined`.
- */
-export function pendingClaim(token: string): string | undefined {
-  return claiming.has(token) ? 'the lock register claim on claimRegisters.db' : undefined;
-}
+const CLAIM_STEP = 'the lock register claim on claimRegisters.db';
 
 /** The `claimRegisters` option of the lock managers. */
 export interface ClaimRegistersOption {
@@ -84,20 +75,20 @@ export function withEagerClaim(backend: LockBackend, option: CheckedClaim | unde
     if (grant.source === undefined) return grant;
     const lock = { kind: backend.kind, source: grant.source, namespace, name };
     let registered: bigint | null;
-    claiming.add(token);
     try {
       // Bounded on the client too, as the Postgres managers' calls are: a stuck connection (a frozen host,
       // a connection pool with no free connection) hung tryAcquire, which no wait cuts short. A claim that
       // lands later claims a fence nobody holds: every later grant's fence is above it.
-      registered = await withinMs('Postgres lock register claim', Math.ceil(waitMs / 2) + option.commandTimeoutMs, () =>
-        claimLockWithin(option.db, lock, grant.fence, waitMs / 2),
+      // A step of its own: an attempt cut short in it names the claim, not the lock service (which answered).
+      registered = await inStep(token, CLAIM_STEP, () =>
+        withinMs('Postgres lock register claim', Math.ceil(waitMs / 2) + option.commandTimeoutMs, () =>
+          claimLockWithin(option.db, lock, grant.fence, waitMs / 2),
+        ),
       );
     } catch (err) {
       // Not claimed, so not handed out: the lock frees now rather than at its TTL.
       await backend.release(name, token).catch(() => {});
       throw err;
-    } finally {
-      claiming.delete(token);
     }
     if (registered === null) {
       await backend.release(name, token).catch(() => {});

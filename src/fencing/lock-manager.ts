@@ -1,9 +1,8 @@
 import { performance } from 'node:perf_hooks';
 import { InvalidArgumentError, LockUnavailableError } from '../errors.js';
 import { observeAcquire } from '../telemetry/locks.js';
-import { AttemptCutShort, bounded, isUnreachable, serviceError } from './attempt.js';
+import { AttemptCutShort, bounded, isUnreachable, serviceError, stepOf } from './attempt.js';
 import type { Grant, LockBackend, LockInfo } from './backend.js';
-import { pendingClaim } from './eager-claim.js';
 import { Emitter, type LockEvents } from './events.js';
 import type { Fence } from './fence.js';
 import { ActiveLease, type Lease } from './lease.js';
@@ -247,7 +246,7 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           unreachable = undefined;
           answered = true;
         } catch (err) {
-          const step = err instanceof AttemptCutShort ? pendingClaim(token) : undefined;
+          const step = err instanceof AttemptCutShort ? stepOf(token) : undefined;
           giveBack(name, token);
           token = newToken();
           // Aborted while the service's own work ran (the attempt ends at once then): the caller gave up.
