@@ -231,6 +231,21 @@ for (const { name, open, real } of drivers) {
       await lease.release();
     });
 
+    it('a failure undone by a hand-written rollback to savepoint: postgres.js rejects (its own rule), the others apply', async () => {
+      const { outcome, visible } = await afterWrite(async (tx) => {
+        await execute(tx, sql`savepoint mine`);
+        await execute(tx, sql`select 1 / 0`).catch(() => {});
+        await execute(tx, sql`rollback to savepoint mine`);
+      });
+      if (name === 'postgres.js') {
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        expect(visible).toEqual(['initial']);
+      } else {
+        expect(outcome).toMatchObject({ status: 'applied' });
+        expect(visible).toEqual(['written']);
+      }
+    });
+
     // Where palisade watches the transaction's statements (node-postgres hands a late one to the client as it is).
     if (name === 'postgres.js' || name === 'PGlite')
       it('a statement sent on the transaction after the call settled is refused with InvalidArgumentError', async () => {
