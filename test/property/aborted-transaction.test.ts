@@ -15,9 +15,7 @@
  */
 import { fc, test } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
-import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
-import pg from 'pg';
 import { afterAll, beforeAll, describe } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError } from '../../src/errors.js';
@@ -28,7 +26,7 @@ import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { nodePostgresDatabase, pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
@@ -51,28 +49,7 @@ const stepArb: fc.Arbitrary<Step> = fc.oneof(
   fc.record({ t: fc.constant('savepoint' as const), row, failInside: fc.boolean() }),
 );
 
-/** A database on one node-postgres `Client` (not a pool). */
-async function singleClientDatabase(): Promise<TestDatabase> {
-  const t = await nodePostgresDatabase({ max: 1 });
-  const client = new pg.Client({ connectionString: t.url });
-  await client.connect();
-  client.on('error', () => {});
-  return {
-    driver: 'node-postgres',
-    db: drizzleNodePostgres(client) as unknown as Database,
-    async close() {
-      await client.end();
-      await t.close();
-    },
-  };
-}
-
-const drivers = [
-  { name: 'PGlite', open: pgliteDatabase, real: false },
-  { name: 'postgres.js', open: () => postgresDatabase({ max: 4 }), real: true },
-  { name: 'node-postgres', open: () => nodePostgresDatabase({ max: 4 }), real: true },
-  { name: 'a single node-postgres Client', open: singleClientDatabase, real: true },
-] as const;
+const drivers = everyTransactionDriver;
 
 for (const { name, open, real } of drivers) {
   describe.runIf(!real || needs('DATABASE_URL'))(`${name}: a fenced transaction whose statements fail`, () => {

@@ -7,9 +7,7 @@
  * statement that failed while the function ran, outside a savepoint.
  */
 import { sql } from 'drizzle-orm';
-import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
-import pg from 'pg';
 import { afterEach, describe, expect, it } from 'vitest';
 import { Statements } from '../../src/aborted-transaction.js';
 import { type Database, execute } from '../../src/driver.js';
@@ -19,33 +17,13 @@ import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { nodePostgresDatabase, pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
-/** A database on one node-postgres `Client` (not a pool): drizzle runs its transactions on the database's own session. */
-async function singleClientDatabase(): Promise<TestDatabase> {
-  const t = await nodePostgresDatabase({ max: 1 });
-  const client = new pg.Client({ connectionString: t.url });
-  await client.connect();
-  return {
-    driver: 'node-postgres',
-    db: drizzleNodePostgres(client) as unknown as Database,
-    async close() {
-      await client.end();
-      await t.close();
-    },
-  };
-}
-
-const drivers = [
-  { name: 'PGlite', open: pgliteDatabase, real: false },
-  { name: 'postgres.js', open: () => postgresDatabase({ max: 4 }), real: true },
-  { name: 'node-postgres', open: () => nodePostgresDatabase({ max: 4 }), real: true },
-  { name: 'a single node-postgres Client', open: singleClientDatabase, real: true },
-] as const;
+const drivers = everyTransactionDriver;
 
 for (const { name, open, real } of drivers) {
   describe.runIf(!real || needs('DATABASE_URL'))(`${name}: a function that catches a failed statement's error`, () => {

@@ -72,3 +72,35 @@ export const drivers: { name: TestDatabase['driver']; open: () => Promise<TestDa
       ]
     : []),
 ];
+
+/**
+ * A fresh database on the real Postgres through one node-postgres `Client`, not a pool: drizzle runs its
+ * transactions on the database's own session.
+ */
+export async function singleClientDatabase(): Promise<TestDatabase> {
+  const t = await nodePostgresDatabase({ max: 1 });
+  const client = new pg.Client({ connectionString: t.url });
+  await client.connect();
+  client.on('error', () => {}); // a connection the test ends: the next statement says so
+  return {
+    driver: 'node-postgres',
+    db: drizzleNodePostgres(client) as unknown as Database,
+    url: t.url,
+    async close() {
+      await client.end();
+      await t.close();
+    },
+  };
+}
+
+/**
+ * Every way palisade runs a transaction, for a suite that checks one promise on each: PGlite always
+ * (`real: false`); postgres.js, a node-postgres pool and a single node-postgres `Client` on the real
+ * Postgres (a pool of 4 each).
+ */
+export const everyTransactionDriver = [
+  { name: 'PGlite', open: pgliteDatabase, real: false },
+  { name: 'postgres.js', open: () => postgresDatabase({ max: 4 }), real: true },
+  { name: 'node-postgres', open: () => nodePostgresDatabase({ max: 4 }), real: true },
+  { name: 'a single node-postgres Client', open: singleClientDatabase, real: true },
+] as const;
