@@ -70,6 +70,22 @@ const commands: Record<string, (c: Record<string, unknown>) => Promise<void>> = 
       say('transaction', { status: 'error', code: (err as { code?: unknown }).code ?? null });
     }
   },
+  async pausedAtDescribe(c) {
+    // A fenced transaction whose second statement is new on its connection: postgres.js first sends it
+    // described (Parse, Describe, Flush) and binds it only once the description is back. The parent
+    // SIGSTOPs us in between (test/repo/lock-scope.test.ts).
+    const lease = leaseOf(c.lock);
+    try {
+      const result = await fencedTransaction(db, lease, async (tx) => {
+        const written = await repo.with(lease).update({ id: Number(c.id) }, { value: String(c.value) });
+        await tx.execute(sql`select ${Number(c.id)}::int as palisade_describe_window`);
+        return written.status;
+      });
+      say('transaction', { status: result.status });
+    } catch (err) {
+      say('transaction', { status: 'error', code: (err as { code?: unknown }).code ?? null });
+    }
+  },
   async pausedModifyInTransaction(c) {
     // A lock-scoped modify of row `id` inside a fenced transaction bounded by `txIdleMs`, for a holder
     // without an expiry estimate (its own bound would be 60 s); says so, then idles (SIGSTOPped there).
