@@ -103,8 +103,11 @@ export const fenceSources = palisadeSchema.table('fence_sources', {
  * that claimed it (by a lock-scoped write, a fenced transaction or a grant).
  * A lock-scoped write of a lower fence of the same lock is refused on every
  * row. Rows are never deleted by palisade; see `palisade locks
- * reset-register`. The migration also creates `palisade.claim_lock(…)`,
- * `palisade.claim_locks(jsonb)` and `palisade.register_grant(…)`.
+ * reset-register`. The migrations also create `palisade.claim_lock(…)`,
+ * `palisade.claim_locks(jsonb)`, `palisade.register_grant(…)` and
+ * `palisade.end_stalled_sharers(…)`, with which a raise ends the sessions
+ * that keep the row while stalled mid-statement (README, "Two scopes of
+ * fencing").
  */
 export const lockRegisters = palisadeSchema.table(
   'lock_registers',

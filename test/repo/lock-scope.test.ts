@@ -163,71 +163,97 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
     });
   }
 
-  // Known limit (README, "Two scopes of fencing"): postgres.js sends a statement new on its connection
-  // described first (Parse, Describe, Flush — no Sync) and binds it when the description is back. In
-  // between, the server waits for the client without having said it is ready, so it never counts the
-  // transaction as idle and its idle bound cannot fire. A proxy between the holder and Postgres SIGSTOPs
-  // the holder exactly there. Pinned so that a fix (or a driver that syncs) shows up here.
-  it('postgres.js: a holder SIGSTOPped between a statement’s description and its execution keeps the register row while paused; nothing it wrote lands', async () => {
-    await withScenario(2, async (url) => {
-      const target = new URL(url);
-      const FLUSH = Buffer.from([0x48, 0, 0, 0, 4]);
-      let holder: ReturnType<typeof startWorker> | undefined;
-      let armed = false;
-      let stopped = false;
-      const proxy = createServer((inbound) => {
-        const outbound = connect(Number(target.port || 5432), '127.0.0.1');
-        inbound.on('data', (chunk: Buffer) => {
-          if (chunk.includes('palisade_describe_window') && chunk.includes(FLUSH)) armed = true;
-          outbound.write(chunk);
-        });
-        outbound.on('data', (chunk: Buffer) => {
-          // The description is back: stop the holder before it can read it and bind.
-          if (armed && !stopped && holder) {
-            stopped = true;
-            holder.pause();
+  // postgres.js sends a statement new on its connection described first (Parse, Describe, Flush — no
+  // Sync) and binds it when the description is back. In between, the server waits for the client
+  // without having said it is ready, so it never counts the transaction as idle and its idle bound
+  // cannot fire (migration 0009). A proxy between the holder and Postgres SIGSTOPs the holder exactly
+  // there. Before the grant ended such a session, the lock stayed out of reach for the whole pause.
+  // Each backend raises the register its own way: the lease and advisory grants (register_grant), the
+  // Redis holder's first lock-scoped write (claim_lock). The paused holder only shares the register
+  // (a write of its lease raised it first); a holder whose own transaction raised it is not ended.
+  const raisers = [
+    { kind: 'postgres', by: 'the next grant', enabled: true },
+    { kind: 'advisory', by: 'the next grant', enabled: true },
+    { kind: 'redis', by: "the next holder's first lock-scoped write", enabled: needs('REDIS_URL') },
+  ] as const;
+  for (const { kind, by, enabled } of raisers) {
+    it.runIf(enabled)(
+      `${kind}, postgres.js: a holder SIGSTOPped between a statement’s description and its execution: ${by} ends its session; nothing it wrote lands`,
+      async () => {
+        await withScenario(2, async (url) => {
+          const target = new URL(url);
+          const FLUSH = Buffer.from([0x48, 0, 0, 0, 4]);
+          let holder: ReturnType<typeof startWorker> | undefined;
+          let armed = false;
+          let stopped = false;
+          const proxy = createServer((inbound) => {
+            const outbound = connect(Number(target.port || 5432), '127.0.0.1');
+            inbound.on('data', (chunk: Buffer) => {
+              if (chunk.includes('palisade_describe_window') && chunk.includes(FLUSH)) armed = true;
+              outbound.write(chunk);
+            });
+            outbound.on('data', (chunk: Buffer) => {
+              // The description is back: stop the holder before it can read it and bind.
+              if (armed && !stopped && holder) {
+                stopped = true;
+                holder.pause();
+              }
+              inbound.write(chunk);
+            });
+            // A session the server ends closes the holder's side too, as it would without the proxy.
+            inbound.on('close', () => outbound.destroy());
+            outbound.on('close', () => inbound.destroy());
+            inbound.on('error', () => {});
+            outbound.on('error', () => {});
+          });
+          await new Promise<void>((resolve) => proxy.listen(0, '127.0.0.1', resolve));
+          const proxied = new URL(url);
+          proxied.host = `127.0.0.1:${(proxy.address() as AddressInfo).port}`;
+          const config: ManagerConfig = {
+            kind,
+            namespace: uniqueNamespace('describe'),
+            databaseUrl: url,
+            redisUrl: services.redis.url,
+          };
+          const next = await openManager(config);
+          try {
+            holder = startWorker(WORKER, { ...config, databaseUrl: proxied.toString(), ttlMs: 1_500 });
+            await holder.next((m) => m.event === 'ready');
+            holder.send({ cmd: 'acquire', lock: 'L' });
+            await holder.next((m) => m.event === 'acquired');
+            holder.send({ cmd: 'write', lock: 'L', id: 2, value: 'holder' });
+            expect((await holder.next((m) => m.event === 'write')).status).toBe('applied');
+            holder.send({ cmd: 'pausedAtDescribe', lock: 'L', id: 1, value: 'paused' });
+            for (let i = 0; i < 600 && !stopped; i++) await new Promise((resolve) => setTimeout(resolve, 50));
+            expect(stopped).toBe(true);
+            const stalled = sql`select state, wait_event from pg_stat_activity where query like '%palisade_describe_window%' and pid <> pg_backend_pid()`;
+            const sessions = async () => [
+              ...((await next.db.execute(stalled)) as unknown as Record<string, unknown>[]),
+            ];
+            expect(await sessions()).toEqual([{ state: 'active', wait_event: 'ClientRead' }]);
+            // TTL 1.5 s: bounded by waitMs, never asserted on time.
+            const lease = await next.manager.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
+            const repo = fencedRepository(next.db, resource);
+            if (kind === 'redis')
+              expect((await repo.with(lease).update({ id: 2 }, { value: 'next' })).status).toBe('applied');
+            // Ended, not waited out: its session goes (the backend exits right after it let the row go).
+            for (let i = 0; i < 200 && (await sessions()).length > 0; i++) await new Promise((r) => setTimeout(r, 50));
+            expect(await sessions()).toEqual([]);
+            holder.resume();
+            const ended = await holder.next((m) => m.event === 'transaction', 60_000);
+            expect(ended).toMatchObject({ status: 'error', code: 'lease_lost' });
+            expect((await repo.get({ id: 1 }))?.value).toBe('initial');
+            expect((await repo.with(lease).update({ id: 1 }, { value: 'next' })).status).toBe('applied');
+            expect((await repo.get({ id: 1 }))?.value).toBe('next');
+          } finally {
+            holder?.kill();
+            await next.close();
+            proxy.close();
           }
-          inbound.write(chunk);
         });
-        inbound.on('error', () => outbound.destroy());
-        outbound.on('error', () => inbound.destroy());
-      });
-      await new Promise<void>((resolve) => proxy.listen(0, '127.0.0.1', resolve));
-      const proxied = new URL(url);
-      proxied.host = `127.0.0.1:${(proxy.address() as AddressInfo).port}`;
-      const config: ManagerConfig = { kind: 'postgres', namespace: uniqueNamespace('describe'), databaseUrl: url };
-      const next = await openManager(config);
-      try {
-        holder = startWorker(WORKER, { ...config, databaseUrl: proxied.toString(), ttlMs: 1_500 });
-        await holder.next((m) => m.event === 'ready');
-        holder.send({ cmd: 'acquire', lock: 'L' });
-        await holder.next((m) => m.event === 'acquired');
-        holder.send({ cmd: 'pausedAtDescribe', lock: 'L', id: 1, value: 'paused' });
-        for (let i = 0; i < 600 && !stopped; i++) await new Promise((resolve) => setTimeout(resolve, 50));
-        expect(stopped).toBe(true);
-        // Past its TTL (1.5 s) and any idle bound, the paused holder's session still holds the register
-        // row: every grant finds it locked until the wait ends.
-        await expect(next.manager.acquire('L', { ttlMs: 60_000, waitMs: 4_000 })).rejects.toMatchObject({
-          code: 'lock_unavailable',
-        });
-        const [session] = (await next.db.execute(
-          sql`select state, wait_event from pg_stat_activity where query like '%palisade_describe_window%' and pid <> pg_backend_pid()`,
-        )) as unknown as { state: string; wait_event: string }[];
-        expect(session).toEqual({ state: 'active', wait_event: 'ClientRead' });
-        holder.resume();
-        const ended = await holder.next((m) => m.event === 'transaction', 60_000);
-        expect(ended.status).not.toBe('applied');
-        const lease = await next.manager.acquire('L', { ttlMs: 60_000, waitMs: 30_000 });
-        const repo = fencedRepository(next.db, resource);
-        expect((await repo.get({ id: 1 }))?.value).toBe('initial');
-        expect((await repo.with(lease).update({ id: 1 }, { value: 'next' })).status).toBe('applied');
-      } finally {
-        holder?.kill();
-        await next.close();
-        proxy.close();
-      }
-    });
-  });
+      },
+    );
+  }
 
   it("a lock-scoped write in a caller's transaction bounds its idle time, and never loosens a tighter bound", async () => {
     await withScenario(2, async (url) => {
