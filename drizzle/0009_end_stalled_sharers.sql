@@ -13,37 +13,58 @@
 -- that only shares the row shares it at the register's fence: a lease that has expired or was
 -- released, since a higher fence was issued. Ending it rolls its transaction back, which is also what
 -- its idle timeout would do. A session that wrote to a register row in its transaction (a raise not
--- yet committed) may be the newest holder's: it is left alone. So is a session of a role this one
--- may not signal (pg_terminate_backend refuses; the raise then waits as before).
+-- yet committed) may be the newest holder's: while one holds the row nobody is ended. Nor is a
+-- session of a role this one may not signal (pg_terminate_backend refuses; the raise then waits as
+-- before).
 --
--- Which transactions lock the row is read from its xmax: one locker's transaction id, or a multixact
--- whose members are; a session counts only if its transaction is one of those, it holds a lock on the
--- register table, has written none of it, and is waiting on its client in the middle of a statement.
+-- Which sessions share the row is told by a tag: every statement with which palisade keeps a claim
+-- past its own end (a fenced transaction's claim, a claim that bounds its transaction's idle time)
+-- also takes a shared transaction-level advisory lock named after the register (tag_claims below),
+-- which Postgres shows in pg_locks under the session's pid until its transaction ends, savepoints and
+-- all. The two-integer form keeps these apart from the advisory lock backend's keys (one bigint).
+CREATE FUNCTION "palisade"."register_tag"(p_key uuid, OUT k1 integer, OUT k2 integer)
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+  SELECT ('x' || substr(h, 1, 8))::bit(32)::integer & 2147483647, ('x' || substr(h, 9, 8))::bit(32)::integer & 2147483647
+  FROM (SELECT replace(p_key::text, '-', '') AS h) s
+$$;
+--> statement-breakpoint
+-- Tags the transaction as a sharer of each register of p_keys (a JSON array of register keys). Never
+-- waits: a key some session holds exclusively (an advisory lock of its own that happens to collide)
+-- is simply not tagged, and that claim is then never ended.
+CREATE FUNCTION "palisade"."tag_claims"(p_keys jsonb)
+RETURNS boolean LANGUAGE sql VOLATILE AS $$
+  SELECT coalesce(bool_and(pg_try_advisory_xact_lock_shared(t.k1, t.k2)), true)
+  FROM jsonb_array_elements_text(p_keys) k, palisade.register_tag(k::uuid) t
+$$;
+--> statement-breakpoint
 CREATE FUNCTION "palisade"."end_stalled_sharers"(p_kind text, p_source text, p_ns text, p_name text)
 RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-  locker xid;
-  lockers xid[];
+  register_key uuid;
+  only_shared boolean := false;
   target integer;
   ended integer := 0;
 BEGIN
-  SELECT r.xmax INTO locker FROM palisade.lock_registers r
+  SELECT r.lock_key INTO register_key FROM palisade.lock_registers r
     WHERE r.kind = p_kind AND r.source = p_source AND r.namespace = p_ns AND r.name = p_name;
-  IF locker IS NULL OR locker::text = '0' THEN RETURN 0; END IF;
-  lockers := ARRAY[locker];
+  IF NOT FOUND THEN RETURN 0; END IF;
+  -- Held by sharers alone, or also by a raise not yet committed (FOR SHARE skips only the latter)? The
+  -- probe's own share is given back with its subtransaction.
   BEGIN
-    lockers := lockers || ARRAY(SELECT m.xid FROM pg_get_multixact_members(locker) m);
-  EXCEPTION WHEN OTHERS THEN
-    NULL; -- not a multixact id: one locker
+    PERFORM 1 FROM palisade.lock_registers r WHERE r.lock_key = register_key FOR SHARE SKIP LOCKED;
+    only_shared := FOUND;
+    RAISE EXCEPTION USING ERRCODE = 'P0001';
+  EXCEPTION WHEN raise_exception THEN
+    NULL;
   END;
+  IF NOT only_shared THEN RETURN 0; END IF;
   FOR target IN
-    SELECT a.pid FROM pg_stat_activity a
-    WHERE a.backend_xid = ANY (lockers) AND a.pid <> pg_backend_pid()
+    SELECT DISTINCT a.pid FROM palisade.register_tag(register_key) t, pg_locks l
+      JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+      AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+      AND l.classid = t.k1::oid AND l.objid = t.k2::oid AND a.pid <> pg_backend_pid()
       AND a.state = 'active' AND a.wait_event_type = 'Client' AND a.wait_event = 'ClientRead'
-      AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'relation'
-        AND l.relation = 'palisade.lock_registers'::regclass AND l.mode = 'RowShareLock')
-      AND NOT EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'relation'
-        AND l.relation = 'palisade.lock_registers'::regclass AND l.mode <> 'RowShareLock' AND l.mode <> 'AccessShareLock')
   LOOP
     BEGIN
       IF pg_terminate_backend(target) THEN ended := ended + 1; END IF;

@@ -16,8 +16,9 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLockBounded, idleBoundSql, noteBounded } from './lock-scope.js';
+import { claimLockBounded, idleBoundSql, noteBounded, tagSql } from './lock-scope.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
+import { registerTags } from './register-key.js';
 import type { FenceHolder } from './repository-api.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
@@ -162,7 +163,7 @@ export async function fencedTransactionOrThrow<R>(
 const p = (name: string) => sql.placeholder(name);
 const claimLocksSql = () =>
   sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered, ${sessionColumnsSql()}
-    from (select ${idleBoundSql()}) s,
+    from (select ${idleBoundSql()}, ${tagSql()}) s,
     lateral palisade.claim_locks(${p('claims')}::jsonb) c`;
 
 /**
@@ -182,7 +183,11 @@ async function claimAll(
     return { registered: [registered], session };
   }
   const claims = JSON.stringify(list.map(({ lock, fence }) => ({ ...lock, fence: fence.toString() })));
-  const rows = await prepared(tx, 'palisade.claim_locks_bounded', claimLocksSql).rows({ idle: String(idleMs), claims });
+  const rows = await prepared(tx, 'palisade.claim_locks_bounded', claimLocksSql).rows({
+    idle: String(idleMs),
+    claims,
+    tags: registerTags(list.map(({ lock }) => lock)),
+  });
   const key = (l: LockIdentity, fence: unknown) =>
     JSON.stringify([l.kind, l.source, l.namespace, l.name, String(fence)]);
   const registered = new Map<string, bigint>();

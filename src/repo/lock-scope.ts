@@ -12,6 +12,7 @@ import { prepared } from '../prepared.js';
 import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
+import { registerTags } from './register-key.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Returning } from './statements.js';
@@ -30,9 +31,10 @@ export const idleBoundSql = () =>
   sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
 // It names its session too, for a transaction to stop if its lease is lost (lost-lease.ts).
+// It tags the transaction as the register's sharer too (migration 0009), which a raise reads.
 const boundedClaimSql = () =>
   sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered,
-    ${idleBoundSql()} as idle, ${sessionColumnsSql()}`;
+    ${idleBoundSql()} as idle, ${tagSql()} as tagged, ${sessionColumnsSql()}`;
 
 /** The most a claim's transaction may sit idle for a holder without an expiry estimate, as in fencedTransaction. */
 const DEFAULT_IDLE_MS = 60_000;
@@ -73,7 +75,9 @@ export function noteBounded(tx: Database, lock: LockIdentity): void {
   else boundedBy.set(tx, new Set([lockText(lock)]));
 }
 
-const boundSql = () => sql`select ${idleBoundSql()} as idle`;
+/** @internal Tags the transaction as a sharer of the registers named by the placeholder `tags` (register-key.ts). */
+export const tagSql = () => sql`palisade.tag_claims(${p('tags')}::jsonb)`;
+const boundSql = () => sql`select ${idleBoundSql()} as idle, ${tagSql()} as tagged`;
 
 /**
  * @internal Whether a lock-scoped write of `scope` in the transaction `tx` must first bound its idle
@@ -87,7 +91,10 @@ export const needsIdleBound = (tx: Database, scope: LockScope): boolean =>
 export async function boundIdle(tx: Database, scope: LockScope): Promise<void> {
   // Not noted: sent through `tx`, the statement may run inside a savepoint opened on its connection
   // (yours, or a concurrent write's), whose rollback would undo the bound behind the note's back.
-  await prepared(tx, 'palisade.idle_bound', boundSql).rows({ idle: String(scope.idleMs()) });
+  await prepared(tx, 'palisade.idle_bound', boundSql).rows({
+    idle: String(scope.idleMs()),
+    tags: registerTags([scope.lock]),
+  });
 }
 
 /** @internal Notes what a claim of `lock` for `fence` found: the register's fence. */
@@ -133,6 +140,7 @@ export async function claimLockBounded(
   const [row] = await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({
     ...claimValues(lock, fence),
     idle: String(idleMs),
+    tags: registerTags([lock]),
   });
   return { registered: registeredOf(row, lock, fence), session: sessionOf(row) };
 }

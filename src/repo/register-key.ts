@@ -30,3 +30,10 @@ export function registerKey(lock: LockIdentity): string {
   }
   return key;
 }
+
+/**
+ * @internal The register keys of `locks` as `palisade.tag_claims` takes them (a JSON array): a
+ * statement that keeps its claims past its own end tags its transaction as their sharer, so that a
+ * raise can tell which sessions share a register (migration 0009).
+ */
+export const registerTags = (locks: readonly LockIdentity[]): string => JSON.stringify(locks.map(registerKey));

@@ -104,10 +104,10 @@ export const fenceSources = palisadeSchema.table('fence_sources', {
  * A lock-scoped write of a lower fence of the same lock is refused on every
  * row. Rows are never deleted by palisade; see `palisade locks
  * reset-register`. The migrations also create `palisade.claim_lock(…)`,
- * `palisade.claim_locks(jsonb)`, `palisade.register_grant(…)` and
- * `palisade.end_stalled_sharers(…)`, with which a raise ends the sessions
- * that keep the row while stalled mid-statement (README, "Two scopes of
- * fencing").
+ * `palisade.claim_locks(jsonb)`, `palisade.register_grant(…)`,
+ * `palisade.tag_claims(jsonb)` and `palisade.end_stalled_sharers(…)`, with
+ * which a raise ends the sessions that share the row while stalled
+ * mid-statement (README, "Two scopes of fencing").
  */
 export const lockRegisters = palisadeSchema.table(
   'lock_registers',

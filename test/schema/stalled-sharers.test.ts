@@ -1,7 +1,8 @@
 /**
  * Which sessions a raise of a lock register ends (migration 0009,
- * `palisade.end_stalled_sharers`): only those that share the register row
- * while stalled in the middle of a statement. A postgres.js client behind a
+ * `palisade.end_stalled_sharers`): only those that palisade tagged as the
+ * register row's sharers (`palisade.tag_claims`, sent with every claim kept
+ * past its statement) while they are stalled in the middle of a statement. A postgres.js client behind a
  * proxy that stops passing the server's answers is such a session: it sent a
  * new statement to be described (Parse, Describe, Flush) and never binds it.
  * The processes that are stopped for real, and the grants and raises that end
@@ -104,7 +105,11 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
 
   const endStalled = async (name: string) =>
     Number((await observer`select palisade.end_stalled_sharers('redis', 'src', 'ns', ${name}) as n`)[0]?.n);
-  const shareL = (tx: postgres.ReservedSql) => tx`select palisade.claim_lock('redis', 'src', 'ns', 'L', 5)`;
+  // A claim as palisade keeps one past its statement: the claim, and the tag that names its session.
+  const claim = (tx: postgres.ReservedSql, name: string, fence: number) =>
+    tx`select palisade.claim_lock('redis', 'src', 'ns', ${name}, ${fence}),
+      palisade.tag_claims(jsonb_build_array(palisade.lock_key('redis', 'src', 'ns', ${name})))`;
+  const shareL = (tx: postgres.ReservedSql) => claim(tx, 'L', 5);
 
   it('ends a session that shares the register and waits for its client mid-statement', async () => {
     const s = await session(shareL, true);
@@ -117,6 +122,23 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
     }
   });
 
+  // A claim in a savepoint locks the row with the savepoint's id, which Postgres stops tying to the
+  // session once the savepoint is released; the tag moves to the transaction with the savepoint's locks.
+  it('ends such a sharer whose claim ran in a savepoint, released or not', async () => {
+    for (const release of [false, true]) {
+      const s = await session(async (tx) => {
+        await tx`savepoint claim`;
+        await shareL(tx);
+        if (release) await tx`release savepoint claim`;
+      }, true);
+      try {
+        expect(await endStalled('L')).toBe(1);
+      } finally {
+        await s.end();
+      }
+    }
+  });
+
   it('leaves a sharer idle in its transaction (its idle timeout ends it), and a stalled sharer of another lock', async () => {
     const idle = await session(shareL, false);
     try {
@@ -125,7 +147,7 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
     } finally {
       await idle.end();
     }
-    const other = await session((tx) => tx`select palisade.claim_lock('redis', 'src', 'ns', 'M', 5)`, true);
+    const other = await session((tx) => claim(tx, 'M', 5), true);
     try {
       expect(await endStalled('L')).toBe(0);
       expect(await other.alive()).toBe(true);
@@ -134,8 +156,31 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
     }
   });
 
-  it('leaves a stalled session that raised the register itself: it may be the newest holder', async () => {
-    const raiser = await session((tx) => tx`select palisade.claim_lock('redis', 'src', 'ns', 'L', 6)`, true);
+  it('ends a stalled sharer that raised another lock’s register in its transaction', async () => {
+    await observer`insert into palisade.lock_registers (kind, source, namespace, name, fence) values ('redis', 'src', 'ns', 'R', 1)`;
+    const s = await session(async (tx) => {
+      await claim(tx, 'R', 2);
+      await shareL(tx);
+    }, true);
+    try {
+      expect(await endStalled('L')).toBe(1);
+    } finally {
+      await s.end();
+    }
+  });
+
+  it('leaves a stalled sharer without the tag (a claim palisade did not send)', async () => {
+    const s = await session((tx) => tx`select palisade.claim_lock('redis', 'src', 'ns', 'L', 5)`, true);
+    try {
+      expect(await endStalled('L')).toBe(0);
+      expect(await s.alive()).toBe(true);
+    } finally {
+      await s.end();
+    }
+  });
+
+  it('ends nobody while a raise not yet committed holds the register: it may be the newest holder’s', async () => {
+    const raiser = await session((tx) => claim(tx, 'L', 6), true);
     try {
       expect(await endStalled('L')).toBe(0);
       expect(await raiser.alive()).toBe(true);
