@@ -11,7 +11,8 @@
 --
 -- A grant (register_grant) or a raise (claim_lock) is for a fence above the register's. A session
 -- that only shares the row shares it at the register's fence: a lease that has expired or was
--- released, since a higher fence was issued. Ending it rolls its transaction back, which is also what
+-- released, since a higher fence was issued. That is checked again while the sessions are ended (a
+-- stale claim that read the register before a newer holder raised it must not end that holder). Ending it rolls its transaction back, which is also what
 -- its idle timeout would do. A session that wrote to a register row in its transaction (a raise not
 -- yet committed) may be the newest holder's: while one holds the row nobody is ended. Nor is a
 -- session of a role this one may not signal (pg_terminate_backend refuses; the raise then waits as
@@ -37,41 +38,43 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $$
   FROM jsonb_array_elements_text(p_keys) k, palisade.register_tag(k::uuid) t
 $$;
 --> statement-breakpoint
-CREATE FUNCTION "palisade"."end_stalled_sharers"(p_kind text, p_source text, p_ns text, p_name text)
+CREATE FUNCTION "palisade"."end_stalled_sharers"(p_kind text, p_source text, p_ns text, p_name text, p_fence bigint)
 RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
   register_key uuid;
-  only_shared boolean := false;
+  shared_at bigint;
   target integer;
   ended integer := 0;
 BEGIN
   SELECT r.lock_key INTO register_key FROM palisade.lock_registers r
     WHERE r.kind = p_kind AND r.source = p_source AND r.namespace = p_ns AND r.name = p_name;
   IF NOT FOUND THEN RETURN 0; END IF;
-  -- Held by sharers alone, or also by a raise not yet committed (FOR SHARE skips only the latter)? The
-  -- probe's own share is given back with its subtransaction.
+  -- Share the row for as long as we look: no raise commits meanwhile, so every tagged session shares
+  -- at `shared_at` — the newest fence committed, read by this locking read — or holds no share at all.
+  -- FOR SHARE skips a row a raise not yet committed holds (it may be the newest holder's): then
+  -- nobody is ended. The share goes with the subtransaction.
   BEGIN
-    PERFORM 1 FROM palisade.lock_registers r WHERE r.lock_key = register_key FOR SHARE SKIP LOCKED;
-    only_shared := FOUND;
+    SELECT r.fence INTO shared_at FROM palisade.lock_registers r WHERE r.lock_key = register_key FOR SHARE SKIP LOCKED;
+    IF FOUND AND shared_at < p_fence THEN
+      FOR target IN
+        SELECT DISTINCT a.pid FROM palisade.register_tag(register_key) t, pg_locks l
+          JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+          AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+          AND l.classid = t.k1::oid AND l.objid = t.k2::oid AND a.pid <> pg_backend_pid()
+          AND a.state = 'active' AND a.wait_event_type = 'Client' AND a.wait_event = 'ClientRead'
+      LOOP
+        BEGIN
+          IF pg_terminate_backend(target) THEN ended := ended + 1; END IF;
+        EXCEPTION WHEN insufficient_privilege THEN
+          NULL;
+        END;
+      END LOOP;
+    END IF;
     RAISE EXCEPTION USING ERRCODE = 'P0001';
   EXCEPTION WHEN raise_exception THEN
     NULL;
   END;
-  IF NOT only_shared THEN RETURN 0; END IF;
-  FOR target IN
-    SELECT DISTINCT a.pid FROM palisade.register_tag(register_key) t, pg_locks l
-      JOIN pg_stat_activity a ON a.pid = l.pid
-    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-      AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-      AND l.classid = t.k1::oid AND l.objid = t.k2::oid AND a.pid <> pg_backend_pid()
-      AND a.state = 'active' AND a.wait_event_type = 'Client' AND a.wait_event = 'ClientRead'
-  LOOP
-    BEGIN
-      IF pg_terminate_backend(target) THEN ended := ended + 1; END IF;
-    EXCEPTION WHEN insufficient_privilege THEN
-      NULL;
-    END;
-  END LOOP;
   RETURN ended;
 END $$;
 --> statement-breakpoint
@@ -90,7 +93,7 @@ BEGIN
     PERFORM 1 FROM palisade.lock_registers r
       WHERE r.kind = p_kind AND r.source = src AND r.namespace = p_ns AND r.name = p_name
       FOR NO KEY UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN PERFORM palisade.end_stalled_sharers(p_kind, src, p_ns, p_name); END IF;
+    IF NOT FOUND THEN PERFORM palisade.end_stalled_sharers(p_kind, src, p_ns, p_name, p_fence); END IF;
   END IF;
   INSERT INTO palisade.lock_registers AS r (kind, source, namespace, name, fence)
   VALUES (p_kind, src, p_ns, p_name, p_fence)
@@ -129,7 +132,7 @@ BEGIN
         PERFORM 1 FROM palisade.lock_registers r
           WHERE r.kind = p_kind AND r.source = p_source AND r.namespace = p_ns AND r.name = p_name
           FOR NO KEY UPDATE SKIP LOCKED;
-        IF NOT FOUND THEN PERFORM palisade.end_stalled_sharers(p_kind, p_source, p_ns, p_name); END IF;
+        IF NOT FOUND THEN PERFORM palisade.end_stalled_sharers(p_kind, p_source, p_ns, p_name, p_fence); END IF;
         UPDATE palisade.lock_registers r SET fence = p_fence
           WHERE r.kind = p_kind AND r.source = p_source AND r.namespace = p_ns AND r.name = p_name AND r.fence < p_fence;
         IF FOUND THEN RETURN p_fence; END IF;

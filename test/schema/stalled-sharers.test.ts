@@ -15,16 +15,18 @@ import type { TestDatabase } from '../support/databases.js';
 import { scenarioDatabase } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 
-// A proxy to Postgres whose answers to the client stop passing once `withhold` is set.
+// A proxy to Postgres whose answers to the client are held back while `withhold` is set.
 function withholdingProxy(url: string) {
   const state = { withhold: false };
+  const held: (() => void)[] = [];
   const sockets = new Set<Socket>();
   const server: Server = createServer((inbound) => {
     const outbound = connect(Number(new URL(url).port || 5432), '127.0.0.1');
     sockets.add(inbound).add(outbound);
     inbound.pipe(outbound);
     outbound.on('data', (chunk: Buffer) => {
-      if (!state.withhold) inbound.write(chunk);
+      if (state.withhold) held.push(() => inbound.write(chunk));
+      else inbound.write(chunk);
     });
     inbound.on('close', () => outbound.destroy());
     outbound.on('close', () => inbound.destroy());
@@ -38,6 +40,10 @@ function withholdingProxy(url: string) {
       const proxied = new URL(url);
       proxied.host = `127.0.0.1:${(server.address() as AddressInfo).port}`;
       return proxied.toString();
+    },
+    /** Delivers what was held back (after `state.withhold = false`). */
+    release() {
+      for (const deliver of held.splice(0)) deliver();
     },
     close() {
       for (const socket of sockets) socket.destroy();
@@ -103,8 +109,9 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
     throw new Error(`no session ${state}`);
   }
 
-  const endStalled = async (name: string) =>
-    Number((await observer`select palisade.end_stalled_sharers('redis', 'src', 'ns', ${name}) as n`)[0]?.n);
+  // What a raise of `name` to `fence` ends (the registers are at 5).
+  const endStalled = async (name: string, fence = 7) =>
+    Number((await observer`select palisade.end_stalled_sharers('redis', 'src', 'ns', ${name}, ${fence}) as n`)[0]?.n);
   // A claim as palisade keeps one past its statement: the claim, and the tag that names its session.
   const claim = (tx: postgres.ReservedSql, name: string, fence: number) =>
     tx`select palisade.claim_lock('redis', 'src', 'ns', ${name}, ${fence}),
@@ -136,6 +143,73 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
       } finally {
         await s.end();
       }
+    }
+  });
+
+  // A stale claim reads the register, then a newer holder raises it and shares it at its own fence:
+  // the stale claim's raise must not end that holder. The function reads the fence again, locked.
+  it('ends nobody for a raise to a fence at or below the register’s (the sharers are the newest holder’s)', async () => {
+    const s = await session(shareL, true);
+    try {
+      expect(await endStalled('L', 5)).toBe(0);
+      expect(await endStalled('L', 4)).toBe(0);
+      expect(await s.alive()).toBe(true);
+    } finally {
+      await s.end();
+    }
+  });
+
+  // The race itself: a stale claim (fence 5) reads the register at 4; a newer holder raises it to 6,
+  // commits, and shares it (tagged) in its next transaction while a statement of it waits for its
+  // description. The stale claim's raise then finds the row locked. A queued ACCESS EXCLUSIVE lock on
+  // palisade.fence_sources (which that claim reads in between, for a lock of another source) holds
+  // it there, as a descheduled backend would be held.
+  it('a stale claim that read the register before a newer holder raised it does not end that holder', async () => {
+    await observer`insert into palisade.lock_registers (kind, source, namespace, name, fence) values ('postgres', 'other', 'ns', 'W', 4)`;
+    const proxy = withholdingProxy(scenario.url as string);
+    const newer = postgres(await proxy.url(), { max: 1, onnotice: () => {} });
+    const stale = postgres(scenario.url as string, { max: 1, onnotice: () => {} });
+    const harness = postgres(scenario.url as string, { max: 1, onnotice: () => {} });
+    const b = await newer.reserve();
+    const h = await harness.reserve();
+    try {
+      const stalePid = Number((await stale`select pg_backend_pid() as pid`)[0]?.pid);
+      const claimW = (tx: postgres.ReservedSql | postgres.Sql, fence: number) =>
+        tx`select palisade.claim_lock('postgres', 'other', 'ns', 'W', ${fence})::text as registered,
+          palisade.tag_claims(jsonb_build_array(palisade.lock_key('postgres', 'other', 'ns', 'W')))`;
+      await b`begin`;
+      await claimW(b, 6); // the newer holder's raise, not committed yet
+      await h`begin`;
+      const locked = h`lock table palisade.fence_sources in access exclusive mode`.execute();
+      const staleClaim = claimW(stale, 5).execute();
+      const waiting = async (pid: number, event: string) => {
+        for (let i = 0; i < 200; i++) {
+          const [row] = await observer`select wait_event from pg_stat_activity where pid = ${pid}`;
+          if (row?.wait_event === event) return;
+          await new Promise((resolve) => setTimeout(resolve, 25));
+        }
+        throw new Error(`session ${pid} never waited on ${event}`);
+      };
+      await waiting(stalePid, 'relation');
+      await b`commit`;
+      await locked;
+      await b`begin`;
+      await claimW(b, 6); // shares at its own fence, tagged
+      const newerPid = Number((await b`select pg_backend_pid() as pid`)[0]?.pid);
+      proxy.state.withhold = true;
+      const next = b`select ${42}::int as palisade_stalled_marker`.execute();
+      await waiting(newerPid, 'ClientRead');
+      await h`commit`;
+      expect((await staleClaim)[0]?.registered).toBe('6');
+      proxy.state.withhold = false;
+      proxy.release();
+      expect((await next)[0]?.palisade_stalled_marker).toBe(42);
+      await b`commit`;
+    } finally {
+      h.release();
+      b.release();
+      await Promise.all([newer.end({ timeout: 1 }), stale.end({ timeout: 1 }), harness.end({ timeout: 1 })]);
+      proxy.close();
     }
   });
 
