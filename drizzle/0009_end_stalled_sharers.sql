@@ -20,22 +20,14 @@
 --
 -- Which sessions share the row is told by a tag: every statement with which palisade keeps a claim
 -- past its own end (a fenced transaction's claim, a claim that bounds its transaction's idle time)
--- also takes a shared transaction-level advisory lock named after the register (tag_claims below),
--- which Postgres shows in pg_locks under the session's pid until its transaction ends, savepoints and
--- all. The two-integer form keeps these apart from the advisory lock backend's keys (one bigint).
+-- also takes a shared transaction-level advisory lock named after the register (register_tag below;
+-- the client computes the same two integers, src/repo/register-key.ts), which Postgres shows in
+-- pg_locks under the session's pid until its transaction ends, savepoints and all. The two-integer
+-- form keeps these apart from the advisory lock backend's keys (one bigint).
 CREATE FUNCTION "palisade"."register_tag"(p_key uuid, OUT k1 integer, OUT k2 integer)
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
   SELECT ('x' || substr(h, 1, 8))::bit(32)::integer & 2147483647, ('x' || substr(h, 9, 8))::bit(32)::integer & 2147483647
   FROM (SELECT replace(p_key::text, '-', '') AS h) s
-$$;
---> statement-breakpoint
--- Tags the transaction as a sharer of each register of p_keys (a JSON array of register keys). Never
--- waits: a key some session holds exclusively (an advisory lock of its own that happens to collide)
--- is simply not tagged, and that claim is then never ended.
-CREATE FUNCTION "palisade"."tag_claims"(p_keys jsonb)
-RETURNS boolean LANGUAGE sql VOLATILE AS $$
-  SELECT coalesce(bool_and(pg_try_advisory_xact_lock_shared(t.k1, t.k2)), true)
-  FROM jsonb_array_elements_text(p_keys) k, palisade.register_tag(k::uuid) t
 $$;
 --> statement-breakpoint
 CREATE FUNCTION "palisade"."end_stalled_sharers"(p_kind text, p_source text, p_ns text, p_name text, p_fence bigint)

@@ -16,9 +16,9 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLockBounded, idleBoundSql, noteBounded, tagSql } from './lock-scope.js';
+import { claimLockBounded, idleBoundSql, noteBounded } from './lock-scope.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
-import { registerTags } from './register-key.js';
+import { registerTag } from './register-key.js';
 import type { FenceHolder } from './repository-api.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
@@ -163,7 +163,8 @@ export async function fencedTransactionOrThrow<R>(
 const p = (name: string) => sql.placeholder(name);
 const claimLocksSql = () =>
   sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered, ${sessionColumnsSql()}
-    from (select ${idleBoundSql()}, ${tagSql()}) s,
+    from (select ${idleBoundSql()}, (select bool_and(pg_try_advisory_xact_lock_shared((t->>0)::int4, (t->>1)::int4))
+      from jsonb_array_elements(${p('tags')}::jsonb) t) as tagged) s,
     lateral palisade.claim_locks(${p('claims')}::jsonb) c`;
 
 /**
@@ -186,7 +187,8 @@ async function claimAll(
   const rows = await prepared(tx, 'palisade.claim_locks_bounded', claimLocksSql).rows({
     idle: String(idleMs),
     claims,
-    tags: registerTags(list.map(({ lock }) => lock)),
+    // Each lease's register tag (register-key.ts), as a claim of one lock takes it.
+    tags: JSON.stringify(list.map(({ lock }) => registerTag(lock))),
   });
   const key = (l: LockIdentity, fence: unknown) =>
     JSON.stringify([l.kind, l.source, l.namespace, l.name, String(fence)]);

@@ -12,7 +12,7 @@ import { prepared } from '../prepared.js';
 import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
-import { registerTags } from './register-key.js';
+import { registerTag } from './register-key.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Returning } from './statements.js';
@@ -29,6 +29,14 @@ const claimSql = () =>
  */
 export const idleBoundSql = () =>
   sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
+// Tags the transaction as a sharer of one register, by the placeholders `tag1` and `tag2` (registerTag):
+// a raise ends such a sharer if it stalls mid-statement (migration 0009). Never waits: a tag someone
+// holds exclusively (a colliding advisory lock of their own) is not taken.
+const tagSql = () => sql`pg_try_advisory_xact_lock_shared(${p('tag1')}::int4, ${p('tag2')}::int4)`;
+const tagValues = (lock: LockIdentity) => {
+  const [tag1, tag2] = registerTag(lock);
+  return { tag1: String(tag1), tag2: String(tag2) };
+};
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
 // It names its session too, for a transaction to stop if its lease is lost (lost-lease.ts).
 // It tags the transaction as the register's sharer too (migration 0009), which a raise reads.
@@ -75,8 +83,6 @@ export function noteBounded(tx: Database, lock: LockIdentity): void {
   else boundedBy.set(tx, new Set([lockText(lock)]));
 }
 
-/** @internal Tags the transaction as a sharer of the registers named by the placeholder `tags` (register-key.ts). */
-export const tagSql = () => sql`palisade.tag_claims(${p('tags')}::jsonb)`;
 const boundSql = () => sql`select ${idleBoundSql()} as idle, ${tagSql()} as tagged`;
 
 /**
@@ -93,7 +99,7 @@ export async function boundIdle(tx: Database, scope: LockScope): Promise<void> {
   // (yours, or a concurrent write's), whose rollback would undo the bound behind the note's back.
   await prepared(tx, 'palisade.idle_bound', boundSql).rows({
     idle: String(scope.idleMs()),
-    tags: registerTags([scope.lock]),
+    ...tagValues(scope.lock),
   });
 }
 
@@ -140,7 +146,7 @@ export async function claimLockBounded(
   const [row] = await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({
     ...claimValues(lock, fence),
     idle: String(idleMs),
-    tags: registerTags([lock]),
+    ...tagValues(lock),
   });
   return { registered: registeredOf(row, lock, fence), session: sessionOf(row) };
 }

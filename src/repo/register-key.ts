@@ -32,8 +32,14 @@ export function registerKey(lock: LockIdentity): string {
 }
 
 /**
- * @internal The register keys of `locks` as `palisade.tag_claims` takes them (a JSON array): a
- * statement that keeps its claims past its own end tags its transaction as their sharer, so that a
- * raise can tell which sessions share a register (migration 0009).
+ * @internal The two integers that tag a transaction as a sharer of `lock`'s register (a shared
+ * transaction-level advisory lock, two-integer form): the first two 4-byte words of its register key,
+ * top bit cleared — what `palisade.register_tag` computes (migration 0009), where a raise looks them up.
  */
-export const registerTags = (locks: readonly LockIdentity[]): string => JSON.stringify(locks.map(registerKey));
+export function registerTag(lock: LockIdentity): readonly [number, number] {
+  const hex = registerKey(lock);
+  return [
+    Number.parseInt(hex.slice(0, 8), 16) & 0x7fffffff,
+    Number.parseInt(hex.slice(9, 13) + hex.slice(14, 18), 16) & 0x7fffffff,
+  ];
+}

@@ -18,6 +18,7 @@ import type { Lease } from '../../src/fencing/lease.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { registerTag } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { killAllCli, runCli } from '../support/cli.js';
@@ -281,6 +282,47 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
           expect(await bound(tx)).toBe('250ms');
         });
         await lease.release();
+      } finally {
+        await m.close();
+      }
+    });
+  });
+
+  // What a raise reads to find a stalled sharer (migration 0009): every statement that keeps a claim past
+  // its end tags the transaction with each register's tag, in whichever form palisade sends it.
+  it('every claim kept past its statement tags its transaction as the register’s sharer', async () => {
+    await withScenario(2, async (url) => {
+      const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('tag'), databaseUrl: url });
+      try {
+        const a = await m.manager.acquire('A', { ttlMs: 60_000 });
+        const b = await m.manager.acquire('B', { ttlMs: 60_000 });
+        const repo = fencedRepository(m.db, resource);
+        const tags = async (tx: typeof m.db) => {
+          const rows = (await tx.execute(
+            sql`select classid::int8 as k1, objid::int8 as k2 from pg_locks
+              where pid = pg_backend_pid() and locktype = 'advisory' and objsubid = 2 and granted order by 1, 2`,
+          )) as unknown as { k1: unknown; k2: unknown }[];
+          return rows.map((r) => [Number(r.k1), Number(r.k2)]);
+        };
+        const tagOf = (lease: Lease) => {
+          if (!lease.lock) throw new Error('every built-in lease has a lock');
+          return [...registerTag(lease.lock)];
+        };
+        const sorted = (xs: number[][]) =>
+          [...xs].sort((x, y) => (x[0] ?? 0) - (y[0] ?? 0) || (x[1] ?? 0) - (y[1] ?? 0));
+        // One lease (claim_lock with its bound), two (claim_locks), and a lock-scoped write in your transaction.
+        await fencedTransaction(m.db, a, async (tx) => expect(await tags(tx)).toEqual([tagOf(a)]));
+        await fencedTransaction(m.db, [a, b], async (tx) =>
+          expect(await tags(tx)).toEqual(sorted([tagOf(a), tagOf(b)])),
+        );
+        await m.db.transaction(async (tx) => {
+          expect(await tags(tx)).toEqual([]);
+          expect((await fencedRepository(tx, resource).with(b).update({ id: 2 }, { value: 'x' })).status).toBe(
+            'applied',
+          );
+          expect(await tags(tx)).toEqual([tagOf(b)]);
+        });
+        expect((await repo.with(a).modify({ id: 1 }, () => ({ value: 'y' }))).status).toBe('applied');
       } finally {
         await m.close();
       }

@@ -17,7 +17,7 @@ import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../../src/fencing/lock-identity.js';
 import { migrate } from '../../src/migrate.js';
 import { claimLockRegister } from '../../src/repo/lock-scope.js';
-import { registerKey } from '../../src/repo/register-key.js';
+import { registerKey, registerTag } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { pgliteDatabase, type TestDatabase } from '../support/databases.js';
@@ -50,6 +50,9 @@ async function sameKeyEverywhere(db: Database, lock: LockIdentity) {
   const key = registerKey(lock);
   expect(fn?.computed).toBe(key);
   if (row) expect([row.stored, row.computed]).toEqual([key, key]);
+  // The tag a claim takes is the one a raise looks for (migration 0009).
+  const [tag] = await execute(db, sql`select t.k1, t.k2 from palisade.register_tag(${key}::uuid) t`);
+  expect([tag?.k1, tag?.k2]).toEqual([...registerTag(lock)]);
 }
 
 describe('the register key', () => {
@@ -60,9 +63,12 @@ describe('the register key', () => {
   }, 60_000);
   afterAll(async () => pglite?.close());
 
-  propTest.prop([identityArb], { numRuns: 200 })('is the one palisade.lock_key stores (PGlite)', async (lock) => {
-    await sameKeyEverywhere(pglite.db, lock);
-  });
+  propTest.prop([identityArb], { numRuns: 200 })(
+    'is the one palisade.lock_key stores, and its tag the one palisade.register_tag computes (PGlite)',
+    async (lock) => {
+      await sameKeyEverywhere(pglite.db, lock);
+    },
+  );
 
   it('is taken from what checkLockIdentity checked: a getter that answers differently later changes nothing', () => {
     let reads = 0;

@@ -1,8 +1,8 @@
 /**
  * Which sessions a raise of a lock register ends (migration 0009,
  * `palisade.end_stalled_sharers`): only those that palisade tagged as the
- * register row's sharers (`palisade.tag_claims`, sent with every claim kept
- * past its statement) while they are stalled in the middle of a statement. A postgres.js client behind a
+ * register row's sharers (a shared advisory lock named by
+ * `palisade.register_tag`, taken with every claim kept past its statement) while they are stalled in the middle of a statement. A postgres.js client behind a
  * proxy that stops passing the server's answers is such a session: it sent a
  * new statement to be described (Parse, Describe, Flush) and never binds it.
  * The processes that are stopped for real, and the grants and raises that end
@@ -115,7 +115,7 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
   // A claim as palisade keeps one past its statement: the claim, and the tag that names its session.
   const claim = (tx: postgres.ReservedSql, name: string, fence: number) =>
     tx`select palisade.claim_lock('redis', 'src', 'ns', ${name}, ${fence}),
-      palisade.tag_claims(jsonb_build_array(palisade.lock_key('redis', 'src', 'ns', ${name})))`;
+      (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('redis', 'src', 'ns', ${name})) t)`;
   const shareL = (tx: postgres.ReservedSql) => claim(tx, 'L', 5);
 
   it('ends a session that shares the register and waits for its client mid-statement', async () => {
@@ -176,7 +176,7 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
       const stalePid = Number((await stale`select pg_backend_pid() as pid`)[0]?.pid);
       const claimW = (tx: postgres.ReservedSql | postgres.Sql, fence: number) =>
         tx`select palisade.claim_lock('postgres', 'other', 'ns', 'W', ${fence})::text as registered,
-          palisade.tag_claims(jsonb_build_array(palisade.lock_key('postgres', 'other', 'ns', 'W')))`;
+          (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('postgres', 'other', 'ns', 'W')) t)`;
       await b`begin`;
       await claimW(b, 6); // the newer holder's raise, not committed yet
       await h`begin`;
