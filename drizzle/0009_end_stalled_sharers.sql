@@ -12,11 +12,11 @@
 -- A grant (register_grant) or a raise (claim_lock) is for a fence above the register's. A session
 -- that only shares the row shares it at the register's fence: a lease that has expired or was
 -- released, since a higher fence was issued. That is checked again while the sessions are ended (a
--- stale claim that read the register before a newer holder raised it must not end that holder). Ending it rolls its transaction back, which is also what
--- its idle timeout would do. A session that wrote to a register row in its transaction (a raise not
--- yet committed) may be the newest holder's: while one holds the row nobody is ended. Nor is a
--- session of a role this one may not signal (pg_terminate_backend refuses; the raise then waits as
--- before).
+-- stale claim that read the register before a newer holder raised it must not end that holder).
+-- Ending it rolls its transaction back, which is also what its idle timeout would do. A session that
+-- wrote to a register row in its transaction (a raise not yet committed) may be the newest holder's:
+-- while one holds the row nobody is ended. Nor is a session of a role this one may not signal
+-- (pg_terminate_backend refuses; the raise then waits as before).
 --
 -- Which sessions share the row is told by a tag: every statement with which palisade keeps a claim
 -- past its own end (a fenced transaction's claim, a claim that bounds its transaction's idle time)
