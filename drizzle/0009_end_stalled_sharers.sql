@@ -79,13 +79,14 @@ DECLARE
   src text := (SELECT s.source_id FROM palisade.fence_sources s);
   registered bigint;
 BEGIN
+  -- One probe on the common path (the row there and free: it is now this grant's); only when it finds
+  -- nothing is it asked whether the row is there below this fence, i.e. locked.
   PERFORM 1 FROM palisade.lock_registers r
-    WHERE r.kind = p_kind AND r.source = src AND r.namespace = p_ns AND r.name = p_name AND r.fence < p_fence;
-  IF FOUND THEN
-    PERFORM 1 FROM palisade.lock_registers r
-      WHERE r.kind = p_kind AND r.source = src AND r.namespace = p_ns AND r.name = p_name
-      FOR NO KEY UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN PERFORM palisade.end_stalled_sharers(p_kind, src, p_ns, p_name, p_fence); END IF;
+    WHERE r.kind = p_kind AND r.source = src AND r.namespace = p_ns AND r.name = p_name AND r.fence < p_fence
+    FOR NO KEY UPDATE SKIP LOCKED;
+  IF NOT FOUND AND EXISTS (SELECT 1 FROM palisade.lock_registers r
+      WHERE r.kind = p_kind AND r.source = src AND r.namespace = p_ns AND r.name = p_name AND r.fence < p_fence) THEN
+    PERFORM palisade.end_stalled_sharers(p_kind, src, p_ns, p_name, p_fence);
   END IF;
   INSERT INTO palisade.lock_registers AS r (kind, source, namespace, name, fence)
   VALUES (p_kind, src, p_ns, p_name, p_fence)

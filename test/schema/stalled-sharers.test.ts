@@ -8,6 +8,7 @@
  * The processes that are stopped for real, and the grants and raises that end
  * them, are in test/repo/lock-scope.test.ts.
  */
+import { randomBytes } from 'node:crypto';
 import { type AddressInfo, connect, createServer, type Server, type Socket } from 'node:net';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -250,6 +251,30 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
       expect(await s.alive()).toBe(true);
     } finally {
       await s.end();
+    }
+  });
+
+  // README: a session of a role the raising one may not signal is left alone, and the raise waits as before.
+  it('leaves a stalled sharer of a role the raising session may not signal, without an error', async () => {
+    const role = `palisade_t_role_${randomBytes(6).toString('hex')}`;
+    await observer.unsafe(`create role ${role} login`);
+    const url = new URL(scenario.url as string);
+    url.username = role;
+    const other = postgres(url.toString(), { max: 1, onnotice: () => {} });
+    const s = await session(shareL, true);
+    try {
+      // It sees the stalled session (pg_read_all_stats) but may not signal it: pg_terminate_backend refuses.
+      await observer.unsafe(`grant pg_read_all_stats to ${role}`);
+      await observer.unsafe(`grant usage on schema palisade to ${role}`);
+      await observer.unsafe(`grant select, update on palisade.lock_registers to ${role}`);
+      const [row] = await other`select palisade.end_stalled_sharers('redis', 'src', 'ns', 'L', 7) as n`;
+      expect(Number(row?.n)).toBe(0);
+      expect(await s.alive()).toBe(true);
+    } finally {
+      await s.end();
+      await other.end({ timeout: 1 });
+      await observer.unsafe(`drop owned by ${role}`);
+      await observer.unsafe(`drop role ${role}`);
     }
   });
 
