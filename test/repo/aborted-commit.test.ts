@@ -8,12 +8,11 @@
  */
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
-import { afterEach, describe, expect, it } from 'vitest';
+import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { Statements } from '../../src/aborted-transaction.js';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError, InvalidArgumentError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
-import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
@@ -29,15 +28,29 @@ for (const { name, open, real } of drivers) {
   describe.runIf(!real || needs('DATABASE_URL'))(`${name}: a function that catches a failed statement's error`, () => {
     const opened: TestDatabase[] = [];
     const closing: { close(): Promise<void> }[] = [];
+    // PGlite takes a second or more of CPU to start (test/support/pglite.ts): its tests share one, each
+    // with the table made anew and a lock namespace of its own. The real Postgres gives each its database.
+    let shared: Promise<TestDatabase> | undefined;
     afterEach(async () => {
       await Promise.all(closing.splice(0).map((c) => c.close()));
       await Promise.all(opened.splice(0).map((t) => t.close()));
     });
+    afterAll(async () => {
+      await (await shared)?.close();
+    });
+    async function database(): Promise<Database> {
+      if (real) {
+        const t = await open({ migrated: true });
+        opened.push(t);
+        return t.db;
+      }
+      shared ??= open({ migrated: true });
+      const { db } = await shared;
+      await execute(db, sql`drop table if exists resource`);
+      return db;
+    }
     async function fresh() {
-      const t = await open();
-      opened.push(t);
-      const db: Database = t.db;
-      await migrate(db);
+      const db = await database();
       await execute(
         db,
         sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
