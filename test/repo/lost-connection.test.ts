@@ -24,7 +24,6 @@ import { DatabaseError, PalisadeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
-import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { LeasedRepository } from '../../src/repo/repository-api.js';
@@ -132,9 +131,8 @@ async function untilWaiting(db: Database, pid: () => number, event: string) {
 }
 
 /** A fresh database on `open`'s driver: palisade migrated, `resource` rows 1..ROWS at 'initial'. */
-async function scenario(open: () => Promise<TestDatabase>): Promise<TestDatabase> {
-  const t = await open();
-  await migrate(t.db);
+async function scenario(open: (o: { migrated: boolean }) => Promise<TestDatabase>): Promise<TestDatabase> {
+  const t = await open({ migrated: true });
   await execute(
     t.db,
     sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
@@ -149,7 +147,7 @@ async function scenario(open: () => Promise<TestDatabase>): Promise<TestDatabase
  * postgres.js pool has failed with 57P01 (README, "When the connection closes inside a transaction") — or, `shared`, one
  * for the describe, reset between calls (for kills at a gate only).
  */
-function testDatabases(open: () => Promise<TestDatabase>, { shared = false } = {}) {
+function testDatabases(open: (o: { migrated: boolean }) => Promise<TestDatabase>, { shared = false } = {}) {
   const opened: TestDatabase[] = [];
   const closeAll = async () => {
     await Promise.all(opened.splice(0).map((t) => t.close()));

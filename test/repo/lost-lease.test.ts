@@ -20,7 +20,6 @@ import { LeaseLostError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
-import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { inClaim } from '../../src/repo/lock-scope.js';
 import { cancelStatement, type SessionOf, sessionColumnsSql, sessionOf } from '../../src/repo/lost-lease.js';
@@ -112,7 +111,6 @@ for (const { name, open } of drivers) {
       await Promise.all(opened.splice(0).map((t) => t.close()));
     });
     async function prepare(db: Database) {
-      await migrate(db);
       await execute(
         db,
         sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
@@ -123,7 +121,7 @@ for (const { name, open } of drivers) {
       return { db, locks, repo: fencedRepository(db, resource) };
     }
     async function fresh() {
-      const t = await open();
+      const t = await open({ migrated: true });
       opened.push(t);
       return prepare(t.db);
     }
@@ -321,7 +319,7 @@ for (const { name, open } of drivers) {
     });
 
     it('stopped again and again on a pool of 2: each next grant goes through, and no other query of the pool fails', async () => {
-      const t = await open({ max: 2 });
+      const t = await open({ max: 2, migrated: true });
       opened.push(t);
       const { db, locks } = await prepare(t.db);
       for (let round = 1; round <= 4; round++) {
@@ -343,7 +341,7 @@ for (const { name, open } of drivers) {
     });
 
     it('lost as the function returns, 100 times on a pool of 2: LeaseLostError each time, the process lives, the pooled connections stay usable', async () => {
-      const t = await open({ max: 2 });
+      const t = await open({ max: 2, migrated: true });
       opened.push(t);
       const { db } = await prepare(t.db);
       const outcomes = new Map<string, number>();
@@ -367,7 +365,7 @@ for (const { name, open } of drivers) {
     });
 
     it('16 fenced transactions of one lease at once: one listener on its signal (no leak warning), and its loss stops each', async () => {
-      const t = await open({ max: 17 }); // one left for the stop's look at the sessions
+      const t = await open({ max: 17, migrated: true }); // one left for the stop's look at the sessions
       opened.push(t);
       const { db } = await prepare(t.db);
       const warnings: string[] = [];
@@ -405,7 +403,7 @@ for (const { name, open } of drivers) {
 
     for (const max of [1, 5]) {
       it(`lost by its TTL while the function sits idle, on a pool of ${max}: LeaseLostError, whichever of the lease's expiry and the idle timeout comes first`, async () => {
-        const t = await open({ max });
+        const t = await open({ max, migrated: true });
         opened.push(t);
         const { db, locks } = await prepare(t.db);
         const lease = await locks.acquire('L', { ttlMs: 1_000 });
@@ -430,7 +428,7 @@ describe.runIf(needs('DATABASE_URL'))(
     afterEach(async () => close());
 
     it('a lost lease stops nothing there; after it the same database runs plain statements, new transactions and lock grants', async () => {
-      const t = await nodePostgresDatabase({ max: 1 });
+      const t = await nodePostgresDatabase({ max: 1, migrated: true });
       const client = new pg.Client({ connectionString: t.url });
       await client.connect();
       client.on('error', () => {});
@@ -440,7 +438,6 @@ describe.runIf(needs('DATABASE_URL'))(
       };
       // drizzle runs a single client's transactions on the database's own session.
       const db = drizzleNodePostgres(client) as unknown as Database;
-      await migrate(db);
       const locks = postgresLockManager({ client: t.db, namespace: uniqueNamespace('lostclient') });
       const lost = await locks.acquire('L', { ttlMs: 60_000 });
       // Not stopped there (nothing to refuse with, and a cancel sent on the one connection would run
@@ -481,7 +478,7 @@ describe.runIf(needs('DATABASE_URL'))(
 
     /** A pool on a fresh database that counts statements handed to a client while another waited in its queue. */
     async function spiedPool() {
-      const t = await nodePostgresDatabase({ max: 1 });
+      const t = await nodePostgresDatabase({ max: 1, migrated: true });
       const pool = new pg.Pool({ connectionString: t.url, max: 2 });
       pool.on('error', () => {});
       const queued = queuedPushes(pool);
@@ -491,7 +488,6 @@ describe.runIf(needs('DATABASE_URL'))(
         await t.close();
       };
       const db = drizzleNodePostgres(pool) as unknown as Database;
-      await migrate(db);
       const openInTransaction = async () =>
         Number(
           (
@@ -635,7 +631,7 @@ describe.runIf(needs('DATABASE_URL'))(
     });
 
     it("with the pool's query_timeout and no connection free to cancel from: the rollback still goes out once the statement ends", async () => {
-      const t = await nodePostgresDatabase({ max: 2 });
+      const t = await nodePostgresDatabase({ max: 2, migrated: true });
       const pool = new pg.Pool({ connectionString: t.url, max: 1, query_timeout: 300 });
       pool.on('error', () => {});
       close = async () => {
@@ -643,7 +639,6 @@ describe.runIf(needs('DATABASE_URL'))(
         await t.close();
       };
       const db = drizzleNodePostgres(pool) as unknown as Database;
-      await migrate(db);
       const controller = new AbortController();
       let inTransactionAfter = -1;
       const outcome = await settledWithin(

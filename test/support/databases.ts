@@ -4,9 +4,11 @@ import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import pg from 'pg';
 import postgres from 'postgres';
 import type { Database } from '../../src/driver.js';
+import { migrate } from '../../src/migrate.js';
 import { newPglite } from './pglite.js';
 import { createScratchDatabase } from './scratch-database.js';
 import { services } from './services.js';
+import { migratedTemplate } from './template-database.js';
 
 /** A database of a test's own: dropped (or discarded) by `close()`. */
 export interface TestDatabase {
@@ -17,18 +19,39 @@ export interface TestDatabase {
   close(): Promise<void>;
 }
 
-/** An in-memory PGlite (./pglite.ts): one per test file or suite, not per test (each takes a second and hundreds of MB). */
-export async function pgliteDatabase(): Promise<TestDatabase> {
+/** Whether a test database starts with palisade migrated. */
+interface Migrated {
+  /**
+   * Palisade's migrations applied, as `migrate(db)` leaves a new database. On the real Postgres, a copy of
+   * the run's migrated template (./template-database.ts): a fraction of the time a migration takes.
+   * Default: empty.
+   */
+  readonly migrated?: boolean;
+}
+
+/**
+ * An in-memory PGlite (./pglite.ts): one per test file or suite, not per test (each takes a second and
+ * hundreds of MB). `migrated`: palisade's migrations applied.
+ */
+export async function pgliteDatabase({ migrated = false }: Migrated = {}): Promise<TestDatabase> {
   const client = newPglite();
   const db = drizzlePglite(client) as unknown as Database;
+  if (migrated) await migrate(db);
   return { driver: 'pglite', db, close: () => client.close() };
 }
 
-/** A fresh database on the real Postgres (`DATABASE_URL`), so tests run in parallel and twice in a row. `max`: the pool's size. */
-export async function postgresDatabase({ max = 20 }: { max?: number } = {}): Promise<TestDatabase> {
-  const base = services.postgres.url;
-  if (!base) throw new Error('DATABASE_URL is not set');
-  const { url, drop } = await createScratchDatabase(base);
+/** How a database on the real Postgres is opened. */
+export interface RealDatabaseOptions extends Migrated {
+  /** The pool's size (default 20). */
+  readonly max?: number;
+}
+
+/** A fresh database on the real Postgres (`DATABASE_URL`), so tests run in parallel and twice in a row. */
+export async function postgresDatabase({
+  max = 20,
+  migrated = false,
+}: RealDatabaseOptions = {}): Promise<TestDatabase> {
+  const { url, drop } = await scratchDatabase(migrated);
   const client = postgres(url, { max, onnotice: () => {} });
   const db = drizzlePostgres(client) as unknown as Database;
   return {
@@ -43,11 +66,12 @@ export async function postgresDatabase({ max = 20 }: { max?: number } = {}): Pro
   };
 }
 
-/** A fresh database on the real Postgres, through node-postgres (`pg.Pool`) instead of postgres.js. `max`: the pool's size. */
-export async function nodePostgresDatabase({ max = 20 }: { max?: number } = {}): Promise<TestDatabase> {
-  const base = services.postgres.url;
-  if (!base) throw new Error('DATABASE_URL is not set');
-  const { url, drop } = await createScratchDatabase(base);
+/** A fresh database on the real Postgres, through node-postgres (`pg.Pool`) instead of postgres.js. */
+export async function nodePostgresDatabase({
+  max = 20,
+  migrated = false,
+}: RealDatabaseOptions = {}): Promise<TestDatabase> {
+  const { url, drop } = await scratchDatabase(migrated);
   const pool = new pg.Pool({ connectionString: url, max });
   pool.on('error', () => {}); // an idle client's connection dropped: the pool replaces it
   const db = drizzleNodePostgres(pool) as unknown as Database;
@@ -60,6 +84,12 @@ export async function nodePostgresDatabase({ max = 20 }: { max?: number } = {}):
       await drop();
     },
   };
+}
+
+function scratchDatabase(migrated: boolean) {
+  const base = services.postgres.url;
+  if (!base) throw new Error('DATABASE_URL is not set');
+  return createScratchDatabase(base, 'palisade_t', migrated ? migratedTemplate() : undefined);
 }
 
 /** The drivers a repository suite runs on: PGlite always; postgres.js and node-postgres on the real Postgres when configured. */
@@ -77,8 +107,8 @@ export const drivers: { name: TestDatabase['driver']; open: () => Promise<TestDa
  * A fresh database on the real Postgres through one node-postgres `Client`, not a pool: drizzle runs its
  * transactions on the database's own session.
  */
-export async function singleClientDatabase(): Promise<TestDatabase> {
-  const t = await nodePostgresDatabase({ max: 1 });
+export async function singleClientDatabase(o?: Migrated): Promise<TestDatabase> {
+  const t = await nodePostgresDatabase({ max: 1, ...o });
   const client = new pg.Client({ connectionString: t.url });
   await client.connect();
   client.on('error', () => {}); // a connection the test ends: the next statement says so
@@ -100,7 +130,7 @@ export async function singleClientDatabase(): Promise<TestDatabase> {
  */
 export const everyTransactionDriver = [
   { name: 'PGlite', open: pgliteDatabase, real: false },
-  { name: 'postgres.js', open: () => postgresDatabase({ max: 4 }), real: true },
-  { name: 'node-postgres', open: () => nodePostgresDatabase({ max: 4 }), real: true },
+  { name: 'postgres.js', open: (o?: Migrated) => postgresDatabase({ max: 4, ...o }), real: true },
+  { name: 'node-postgres', open: (o?: Migrated) => nodePostgresDatabase({ max: 4, ...o }), real: true },
   { name: 'a single node-postgres Client', open: singleClientDatabase, real: true },
 ] as const;

@@ -3,6 +3,7 @@ import { join } from 'node:path';
 import { preparePglite } from './pglite.js';
 import { buildPrograms } from './programs.js';
 import { binaries, services } from './services.js';
+import { prepareTemplate } from './template-database.js';
 
 // Suites mark what they need with `needs('DATABASE_URL')` / `needs('REDIS_URL')`, or a binary: `needs('ETCD')`.
 function suitesNeeding(variable: string): string[] {
@@ -22,9 +23,10 @@ function suitesNeeding(variable: string): string[] {
 /**
  * In CI every service must be configured; elsewhere, name each suite that will skip. Then the programs
  * tests start in child processes are transformed once (./programs.ts); the teardown removes them. The tests'
- * PGlites start from a fresh one's data directory, saved once per PGlite version (./pglite.ts).
+ * PGlites start from a fresh one's data directory, saved once per PGlite version (./pglite.ts); on the real
+ * Postgres a migrated template is made for the run (./template-database.ts), and dropped by the teardown.
  */
-export default async function setup(): Promise<() => void> {
+export default async function setup(): Promise<() => Promise<void>> {
   for (const service of Object.values(services)) {
     if (service.url) continue;
     if (process.env.CI) {
@@ -46,5 +48,10 @@ export default async function setup(): Promise<() => void> {
     }
   }
   await preparePglite(process.cwd());
-  return buildPrograms(process.cwd());
+  const dropTemplate = services.postgres.url ? await prepareTemplate(services.postgres.url) : undefined;
+  const removePrograms = buildPrograms(process.cwd());
+  return async () => {
+    removePrograms();
+    await dropTemplate?.();
+  };
 }

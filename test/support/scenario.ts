@@ -1,7 +1,6 @@
 import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
-import { migrate } from '../../src/migrate.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from './databases.js';
 
@@ -11,8 +10,7 @@ import { postgresDatabase, type TestDatabase } from './databases.js';
  * counter that workers raise while inside a critical section.
  */
 export async function scenarioDatabase(): Promise<TestDatabase> {
-  const test = await postgresDatabase();
-  await migrate(test.db);
+  const test = await postgresDatabase({ migrated: true });
   await test.db.execute(
     sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
   );

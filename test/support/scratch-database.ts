@@ -16,12 +16,21 @@ export interface ScratchDatabase {
   keep(): Promise<void>;
 }
 
-/** Creates `<prefix>_<random>` on the server of `baseUrl`. Does not migrate it. */
-export async function createScratchDatabase(baseUrl: string, prefix = 'palisade_t'): Promise<ScratchDatabase> {
+/**
+ * Creates `<prefix>_<random>` on the server of `baseUrl`: empty, or a copy of the database `template`
+ * (which no session may be connected to). Does not migrate it.
+ */
+export async function createScratchDatabase(
+  baseUrl: string,
+  prefix = 'palisade_t',
+  template?: string,
+): Promise<ScratchDatabase> {
   const name = `${prefix}_${randomBytes(6).toString('hex')}`;
   const admin = postgres(baseUrl, { max: 1, onnotice: () => {} });
   try {
-    await admin.unsafe(`create database ${name}`);
+    await admin.unsafe(
+      template === undefined ? `create database ${name}` : `create database ${name} template ${template}`,
+    );
   } catch (err) {
     await admin.end({ timeout: 5 });
     throw err;
