@@ -90,6 +90,7 @@ export function isTransaction(db: unknown): boolean {
  * cached on our side (postgres.js still prepares it by text).
  */
 export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
+  assertNoSavepointOpen(db);
   try {
     return rowsOf(await db.execute(query));
   } catch (err) {
@@ -97,8 +98,41 @@ export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
   }
 }
 
-/** Runs `fn` in a transaction (a savepoint when `db` already is one). */
+// The transactions on which one of palisade's savepoints is open, by the object it was opened through. A
+// transaction is one session: a statement another call sends through that object meanwhile runs inside the
+// savepoint, and a rollback to it (its function threw, its write was refused) undoes that statement after
+// its call reported it applied. Statements of the savepoint go through the savepoint's own object.
+const savepointOpen = new WeakSet<Database>();
+
+/**
+ * @internal Refuses a statement of palisade's sent through `db` while one of palisade's savepoints is open
+ * on it: a call that overlaps another on the same transaction (README, "Fenced transactions").
+ * @throws {InvalidArgumentError}
+ */
+export function assertNoSavepointOpen(db: Database): void {
+  if (savepointOpen.has(db)) {
+    throw new InvalidArgumentError(
+      "a call on a transaction overlapped another call's savepoint on it (a modify, a lock-scoped write, a nested fencedTransaction): run calls on one transaction one after another",
+    );
+  }
+}
+
+/**
+ * Runs `fn` in a transaction (a savepoint when `db` already is one; refused
+ * with {@link InvalidArgumentError} while another of palisade's is open on it).
+ */
 export async function transaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
+  if (!isTransaction(db)) return inTransaction(db, fn);
+  assertNoSavepointOpen(db);
+  savepointOpen.add(db);
+  try {
+    return await inTransaction(db, fn);
+  } finally {
+    savepointOpen.delete(db);
+  }
+}
+
+async function inTransaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
   try {
     // A connection the server closes inside the transaction must not end the process: see lost-connection.ts.
     const sessionOf = (d: Database) => internals(d).session as unknown as { client: unknown };

@@ -8,7 +8,15 @@
 import { createHash } from 'node:crypto';
 import { entityKind, is, Param, Placeholder, type SQL } from 'drizzle-orm';
 import type { PgDialect, PgPreparedQuery, PgSession } from 'drizzle-orm/pg-core';
-import { affectedOf, type Database, internals, type RawRow, rowsOf, translateError } from './driver.js';
+import {
+  affectedOf,
+  assertNoSavepointOpen,
+  type Database,
+  internals,
+  type RawRow,
+  rowsOf,
+  translateError,
+} from './driver.js';
 import { DriverError } from './errors.js';
 
 /**
@@ -67,6 +75,7 @@ function compiledOf(dialect: PgDialect, key: string, build: () => SQL): Compiled
  * compiled for this call only.
  */
 export function prepared(db: Database, key: string | undefined, build: () => SQL): Prepared {
+  assertNoSavepointOpen(db);
   const { session, dialect } = internals(db);
   let cache = preparedBySession.get(session);
   if (!cache) {

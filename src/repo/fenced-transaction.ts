@@ -79,7 +79,9 @@ const DEFAULT_IDLE_MS = 60_000;
  *
  * @throws {LockScopeError} for a lease without `lock`; {@link FenceNotIssuedError}
  * for a fence its lock's grants never issued; `LeaseLostError` when a lease's
- * signal is already aborted (before any query) or aborts while `fn` runs.
+ * signal is already aborted (before any query) or aborts while `fn` runs;
+ * `InvalidArgumentError` when `db` is a transaction on which another call's
+ * savepoint is open (its own savepoint then refuses overlapping calls too).
  */
 export async function fencedTransaction<R>(
   db: Database,

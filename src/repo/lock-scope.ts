@@ -199,7 +199,7 @@ export async function claimLockWithin(
 
 /**
  * Runs `run` in a transaction (a savepoint inside one) that first claims
- * `lock` for `fence`; when a higher fence claimed it, `refused(register)`
+ * `lock` for `fence`; when a higher fence claimed it, `refused(register, tx)`
  * instead, and nothing is written. `callerRuns`: `run` runs the caller's
  * code (a `modify`'s function), so a transaction of its own — not a
  * savepoint, not PGlite — is stopped if the holder's signal aborts while it
@@ -210,7 +210,7 @@ export async function inClaim<R>(
   scope: LockScope,
   fence: Fence,
   run: (tx: Database) => Promise<R>,
-  refused: (registered: Fence) => R | Promise<R>,
+  refused: (registered: Fence, tx: Database) => R | Promise<R>,
   callerRuns = false,
 ): Promise<R> {
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
@@ -219,7 +219,7 @@ export async function inClaim<R>(
     return await transaction(on, async (tx) => {
       const { registered, session } = await claimLockBounded(tx, scope.lock, fence, scope.idleMs());
       noteBounded(tx, scope.lock);
-      if (registered !== fence) return refused(registered);
+      if (registered !== fence) return refused(registered, tx);
       if (callerRuns) stopper = stopOnAbort(on, tx, session, [scope.signal], lost);
       let value: R;
       try {

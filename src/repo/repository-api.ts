@@ -121,7 +121,11 @@ export interface FencedRepository<T extends FencedTable> {
    * every repository on the same `db` (this one included) joins it too. The
    * outer `db` used directly would wait behind the transaction — forever on
    * PGlite or a pool of one connection. An error thrown by `fn` rolls back
-   * and comes out as thrown.
+   * and comes out as thrown. On a transaction it opens a savepoint: a call
+   * that overlaps it on the same transaction (not made inside `fn`) is
+   * refused with `InvalidArgumentError` before it sends anything, and so is
+   * this call while another's savepoint is open there (README, "Fenced
+   * transactions").
    */
   modify(
     key: KeyOf<T>,

@@ -240,9 +240,9 @@ export function fencedRepository<T extends FencedTable>(
         };
         if (scope === undefined) return batch(on(db));
         // Refused by the register: every live row the condition matches counts as stale.
-        return inClaim(on(db), scope, fence, batch, async () => {
+        return inClaim(on(db), scope, fence, batch, async (_registered, tx) => {
           const [row] = await execute(
-            on(db),
+            tx,
             sql`select count(*) as n from ${t} where (${where}) and ${isNull(t.deletedAt)}`,
           );
           return { applied: 0, stale: count(row?.n) };

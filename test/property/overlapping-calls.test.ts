@@ -1,0 +1,213 @@
+/**
+ * Calls that overlap on one transaction (README, "Fenced transactions"),
+ * searched on PGlite, postgres.js and a node-postgres pool: each run starts
+ * a few calls at once on one transaction — your own (`db.transaction`) or a
+ * fenced transaction — each a few microtasks after the last, each writing a
+ * row of its own: row-scoped updates, lock-scoped updates, `modify`s whose
+ * function returns a patch or throws. A transaction is one session, so a
+ * statement of one call sent while another call's savepoint is open runs
+ * inside that savepoint, and a rollback to it would undo the statement after
+ * its call reported `applied`. The promise checked, after the transaction
+ * commits: every call that reported `applied` has its row written, and
+ * every other call left its row as it was. palisade refuses a call that
+ * would run inside another's savepoint with `InvalidArgumentError`, before
+ * it sends anything.
+ */
+import { fc, test } from '@fast-check/vitest';
+import { sql } from 'drizzle-orm';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { type Database, execute } from '../../src/driver.js';
+import { InvalidArgumentError } from '../../src/errors.js';
+import { type Fence, toFence } from '../../src/fencing/fence.js';
+import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
+import { needs } from '../support/services.js';
+import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
+
+const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+const CALLS = 5;
+const fence = toFence(5n) as Fence;
+
+type Kind = 'update' | 'lock-scoped update' | 'modify' | 'modify that throws';
+interface Call {
+  readonly kind: Kind;
+  /** Microtasks between the previous call's start and this one's. */
+  readonly ticks: number;
+}
+const callArb: fc.Arbitrary<Call> = fc.record({
+  kind: fc.constantFrom<Kind>('update', 'lock-scoped update', 'modify', 'modify that throws'),
+  ticks: fc.integer({ min: 0, max: 4 }),
+});
+
+class Thrown extends Error {}
+
+// Not a single node-postgres Client: its transactions run on the database's own session, so a call made
+// on the database outside the transaction would be one more overlapping call.
+const drivers = everyTransactionDriver.filter((d) => d.name !== 'a single node-postgres Client');
+
+for (const { name, open, real } of drivers) {
+  describe.runIf(!real || needs('DATABASE_URL'))(`${name}: calls that overlap on one transaction`, () => {
+    let t: TestDatabase | undefined;
+    let run = 0;
+    beforeAll(async () => {
+      t = await open({ migrated: true });
+      await execute(
+        t.db,
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await execute(
+        t.db,
+        sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${CALLS}) g`,
+      );
+    }, 120_000);
+    afterAll(async () => {
+      await t?.close();
+    });
+
+    /** A holder of a lock of its own (claimed lazily, as a Redis lock's is) at `fence`. */
+    const holder = () => ({
+      fence,
+      signal: new AbortController().signal,
+      lock: Object.freeze({ kind: 'redis', source: 'overlap-test', namespace: 'test', name: `L${++run}` }),
+    });
+
+    /** Starts `calls` on `on` (each on row i + 1), a few microtasks apart; their outcomes, once all settled. */
+    async function overlap(on: Database, calls: readonly Call[], lease: ReturnType<typeof holder>) {
+      const repo = fencedRepository(on, resource, { sameFence: 'allow' });
+      const started: Promise<unknown>[] = [];
+      for (const [i, call] of calls.entries()) {
+        for (let k = 0; k < call.ticks; k++) await null;
+        const id = i + 1;
+        const value = `call ${id}`;
+        if (call.kind === 'update') started.push(repo.update({ id }, fence, { value }));
+        else if (call.kind === 'lock-scoped update') started.push(repo.with(lease).update({ id }, { value }));
+        else
+          started.push(
+            repo.modify({ id }, fence, async () => {
+              await null;
+              if (call.kind === 'modify that throws') throw new Thrown('the function threw');
+              return { value };
+            }),
+          );
+      }
+      return Promise.allSettled(started);
+    }
+
+    async function check(calls: readonly Call[], outcomes: PromiseSettledResult<unknown>[], committed: boolean) {
+      const rows = await execute((t as TestDatabase).db, sql`select id, value from resource order by id`);
+      const visible = new Map(rows.map((r) => [Number(r.id), String(r.value)]));
+      for (const [i, outcome] of outcomes.entries()) {
+        const id = i + 1;
+        const applied = outcome.status === 'fulfilled' && (outcome.value as { status?: unknown }).status === 'applied';
+        const expected = applied && committed ? `call ${id}` : 'initial';
+        if (visible.get(id) !== expected) {
+          throw new Error(
+            `${(calls[i] as Call).kind} on row ${id}: reported ${applied ? 'applied' : 'not applied'}, row holds ${visible.get(id)}`,
+          );
+        }
+        if (outcome.status === 'rejected') {
+          const err = outcome.reason as unknown;
+          if (!(err instanceof InvalidArgumentError || err instanceof Thrown)) throw err;
+        }
+      }
+    }
+
+    const reset = () => execute((t as TestDatabase).db, sql`update resource set value = 'initial', last_fence = 0`);
+
+    test.prop([fc.array(callArb, { minLength: 2, maxLength: CALLS })], propertyParams({ numRuns: propertyRuns(100) }))(
+      "in the caller's own transaction: applied means written, anything else left the row as it was",
+      async (calls) => {
+        await reset();
+        const db = (t as TestDatabase).db;
+        let outcomes: PromiseSettledResult<unknown>[] = [];
+        const lease = holder();
+        await db.transaction(async (tx) => {
+          outcomes = await overlap(tx as unknown as Database, calls, lease);
+        });
+        await check(calls, outcomes, true);
+      },
+      propertyTimeout(200_000),
+    );
+
+    test.prop([fc.array(callArb, { minLength: 2, maxLength: CALLS })], propertyParams({ numRuns: propertyRuns(100) }))(
+      'in a fenced transaction: applied means written, anything else left the row as it was',
+      async (calls) => {
+        await reset();
+        const db = (t as TestDatabase).db;
+        let outcomes: PromiseSettledResult<unknown>[] = [];
+        const lease = holder();
+        // The repository is on `db`: inside the fenced transaction its calls join it.
+        const result = await fencedTransaction(db, lease, async () => {
+          outcomes = await overlap(db, calls, lease);
+        });
+        await check(calls, outcomes, result.status === 'applied');
+      },
+      propertyTimeout(200_000),
+    );
+
+    it('a modify whose function throws beside an update: the update is refused, not reported applied and undone', async () => {
+      await reset();
+      const db = (t as TestDatabase).db;
+      const outcomes = await db.transaction(async (tx) =>
+        overlap(
+          tx as unknown as Database,
+          [
+            { kind: 'modify that throws', ticks: 0 },
+            { kind: 'update', ticks: 0 },
+          ],
+          holder(),
+        ),
+      );
+      expect(outcomes[0]).toMatchObject({ status: 'rejected', reason: expect.any(Thrown) });
+      expect(outcomes[1]).toMatchObject({ status: 'rejected', reason: expect.any(InvalidArgumentError) });
+      const rows = await execute(db, sql`select value from resource where id in (1, 2) order by id`);
+      expect(rows.map((r) => r.value)).toEqual(['initial', 'initial']);
+    });
+
+    it("lock-scoped updates overlapping in the caller's transaction after claimLockRegister all apply (no savepoint)", async () => {
+      await reset();
+      const db = (t as TestDatabase).db;
+      const lease = holder();
+      const statuses = await db.transaction(async (tx) => {
+        const on = tx as unknown as Database;
+        expect(await claimLockRegister(on, lease)).toEqual({ status: 'claimed' });
+        const repo = fencedRepository(on, resource, { sameFence: 'allow' });
+        const all = await Promise.all(
+          [1, 2, 3, 4].map((id) => repo.with(lease).update({ id }, { value: `lock ${id}` })),
+        );
+        return all.map((r) => r.status);
+      });
+      expect(statuses).toEqual(['applied', 'applied', 'applied', 'applied']);
+      const rows = await execute(db, sql`select value from resource where id <= 4 order by id`);
+      expect(rows.map((r) => r.value)).toEqual(['lock 1', 'lock 2', 'lock 3', 'lock 4']);
+    });
+
+    it('calls one after another on one transaction, and overlapping updates without a savepoint, all apply', async () => {
+      await reset();
+      const db = (t as TestDatabase).db;
+      const repo = (tx: Database) => fencedRepository(tx, resource, { sameFence: 'allow' });
+      await db.transaction(async (tx) => {
+        const r = repo(tx as unknown as Database);
+        expect(await r.modify({ id: 1 }, fence, async () => ({ value: 'one' }))).toMatchObject({ status: 'applied' });
+        const both = await Promise.all([
+          r.update({ id: 2 }, fence, { value: 'two' }),
+          r.update({ id: 3 }, fence, { value: 'three' }),
+        ]);
+        expect(both.map((b) => b.status)).toEqual(['applied', 'applied']);
+        // Inside a modify's function, a repository on the same transaction joins the savepoint.
+        expect(
+          await r.modify({ id: 4 }, fence, async () => {
+            expect(await r.update({ id: 5 }, fence, { value: 'five' })).toMatchObject({ status: 'applied' });
+            return { value: 'four' };
+          }),
+        ).toMatchObject({ status: 'applied' });
+      });
+      const rows = await execute(db, sql`select value from resource order by id`);
+      expect(rows.map((r) => r.value)).toEqual(['one', 'two', 'three', 'four', 'five']);
+    });
+  });
+}
