@@ -25,6 +25,7 @@ import {
   heardTransaction,
   refuseStatements as refuseOn,
 } from './lost-connection.js';
+import { assertMaySend, opening } from './overlap.js';
 import { describeServerError, originalError, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
@@ -90,7 +91,7 @@ export function isTransaction(db: unknown): boolean {
  * cached on our side (postgres.js still prepares it by text).
  */
 export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
-  assertNoSavepointOpen(db);
+  assertMaySend(db);
   try {
     return rowsOf(await db.execute(query));
   } catch (err) {
@@ -98,37 +99,24 @@ export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
   }
 }
 
-// The transactions on which one of palisade's savepoints is open, by the object it was opened through. A
-// transaction is one session: a statement another call sends through that object meanwhile runs inside the
-// savepoint, and a rollback to it (its function threw, its write was refused) undoes that statement after
-// its call reported it applied. Statements of the savepoint go through the savepoint's own object.
-const savepointOpen = new WeakSet<Database>();
-
-/**
- * @internal Refuses a statement of palisade's sent through `db` while one of palisade's savepoints is open
- * on it: a call that overlaps another on the same transaction (README, "Fenced transactions").
- * @throws {InvalidArgumentError}
- */
-export function assertNoSavepointOpen(db: Database): void {
-  if (savepointOpen.has(db)) {
-    throw new InvalidArgumentError(
-      "a call on a transaction overlapped another call's savepoint on it (a modify, a lock-scoped write, a nested fencedTransaction): run calls on one transaction one after another",
-    );
-  }
-}
-
 /**
  * Runs `fn` in a transaction (a savepoint when `db` already is one; refused
- * with {@link InvalidArgumentError} while another of palisade's is open on it).
+ * with {@link InvalidArgumentError} while another of palisade's is open on it,
+ * and after `db` ended). Calls through `fn`'s transaction after it ended are
+ * refused too.
  */
 export async function transaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
-  if (!isTransaction(db)) return inTransaction(db, fn);
-  assertNoSavepointOpen(db);
-  savepointOpen.add(db);
+  const use = opening(db, isTransaction(db));
   try {
-    return await inTransaction(db, fn);
+    return await inTransaction(db, (tx) => {
+      const settled = fn(tx);
+      // Noted as a reaction of its own, registered before the driver's: the driver's wait is not lengthened.
+      const ended = () => use.ended(tx);
+      settled.then(ended, ended);
+      return settled;
+    });
   } finally {
-    savepointOpen.delete(db);
+    use.closed();
   }
 }
 

@@ -8,16 +8,9 @@
 import { createHash } from 'node:crypto';
 import { entityKind, is, Param, Placeholder, type SQL } from 'drizzle-orm';
 import type { PgDialect, PgPreparedQuery, PgSession } from 'drizzle-orm/pg-core';
-import {
-  affectedOf,
-  assertNoSavepointOpen,
-  type Database,
-  internals,
-  type RawRow,
-  rowsOf,
-  translateError,
-} from './driver.js';
+import { affectedOf, type Database, internals, type RawRow, rowsOf, translateError } from './driver.js';
 import { DriverError } from './errors.js';
+import { assertMaySend } from './overlap.js';
 
 /**
  * The server-side name of a prepared statement: short (Postgres truncates
@@ -75,7 +68,7 @@ function compiledOf(dialect: PgDialect, key: string, build: () => SQL): Compiled
  * compiled for this call only.
  */
 export function prepared(db: Database, key: string | undefined, build: () => SQL): Prepared {
-  assertNoSavepointOpen(db);
+  assertMaySend(db);
   const { session, dialect } = internals(db);
   let cache = preparedBySession.get(session);
   if (!cache) {

@@ -118,7 +118,7 @@ export async function fencedTransaction<R>(
       const refusals: Refusal[] = [];
       let value: R;
       try {
-        value = await joining(db, tx, refusals, () => callerCode(() => fn(tx)));
+        value = await joining(db, tx, refusals, () => callerCode(() => fn(tx)), parent);
       } finally {
         stopper?.disarm();
       }

@@ -24,11 +24,24 @@ interface Scope {
 
 const scope = new AsyncLocalStorage<Scope>();
 
-/** Runs `fn` with repositories on `db` joining `tx`; `refusals` collects the refused writes of a fenced transaction. */
-export function joining<R>(db: Database, tx: Database, refusals: Refusal[] | undefined, fn: () => R): R {
+/**
+ * Runs `fn` with repositories on `db` joining `tx`; `refusals` collects the refused writes of a fenced
+ * transaction. `via`: what `tx` was opened through (`on(db)`, or another name of the same session): it,
+ * and every name that led to it, lead to `tx` inside `fn` — one session, one way in, so that no call
+ * inside goes around `tx`'s savepoint.
+ */
+export function joining<R>(
+  db: Database,
+  tx: Database,
+  refusals: Refusal[] | undefined,
+  fn: () => R,
+  via: Database = db,
+): R {
   const outer = scope.getStore();
-  const transactions = new Map(outer?.transactions ?? []);
+  const transactions = new Map<Database, Database>();
+  for (const [name, joined] of outer?.transactions ?? []) transactions.set(name, joined === via ? tx : joined);
   transactions.set(db, tx);
+  transactions.set(via, tx);
   return scope.run({ transactions, refusals: refusals ?? outer?.refusals }, fn);
 }
 

@@ -11,6 +11,7 @@ import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.j
 import { prepared } from '../prepared.js';
 import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
+import { on } from './joined.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
 import { registerTag } from './register-key.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
@@ -323,7 +324,9 @@ export function returningOf(options: unknown): Returning {
  * it holds the register row until that ends, and bounds the transaction's
  * idle time to the holder's TTL left (as a lock-scoped write does). Waits
  * for a register row another transaction holds as long as the session's
- * `lock_timeout` allows (by default, until that transaction ends).
+ * `lock_timeout` allows (by default, until that transaction ends). Inside
+ * a `modify`'s function or a fenced transaction opened on `db`, it runs in
+ * that transaction, as a repository on `db` does.
  * @throws {LockScopeError} for a holder without `lock`; {@link FenceNotIssuedError}
  * for a fence above the latest grant of a lock whose grants claim on `db`.
  */
@@ -336,8 +339,10 @@ export async function claimLockRegister(
   if (holder.lock === undefined || holder.lock === null) {
     throw new LockScopeError('claimLockRegister needs a holder with a lock (every built-in lease has one)');
   }
+  // Inside a modify's function or a fenced transaction on `db`, it joins that transaction, as a repository does.
+  const target = on(db);
   // In a transaction the claim holds the register row until it ends: bounded like a fenced transaction's.
-  const idle = isTransaction(db) ? idleBound(holder as { readonly expiresAt?: unknown }) : undefined;
-  const registered = await claimLock(db, checkLockIdentity(holder.lock), fence, idle);
+  const idle = isTransaction(target) ? idleBound(holder as { readonly expiresAt?: unknown }) : undefined;
+  const registered = await claimLock(target, checkLockIdentity(holder.lock), fence, idle);
   return registered === fence ? { status: 'claimed' } : { status: 'stale', currentFence: registered };
 }

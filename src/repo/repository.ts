@@ -269,7 +269,7 @@ export function fencedRepository<T extends FencedTable>(
       // transaction: on PGlite, or a pool of one, the outer db would wait behind it forever.
       // The caller's own error (say, "insufficient funds") rolls back every transaction around it
       // and comes out of modify as it was thrown, not dressed as a DatabaseError.
-      const patch = await joining(db, tx, undefined, () => callerCode(() => fn(locked, tx)));
+      const patch = await joining(db, tx, undefined, () => callerCode(() => fn(locked, tx)), on);
       return update(tx, keyIn, fence, patch, 'row');
     });
   }

@@ -37,11 +37,25 @@ interface Call {
   readonly kind: Kind;
   /** Microtasks between the previous call's start and this one's. */
   readonly ticks: number;
+  /**
+   * For a modify: its function starts an update of another row this many microtasks on and does not await
+   * it (it may run inside the savepoint, or after the modify ended); `null`: it starts none.
+   */
+  readonly leak: number | null;
 }
 const callArb: fc.Arbitrary<Call> = fc.record({
   kind: fc.constantFrom<Kind>('update', 'lock-scoped update', 'modify', 'modify that throws'),
   ticks: fc.integer({ min: 0, max: 4 }),
+  leak: fc.option(fc.integer({ min: 0, max: 8 })),
 });
+
+/** A call's outcome, the row it writes, and the modify whose function started it (if one did). */
+interface Started {
+  readonly row: number;
+  readonly what: string;
+  readonly outcome: Promise<unknown>;
+  readonly inside?: number;
+}
 
 class Thrown extends Error {}
 
@@ -61,7 +75,7 @@ for (const { name, open, real } of drivers) {
       );
       await execute(
         t.db,
-        sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${CALLS}) g`,
+        sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${2 * CALLS}) g`,
       );
     }, 120_000);
     afterAll(async () => {
@@ -75,42 +89,65 @@ for (const { name, open, real } of drivers) {
       lock: Object.freeze({ kind: 'redis', source: 'overlap-test', namespace: 'test', name: `L${++run}` }),
     });
 
-    /** Starts `calls` on `on` (each on row i + 1), a few microtasks apart; their outcomes, once all settled. */
+    /**
+     * Starts `calls` on `on` (call i on row i + 1; an update its function leaves running on row
+     * CALLS + i + 1), a few microtasks apart; each call, once all settled.
+     */
     async function overlap(on: Database, calls: readonly Call[], lease: ReturnType<typeof holder>) {
       const repo = fencedRepository(on, resource, { sameFence: 'allow' });
-      const started: Promise<unknown>[] = [];
+      const started: Started[] = [];
       for (const [i, call] of calls.entries()) {
         for (let k = 0; k < call.ticks; k++) await null;
-        const id = i + 1;
-        const value = `call ${id}`;
-        if (call.kind === 'update') started.push(repo.update({ id }, fence, { value }));
-        else if (call.kind === 'lock-scoped update') started.push(repo.with(lease).update({ id }, { value }));
-        else
-          started.push(
-            repo.modify({ id }, fence, async () => {
-              await null;
-              if (call.kind === 'modify that throws') throw new Thrown('the function threw');
-              return { value };
-            }),
-          );
+        const row = i + 1;
+        const value = `call ${row}`;
+        if (call.kind === 'update')
+          started.push({ row, what: call.kind, outcome: repo.update({ id: row }, fence, { value }) });
+        else if (call.kind === 'lock-scoped update')
+          started.push({ row, what: call.kind, outcome: repo.with(lease).update({ id: row }, { value }) });
+        else {
+          const outcome = repo.modify({ id: row }, fence, async () => {
+            const { leak } = call;
+            if (leak !== null) {
+              const id = CALLS + row;
+              const left = (async () => {
+                for (let k = 0; k < leak; k++) await null;
+                return repo.update({ id }, fence, { value: `call ${id}` });
+              })();
+              left.catch(() => {}); // read once every call settled
+              started.push({ row: id, what: 'an update a modify left running', outcome: left, inside: row });
+            }
+            await null;
+            if (call.kind === 'modify that throws') throw new Thrown('the function threw');
+            return { value };
+          });
+          started.push({ row, what: call.kind, outcome });
+        }
       }
-      return Promise.allSettled(started);
+      // Once the calls settled, every update a function left running has been started too.
+      await Promise.allSettled(started.map((c) => c.outcome));
+      const settled = await Promise.allSettled(started.map((c) => c.outcome));
+      return started.map((c, i) => ({ ...c, settled: settled[i] as PromiseSettledResult<unknown> }));
     }
 
-    async function check(calls: readonly Call[], outcomes: PromiseSettledResult<unknown>[], committed: boolean) {
+    const appliedIn = (r: PromiseSettledResult<unknown>) =>
+      r.status === 'fulfilled' && (r.value as { status?: unknown }).status === 'applied';
+
+    // What a call inside a modify's function writes is part of that modify: it stays only if the modify applied.
+    async function check(started: Awaited<ReturnType<typeof overlap>>, committed: boolean) {
       const rows = await execute((t as TestDatabase).db, sql`select id, value from resource order by id`);
       const visible = new Map(rows.map((r) => [Number(r.id), String(r.value)]));
-      for (const [i, outcome] of outcomes.entries()) {
-        const id = i + 1;
-        const applied = outcome.status === 'fulfilled' && (outcome.value as { status?: unknown }).status === 'applied';
-        const expected = applied && committed ? `call ${id}` : 'initial';
-        if (visible.get(id) !== expected) {
+      const byRow = new Map(started.map((c) => [c.row, c]));
+      for (const c of started) {
+        const applied = appliedIn(c.settled);
+        const parent = c.inside === undefined ? true : appliedIn((byRow.get(c.inside) as typeof c).settled);
+        const expected = applied && parent && committed ? `call ${c.row}` : 'initial';
+        if (visible.get(c.row) !== expected) {
           throw new Error(
-            `${(calls[i] as Call).kind} on row ${id}: reported ${applied ? 'applied' : 'not applied'}, row holds ${visible.get(id)}`,
+            `${c.what} on row ${c.row}: reported ${applied ? 'applied' : 'not applied'}, row holds ${visible.get(c.row)}`,
           );
         }
-        if (outcome.status === 'rejected') {
-          const err = outcome.reason as unknown;
+        if (c.settled.status === 'rejected') {
+          const err = c.settled.reason as unknown;
           if (!(err instanceof InvalidArgumentError || err instanceof Thrown)) throw err;
         }
       }
@@ -123,12 +160,12 @@ for (const { name, open, real } of drivers) {
       async (calls) => {
         await reset();
         const db = (t as TestDatabase).db;
-        let outcomes: PromiseSettledResult<unknown>[] = [];
+        let started: Awaited<ReturnType<typeof overlap>> = [];
         const lease = holder();
         await db.transaction(async (tx) => {
-          outcomes = await overlap(tx as unknown as Database, calls, lease);
+          started = await overlap(tx as unknown as Database, calls, lease);
         });
-        await check(calls, outcomes, true);
+        await check(started, true);
       },
       propertyTimeout(200_000),
     );
@@ -138,13 +175,13 @@ for (const { name, open, real } of drivers) {
       async (calls) => {
         await reset();
         const db = (t as TestDatabase).db;
-        let outcomes: PromiseSettledResult<unknown>[] = [];
+        let started: Awaited<ReturnType<typeof overlap>> = [];
         const lease = holder();
         // The repository is on `db`: inside the fenced transaction its calls join it.
         const result = await fencedTransaction(db, lease, async () => {
-          outcomes = await overlap(db, calls, lease);
+          started = await overlap(db, calls, lease);
         });
-        await check(calls, outcomes, result.status === 'applied');
+        await check(started, result.status === 'applied');
       },
       propertyTimeout(200_000),
     );
@@ -152,20 +189,93 @@ for (const { name, open, real } of drivers) {
     it('a modify whose function throws beside an update: the update is refused, not reported applied and undone', async () => {
       await reset();
       const db = (t as TestDatabase).db;
-      const outcomes = await db.transaction(async (tx) =>
+      const calls = await db.transaction(async (tx) =>
         overlap(
           tx as unknown as Database,
           [
-            { kind: 'modify that throws', ticks: 0 },
-            { kind: 'update', ticks: 0 },
+            { kind: 'modify that throws', ticks: 0, leak: null },
+            { kind: 'update', ticks: 0, leak: null },
           ],
           holder(),
         ),
       );
-      expect(outcomes[0]).toMatchObject({ status: 'rejected', reason: expect.any(Thrown) });
-      expect(outcomes[1]).toMatchObject({ status: 'rejected', reason: expect.any(InvalidArgumentError) });
+      expect(calls.map((c) => c.settled)).toMatchObject([
+        { status: 'rejected', reason: expect.any(Thrown) },
+        { status: 'rejected', reason: expect.any(InvalidArgumentError) },
+      ]);
       const rows = await execute(db, sql`select value from resource where id in (1, 2) order by id`);
       expect(rows.map((r) => r.value)).toEqual(['initial', 'initial']);
+    });
+
+    it('an update a modify left running, once the modify ended, is refused rather than run inside the next savepoint', async () => {
+      await reset();
+      const db = (t as TestDatabase).db;
+      const outcomes = await db.transaction(async (tx) => {
+        const repo = fencedRepository(tx as unknown as Database, resource, { sameFence: 'allow' });
+        let left: Promise<unknown> = Promise.resolve();
+        let go = () => {};
+        const gate = new Promise<void>((resolve) => {
+          go = resolve;
+        });
+        const first = await repo.modify({ id: 1 }, fence, async () => {
+          left = gate.then(() => repo.update({ id: 2 }, fence, { value: 'left running' }));
+          return { value: 'first' };
+        });
+        const second = repo.modify({ id: 3 }, fence, async () => {
+          go();
+          await new Promise((resolve) => setTimeout(resolve, 50));
+          throw new Thrown('the function threw');
+        });
+        return [first, ...(await Promise.allSettled([left, second]))];
+      });
+      expect(outcomes).toMatchObject([
+        { status: 'applied' },
+        { status: 'rejected', reason: expect.any(InvalidArgumentError) },
+        { status: 'rejected', reason: expect.any(Thrown) },
+      ]);
+      const rows = await execute(db, sql`select value from resource where id <= 3 order by id`);
+      expect(rows.map((r) => r.value)).toEqual(['first', 'initial', 'initial']);
+    });
+
+    it('inside a fenced transaction, calls through the database and through its transaction join a savepoint alike', async () => {
+      await reset();
+      const db = (t as TestDatabase).db;
+      const lease = holder();
+      const onDb = fencedRepository(db, resource, { sameFence: 'allow' });
+      const result = await fencedTransaction(db, lease, async (ftx) => {
+        const onTx = fencedRepository(ftx, resource, { sameFence: 'allow' });
+        const statuses: unknown[] = [];
+        // A modify through one name, a write through the other inside its function; both orders.
+        statuses.push(
+          (
+            await onDb.modify({ id: 1 }, fence, async () => {
+              statuses.push((await onTx.update({ id: 2 }, fence, { value: 'b' })).status);
+              statuses.push(await claimLockRegister(ftx, holder()));
+              return { value: 'a' };
+            })
+          ).status,
+        );
+        statuses.push(
+          (
+            await onTx.modify({ id: 3 }, fence, async () => {
+              statuses.push((await onDb.update({ id: 4 }, fence, { value: 'd' })).status);
+              return { value: 'c' };
+            })
+          ).status,
+        );
+        // A nested fenced transaction opened through either name, written through the other.
+        const nested = await fencedTransaction(ftx, holder(), async () =>
+          onDb.update({ id: 5 }, fence, { value: 'e' }),
+        );
+        statuses.push(nested.status);
+        return statuses;
+      });
+      expect(result).toEqual({
+        status: 'applied',
+        value: ['applied', { status: 'claimed' }, 'applied', 'applied', 'applied', 'applied'],
+      });
+      const rows = await execute(db, sql`select value from resource where id <= 5 order by id`);
+      expect(rows.map((r) => r.value)).toEqual(['a', 'b', 'c', 'd', 'e']);
     });
 
     it("lock-scoped updates overlapping in the caller's transaction after claimLockRegister all apply (no savepoint)", async () => {
@@ -206,7 +316,7 @@ for (const { name, open, real } of drivers) {
           }),
         ).toMatchObject({ status: 'applied' });
       });
-      const rows = await execute(db, sql`select value from resource order by id`);
+      const rows = await execute(db, sql`select value from resource where id <= 5 order by id`);
       expect(rows.map((r) => r.value)).toEqual(['one', 'two', 'three', 'four', 'five']);
     });
   });

@@ -1,0 +1,55 @@
+/**
+ * Calls that overlap on one transaction (README, "Fenced transactions"). A
+ * transaction is one session: a statement one call sends while another
+ * call's savepoint is open runs inside that savepoint, and a rollback to it
+ * (its function threw, its write was refused) undoes the statement after
+ * its call reported it applied. So while one of palisade's savepoints is
+ * open, palisade sends nothing through the object it was opened through;
+ * calls made inside the savepoint's function resolve to the savepoint's own
+ * object (repo/joined.ts). Statements the caller sends itself are not seen.
+ */
+import type { Database } from './driver.js';
+import { InvalidArgumentError } from './errors.js';
+
+// The transactions on which one of palisade's savepoints is open, by the object it was opened through.
+const savepointOpen = new WeakSet<Database>();
+// The transactions and savepoints palisade opened that have ended: a call started inside one's function and
+// left running would send its statements into whatever the session runs next (another call's savepoint, the
+// outer transaction, a pool client lent to someone else).
+const ended = new WeakSet<Database>();
+
+/**
+ * @internal Refuses a statement of palisade's sent through `db` while one of palisade's savepoints is open
+ * on it, or after the transaction or savepoint palisade opened as `db` ended.
+ * @throws {InvalidArgumentError}
+ */
+export function assertMaySend(db: Database): void {
+  if (savepointOpen.has(db)) {
+    throw new InvalidArgumentError(
+      "a call on a transaction overlapped another call's savepoint on it (a modify, a lock-scoped write, a nested fencedTransaction): run calls on one transaction one after another",
+    );
+  }
+  if (ended.has(db)) {
+    throw new InvalidArgumentError(
+      'a call was made on a transaction palisade opened after it ended (started inside its function, not awaited there)',
+    );
+  }
+}
+
+/**
+ * @internal Notes that palisade opens a transaction on `db` (a savepoint when `savepoint`), refused where
+ * {@link assertMaySend} refuses a statement. `ended(tx)` as soon as palisade's function in it settled (before
+ * the driver sends its release, commit or rollback, which a statement left running must not precede or
+ * follow); `closed()` once the driver is done with it.
+ * @throws {InvalidArgumentError}
+ */
+export function opening(db: Database, savepoint: boolean): { ended(tx: Database): void; closed(): void } {
+  assertMaySend(db);
+  if (savepoint) savepointOpen.add(db);
+  return {
+    ended: (tx) => ended.add(tx),
+    closed: () => {
+      if (savepoint) savepointOpen.delete(db);
+    },
+  };
+}
