@@ -109,11 +109,17 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
   const use = opening(db, isTransaction(db));
   try {
     return await inTransaction(db, (tx) => {
-      const settled = fn(tx);
-      // Noted as a reaction of its own, registered before the driver's: the driver's wait is not lengthened.
-      const ended = () => use.ended(tx);
-      settled.then(ended, ended);
-      return settled;
+      use.opened(tx);
+      return fn(tx).then(
+        (value) => {
+          use.ended(tx, false);
+          return value;
+        },
+        (err: unknown) => {
+          use.ended(tx, true);
+          throw err;
+        },
+      );
     });
   } finally {
     use.closed();

@@ -15,8 +15,10 @@ import { InvalidArgumentError } from './errors.js';
 const savepointOpen = new WeakSet<Database>();
 // The transactions and savepoints palisade opened that have ended: a call started inside one's function and
 // left running would send its statements into whatever the session runs next (another call's savepoint, the
-// outer transaction, a pool client lent to someone else).
+// outer transaction, a pool client lent to someone else). A savepoint whose parent ended has ended too.
 const ended = new WeakSet<Database>();
+// Each savepoint palisade opened, to the object it was opened through.
+const parentOf = new WeakMap<Database, Database>();
 
 /**
  * @internal Refuses a statement of palisade's sent through `db` while one of palisade's savepoints is open
@@ -29,25 +31,44 @@ export function assertMaySend(db: Database): void {
       "a call on a transaction overlapped another call's savepoint on it (a modify, a lock-scoped write, a nested fencedTransaction): run calls on one transaction one after another",
     );
   }
-  if (ended.has(db)) {
-    throw new InvalidArgumentError(
-      'a call was made on a transaction palisade opened after it ended (started inside its function, not awaited there)',
-    );
+  for (let at: Database | undefined = db; at !== undefined; at = parentOf.get(at)) {
+    if (ended.has(at)) {
+      throw new InvalidArgumentError(
+        'a call was made on a transaction palisade opened after it ended (started inside its function, not awaited there)',
+      );
+    }
   }
 }
 
 /**
  * @internal Notes that palisade opens a transaction on `db` (a savepoint when `savepoint`), refused where
- * {@link assertMaySend} refuses a statement. `ended(tx)` as soon as palisade's function in it settled (before
- * the driver sends its release, commit or rollback, which a statement left running must not precede or
- * follow); `closed()` once the driver is done with it.
- * @throws {InvalidArgumentError}
+ * {@link assertMaySend} refuses a statement. Then, with the transaction object the driver gives:
+ * `opened(tx)`; `ended(tx)` as soon as palisade's function in it settled (before the driver's release,
+ * commit or rollback, which a statement left running must neither precede nor follow); `closed()` once the
+ * driver is done with it.
+ * @throws {InvalidArgumentError} from `ended` when the function returned (`failed`: it threw) while a
+ * savepoint opened inside `tx` is still open: a call left running past it, whose writes must be committed
+ * neither with the transaction nor after it — it rolls back.
  */
-export function opening(db: Database, savepoint: boolean): { ended(tx: Database): void; closed(): void } {
+export function opening(
+  db: Database,
+  savepoint: boolean,
+): { opened(tx: Database): void; ended(tx: Database, failed: boolean): void; closed(): void } {
   assertMaySend(db);
   if (savepoint) savepointOpen.add(db);
   return {
-    ended: (tx) => ended.add(tx),
+    opened: (tx) => {
+      if (savepoint) parentOf.set(tx, db);
+    },
+    ended: (tx, failed) => {
+      ended.add(tx);
+      // A failed function rolls it back anyway: its own error is the news.
+      if (!failed && savepointOpen.has(tx)) {
+        throw new InvalidArgumentError(
+          'a call started inside the function of a transaction palisade opened was still running when it returned: await every call there',
+        );
+      }
+    },
     closed: () => {
       if (savepoint) savepointOpen.delete(db);
     },

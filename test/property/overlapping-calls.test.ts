@@ -237,6 +237,29 @@ for (const { name, open, real } of drivers) {
       expect(rows.map((r) => r.value)).toEqual(['first', 'initial', 'initial']);
     });
 
+    it("a modify left running past a fenced transaction's function: the transaction is refused and nothing either wrote is visible", async () => {
+      await reset();
+      const db = (t as TestDatabase).db;
+      let left: Promise<unknown> = Promise.resolve();
+      const outcome = await fencedTransaction(db, holder(), async () => {
+        const repo = fencedRepository(db, resource, { sameFence: 'allow' });
+        await repo.update({ id: 3 }, fence, { value: 'in the transaction' });
+        left = repo.modify({ id: 1 }, fence, async () => {
+          await new Promise((resolve) => setTimeout(resolve, 50));
+          await repo.update({ id: 2 }, fence, { value: 'inside the modify' });
+          return { value: 'the modify' };
+        });
+        left.catch(() => {}); // read below
+        await new Promise((resolve) => setTimeout(resolve, 10)); // its savepoint is open; return without it
+      }).catch((err: unknown) => err);
+      expect(outcome).toBeInstanceOf(InvalidArgumentError);
+      const [modify] = await Promise.allSettled([left]);
+      expect(modify?.status).toBe('rejected');
+      await new Promise((resolve) => setTimeout(resolve, 50));
+      const rows = await execute(db, sql`select value from resource where id <= 3 order by id`);
+      expect(rows.map((r) => r.value)).toEqual(['initial', 'initial', 'initial']);
+    });
+
     it('inside a fenced transaction, calls through the database and through its transaction join a savepoint alike', async () => {
       await reset();
       const db = (t as TestDatabase).db;
