@@ -26,13 +26,20 @@ import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 const CALLS = 5;
 const fence = toFence(5n) as Fence;
 
-type Kind = 'update' | 'lock-scoped update' | 'modify' | 'modify that throws';
+type Kind =
+  | 'update'
+  | 'lock-scoped update'
+  | 'modify'
+  | 'modify that throws'
+  | 'nested fenced transaction'
+  | 'nested fenced transaction that throws';
 interface Call {
   readonly kind: Kind;
   /** Microtasks between the previous call's start and this one's. */
@@ -44,7 +51,14 @@ interface Call {
   readonly leak: number | null;
 }
 const callArb: fc.Arbitrary<Call> = fc.record({
-  kind: fc.constantFrom<Kind>('update', 'lock-scoped update', 'modify', 'modify that throws'),
+  kind: fc.constantFrom<Kind>(
+    'update',
+    'lock-scoped update',
+    'modify',
+    'modify that throws',
+    'nested fenced transaction',
+    'nested fenced transaction that throws',
+  ),
   ticks: fc.integer({ min: 0, max: 4 }),
   leak: fc.option(fc.integer({ min: 0, max: 8 })),
 });
@@ -104,7 +118,15 @@ for (const { name, open, real } of drivers) {
           started.push({ row, what: call.kind, outcome: repo.update({ id: row }, fence, { value }) });
         else if (call.kind === 'lock-scoped update')
           started.push({ row, what: call.kind, outcome: repo.with(lease).update({ id: row }, { value }) });
-        else {
+        else if (call.kind === 'nested fenced transaction' || call.kind === 'nested fenced transaction that throws') {
+          // Opened on `on` (a savepoint of it), its write through the same repository, which joins it.
+          const outcome = fencedTransaction(on, holder(), async () => {
+            const written = await repo.update({ id: row }, fence, { value });
+            if (call.kind === 'nested fenced transaction that throws') throw new Thrown('the function threw');
+            return written;
+          });
+          started.push({ row, what: call.kind, outcome });
+        } else {
           const outcome = repo.modify({ id: row }, fence, async () => {
             const { leak } = call;
             if (leak !== null) {
@@ -153,38 +175,42 @@ for (const { name, open, real } of drivers) {
       }
     }
 
-    const reset = () => execute((t as TestDatabase).db, sql`update resource set value = 'initial', last_fence = 0`);
+    const reset = () =>
+      execute((t as TestDatabase).db, sql`update resource set value = 'initial', last_fence = 0, deleted_at = null`);
 
-    test.prop([fc.array(callArb, { minLength: 2, maxLength: CALLS })], propertyParams({ numRuns: propertyRuns(100) }))(
-      "in the caller's own transaction: applied means written, anything else left the row as it was",
-      async (calls) => {
-        await reset();
-        const db = (t as TestDatabase).db;
-        let started: Awaited<ReturnType<typeof overlap>> = [];
-        const lease = holder();
-        await db.transaction(async (tx) => {
-          started = await overlap(tx as unknown as Database, calls, lease);
-        });
-        await check(started, true);
-      },
-      propertyTimeout(200_000),
-    );
-
-    test.prop([fc.array(callArb, { minLength: 2, maxLength: CALLS })], propertyParams({ numRuns: propertyRuns(100) }))(
-      'in a fenced transaction: applied means written, anything else left the row as it was',
-      async (calls) => {
-        await reset();
-        const db = (t as TestDatabase).db;
-        let started: Awaited<ReturnType<typeof overlap>> = [];
-        const lease = holder();
-        // The repository is on `db`: inside the fenced transaction its calls join it.
-        const result = await fencedTransaction(db, lease, async () => {
-          started = await overlap(db, calls, lease);
-        });
-        await check(started, result.status === 'applied');
-      },
-      propertyTimeout(200_000),
-    );
+    // Where the calls overlap: `run` starts them on the transaction; each says whether the transaction committed.
+    const contexts: [string, (db: Database, run: (on: Database) => Promise<void>) => Promise<boolean>][] = [
+      [
+        "in the caller's own transaction",
+        async (db, run) => {
+          await db.transaction((tx) => run(tx as unknown as Database));
+          return true;
+        },
+      ],
+      // The repository is on `db`: inside the fenced transaction its calls join it.
+      [
+        'in a fenced transaction',
+        async (db, run) => (await fencedTransaction(db, holder(), () => run(db))).status === 'applied',
+      ],
+    ];
+    for (const [where, inContext] of contexts) {
+      test.prop(
+        [fc.array(callArb, { minLength: 2, maxLength: CALLS })],
+        propertyParams({ numRuns: propertyRuns(100) }),
+      )(
+        `${where}: applied means written, anything else left the row as it was`,
+        async (calls) => {
+          await reset();
+          let started: Awaited<ReturnType<typeof overlap>> = [];
+          const lease = holder();
+          const committed = await inContext((t as TestDatabase).db, async (on) => {
+            started = await overlap(on, calls, lease);
+          });
+          await check(started, committed);
+        },
+        propertyTimeout(200_000),
+      );
+    }
 
     it('a modify whose function throws beside an update: the update is refused, not reported applied and undone', async () => {
       await reset();
@@ -223,7 +249,7 @@ for (const { name, open, real } of drivers) {
         });
         const second = repo.modify({ id: 3 }, fence, async () => {
           go();
-          await new Promise((resolve) => setTimeout(resolve, 50));
+          await sleep(50);
           throw new Thrown('the function threw');
         });
         return [first, ...(await Promise.allSettled([left, second]))];
@@ -245,17 +271,17 @@ for (const { name, open, real } of drivers) {
         const repo = fencedRepository(db, resource, { sameFence: 'allow' });
         await repo.update({ id: 3 }, fence, { value: 'in the transaction' });
         left = repo.modify({ id: 1 }, fence, async () => {
-          await new Promise((resolve) => setTimeout(resolve, 50));
+          await sleep(50);
           await repo.update({ id: 2 }, fence, { value: 'inside the modify' });
           return { value: 'the modify' };
         });
         left.catch(() => {}); // read below
-        await new Promise((resolve) => setTimeout(resolve, 10)); // its savepoint is open; return without it
+        await sleep(10); // its savepoint is open; return without it
       }).catch((err: unknown) => err);
       expect(outcome).toBeInstanceOf(InvalidArgumentError);
       const [modify] = await Promise.allSettled([left]);
       expect(modify?.status).toBe('rejected');
-      await new Promise((resolve) => setTimeout(resolve, 50));
+      await sleep(50);
       const rows = await execute(db, sql`select value from resource where id <= 3 order by id`);
       expect(rows.map((r) => r.value)).toEqual(['initial', 'initial', 'initial']);
     });
@@ -301,22 +327,54 @@ for (const { name, open, real } of drivers) {
       expect(rows.map((r) => r.value)).toEqual(['a', 'b', 'c', 'd', 'e']);
     });
 
-    it("lock-scoped updates overlapping in the caller's transaction after claimLockRegister all apply (no savepoint)", async () => {
+    // The first of them claims the lock in its own statement (the lease's first lock-scoped write): no savepoint.
+    it("lock-scoped updates and a delete that apply overlap in the caller's transaction, none refused", async () => {
       await reset();
       const db = (t as TestDatabase).db;
       const lease = holder();
       const statuses = await db.transaction(async (tx) => {
-        const on = tx as unknown as Database;
-        expect(await claimLockRegister(on, lease)).toEqual({ status: 'claimed' });
-        const repo = fencedRepository(on, resource, { sameFence: 'allow' });
-        const all = await Promise.all(
-          [1, 2, 3, 4].map((id) => repo.with(lease).update({ id }, { value: `lock ${id}` })),
-        );
+        const repo = fencedRepository(tx as unknown as Database, resource, { sameFence: 'allow' }).with(lease);
+        const all = await Promise.all([
+          ...[1, 2, 3].map((id) => repo.update({ id }, { value: `lock ${id}` })),
+          repo.delete({ id: 4 }),
+        ]);
         return all.map((r) => r.status);
       });
       expect(statuses).toEqual(['applied', 'applied', 'applied', 'applied']);
-      const rows = await execute(db, sql`select value from resource where id <= 4 order by id`);
-      expect(rows.map((r) => r.value)).toEqual(['lock 1', 'lock 2', 'lock 3', 'lock 4']);
+      const rows = await execute(
+        db,
+        sql`select value, deleted_at is not null as deleted from resource where id <= 4 order by id`,
+      );
+      expect(rows.map((r) => [r.value, r.deleted])).toEqual([
+        ['lock 1', false],
+        ['lock 2', false],
+        ['lock 3', false],
+        ['initial', true],
+      ]);
+    });
+
+    it("a get overlapping a modify's savepoint is a read and passes; an update beside it is refused", async () => {
+      await reset();
+      const db = (t as TestDatabase).db;
+      const outcomes = await db.transaction(async (tx) => {
+        const repo = fencedRepository(tx as unknown as Database, resource, { sameFence: 'allow' });
+        let opened = () => {};
+        const inside = new Promise<void>((resolve) => {
+          opened = resolve;
+        });
+        const modify = repo.modify({ id: 1 }, fence, async () => {
+          opened();
+          await sleep(30);
+          return { value: 'modified' };
+        });
+        await inside; // the modify's savepoint is open
+        return Promise.allSettled([repo.get({ id: 2 }), repo.update({ id: 3 }, fence, { value: 'beside' }), modify]);
+      });
+      expect(outcomes).toMatchObject([
+        { status: 'fulfilled', value: { id: 2, value: 'initial' } },
+        { status: 'rejected', reason: expect.any(InvalidArgumentError) },
+        { status: 'fulfilled', value: { status: 'applied' } },
+      ]);
     });
 
     it('calls one after another on one transaction, and overlapping updates without a savepoint, all apply', async () => {
