@@ -108,23 +108,39 @@ export async function execute(db: Database, query: SQL): Promise<RawRow[]> {
 export async function transaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
   const use = opening(db, isTransaction(db));
   try {
-    return await inTransaction(db, (tx) => {
-      use.opened(tx);
-      return fn(tx).then(
-        (value) => {
-          use.ended(tx, false);
-          return value;
-        },
-        (err: unknown) => {
-          use.ended(tx, true);
-          throw err;
-        },
-      );
+    return await new Promise<T>((resolve, reject) => {
+      inTransaction(db, (tx) => {
+        use.opened(tx);
+        return fn(tx).then(
+          (value) => {
+            if (!use.orphaned()) {
+              use.ended(tx, false);
+              return value;
+            }
+            reject(new InvalidArgumentError(ORPHANED));
+            return unsettled();
+          },
+          (err: unknown) => {
+            use.ended(tx, true);
+            if (!use.orphaned()) throw err;
+            reject(err instanceof CallerThrew ? err : translateError(err));
+            return unsettled();
+          },
+        );
+      }).then(resolve, reject);
     });
   } finally {
     use.closed();
   }
 }
+
+const ORPHANED =
+  'a call started inside the function of a transaction palisade opened was still running when that ended: it rolled back with it, and nothing it wrote is kept';
+
+// What a savepoint's function gives the driver once the savepoint went with its parent (overlap.ts,
+// `orphaned`): settling it would make the driver send a RELEASE or ROLLBACK TO. What waits on it is
+// collected with it.
+const unsettled = () => new Promise<never>(() => {});
 
 async function inTransaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
   try {

@@ -31,13 +31,17 @@ export function assertMaySend(db: Database): void {
       "a call on a transaction overlapped another call's savepoint on it (a modify, a lock-scoped write, a nested fencedTransaction): run calls on one transaction one after another",
     );
   }
-  for (let at: Database | undefined = db; at !== undefined; at = parentOf.get(at)) {
-    if (ended.has(at)) {
-      throw new InvalidArgumentError(
-        'a call was made on a transaction palisade opened after it ended (started inside its function, not awaited there)',
-      );
-    }
+  if (hasEnded(db)) {
+    throw new InvalidArgumentError(
+      'a call was made on a transaction palisade opened after it ended (started inside its function, not awaited there)',
+    );
   }
+}
+
+// Whether `db`, or a transaction or savepoint it was opened in, is one palisade opened that has ended.
+function hasEnded(db: Database | undefined): boolean {
+  for (let at = db; at !== undefined; at = parentOf.get(at)) if (ended.has(at)) return true;
+  return false;
 }
 
 /**
@@ -46,6 +50,11 @@ export function assertMaySend(db: Database): void {
  * `opened(tx)`; `ended(tx)` as soon as palisade's function in it settled (before the driver's release,
  * commit or rollback, which a statement left running must neither precede nor follow); `closed()` once the
  * driver is done with it.
+ * `orphaned()` tells, as the function settles, that the transaction the savepoint was opened in ended
+ * first: the savepoint went with its parent's rollback (a savepoint still open when its parent's function
+ * settles rolls the parent back, see `ended`), so its driver must send nothing more for it — a `RELEASE`
+ * or `ROLLBACK TO` would fail, and abort whatever the session runs by then (the caller's transaction going
+ * on past a refused call) or run in it.
  * @throws {InvalidArgumentError} from `ended` when the function returned (`failed`: it threw) while a
  * savepoint opened inside `tx` is still open: a call left running past it, whose writes must be committed
  * neither with the transaction nor after it — it rolls back.
@@ -53,13 +62,14 @@ export function assertMaySend(db: Database): void {
 export function opening(
   db: Database,
   savepoint: boolean,
-): { opened(tx: Database): void; ended(tx: Database, failed: boolean): void; closed(): void } {
+): { opened(tx: Database): void; orphaned(): boolean; ended(tx: Database, failed: boolean): void; closed(): void } {
   assertMaySend(db);
   if (savepoint) savepointOpen.add(db);
   return {
     opened: (tx) => {
       if (savepoint) parentOf.set(tx, db);
     },
+    orphaned: () => savepoint && hasEnded(db),
     ended: (tx, failed) => {
       ended.add(tx);
       // A failed function rolls it back anyway: its own error is the news.

@@ -45,10 +45,16 @@ interface Call {
   /** Microtasks between the previous call's start and this one's. */
   readonly ticks: number;
   /**
-   * For a modify: its function starts an update of another row this many microtasks on and does not await
-   * it (it may run inside the savepoint, or after the modify ended); `null`: it starts none.
+   * For a modify: its function starts a call on another row `ticks` microtasks on and does not await it (it
+   * may run inside the savepoint, or after the modify ended): an update, or a modify whose own function
+   * takes `ms` (a savepoint that may outlive the one it was opened in); `null`: it starts none.
    */
-  readonly leak: number | null;
+  readonly leak: Leak | null;
+}
+interface Leak {
+  readonly kind: 'update' | 'modify' | 'modify that throws';
+  readonly ticks: number;
+  readonly ms: number;
 }
 const callArb: fc.Arbitrary<Call> = fc.record({
   kind: fc.constantFrom<Kind>(
@@ -60,7 +66,13 @@ const callArb: fc.Arbitrary<Call> = fc.record({
     'nested fenced transaction that throws',
   ),
   ticks: fc.integer({ min: 0, max: 4 }),
-  leak: fc.option(fc.integer({ min: 0, max: 8 })),
+  leak: fc.option(
+    fc.record({
+      kind: fc.constantFrom<Leak['kind']>('update', 'modify', 'modify that throws'),
+      ticks: fc.integer({ min: 0, max: 8 }),
+      ms: fc.constantFrom(0, 5, 20),
+    }),
+  ),
 });
 
 /** A call's outcome, the row it writes, and the modify whose function started it (if one did). */
@@ -132,11 +144,16 @@ for (const { name, open, real } of drivers) {
             if (leak !== null) {
               const id = CALLS + row;
               const left = (async () => {
-                for (let k = 0; k < leak; k++) await null;
-                return repo.update({ id }, fence, { value: `call ${id}` });
+                for (let k = 0; k < leak.ticks; k++) await null;
+                if (leak.kind === 'update') return repo.update({ id }, fence, { value: `call ${id}` });
+                return repo.modify({ id }, fence, async () => {
+                  await sleep(leak.ms);
+                  if (leak.kind === 'modify that throws') throw new Thrown('the function threw');
+                  return { value: `call ${id}` };
+                });
               })();
               left.catch(() => {}); // read once every call settled
-              started.push({ row: id, what: 'an update a modify left running', outcome: left, inside: row });
+              started.push({ row: id, what: `a ${leak.kind} a modify left running`, outcome: left, inside: row });
             }
             await null;
             if (call.kind === 'modify that throws') throw new Thrown('the function threw');
@@ -285,6 +302,47 @@ for (const { name, open, real } of drivers) {
       const rows = await execute(db, sql`select value from resource where id <= 3 order by id`);
       expect(rows.map((r) => r.value)).toEqual(['initial', 'initial', 'initial']);
     });
+
+    // The modify left running was refused with its parent, whose rollback took its savepoint; its own
+    // RELEASE or ROLLBACK TO, sent once its function settled, failed (3B001) and aborted the transaction
+    // that went on past the refused call: postgres.js committed nothing and reported `applied`.
+    for (const inner of ['returns', 'throws'] as const) {
+      it(`a modify left running inside a modify, whose function ${inner} after that ended, sends nothing: the transaction that goes on commits`, async () => {
+        await reset();
+        const db = (t as TestDatabase).db;
+        let left: Promise<unknown> = Promise.resolve();
+        const result = await fencedTransaction(db, holder(), async () => {
+          const repo = fencedRepository(db, resource, { sameFence: 'allow' });
+          const before = await repo.update({ id: 1 }, fence, { value: 'before' });
+          const outer = await repo
+            .modify({ id: 2 }, fence, async () => {
+              left = repo.modify({ id: 3 }, fence, async () => {
+                await sleep(50);
+                if (inner === 'throws') throw new Thrown('the function threw');
+                return { value: 'left running' };
+              });
+              left.catch(() => {}); // read below
+              await sleep(5);
+              return { value: 'outer' };
+            })
+            .catch((err: unknown) => err);
+          const [settled] = await Promise.allSettled([left]);
+          const after = await repo.update({ id: 4 }, fence, { value: 'after' });
+          return [before.status, outer, settled, after.status];
+        });
+        expect(result).toMatchObject({
+          status: 'applied',
+          value: [
+            'applied',
+            expect.any(InvalidArgumentError),
+            { status: 'rejected', reason: inner === 'throws' ? expect.any(Thrown) : expect.any(InvalidArgumentError) },
+            'applied',
+          ],
+        });
+        const rows = await execute(db, sql`select value from resource where id <= 4 order by id`);
+        expect(rows.map((r) => r.value)).toEqual(['before', 'initial', 'initial', 'after']);
+      });
+    }
 
     it('inside a fenced transaction, calls through the database and through its transaction join a savepoint alike', async () => {
       await reset();
