@@ -190,7 +190,7 @@ async function claimAll(
     idle: String(idleMs),
     claims,
     // Each lease's register tag (register-key.ts), as a claim of one lock takes it.
-    tags: JSON.stringify(list.map(({ lock }) => registerTag(lock))),
+    tags: JSON.stringify(list.map(({ lock, fence }) => registerTag(lock, fence))),
   });
   const key = (l: LockIdentity, fence: unknown) =>
     JSON.stringify([l.kind, l.source, l.namespace, l.name, String(fence)]);

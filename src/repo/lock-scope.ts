@@ -30,12 +30,12 @@ const claimSql = () =>
  */
 export const idleBoundSql = () =>
   sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
-// Tags the transaction as a sharer of one register, by the placeholders `tag1` and `tag2` (registerTag):
-// a raise ends such a sharer if it stalls mid-statement (migration 0009). Never waits: a tag someone
+// Tags the transaction as a sharer of one register at one fence, by the placeholders `tag1` and `tag2`
+// (registerTag): a raise above that fence ends such a sharer if it stalls mid-statement (migrations 0009, 0010). Never waits: a tag someone
 // holds exclusively (a colliding advisory lock of their own) is not taken.
 const tagSql = () => sql`pg_try_advisory_xact_lock_shared(${p('tag1')}::int4, ${p('tag2')}::int4)`;
-const tagValues = (lock: LockIdentity) => {
-  const [tag1, tag2] = registerTag(lock);
+const tagValues = (lock: LockIdentity, fence: Fence) => {
+  const [tag1, tag2] = registerTag(lock, fence);
   return { tag1: String(tag1), tag2: String(tag2) };
 };
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
@@ -94,13 +94,13 @@ const boundSql = () => sql`select ${idleBoundSql()} as idle, ${tagSql()} as tagg
 export const needsIdleBound = (tx: Database, scope: LockScope): boolean =>
   !boundedBy.get(tx)?.has(lockText(scope.lock));
 
-/** @internal Bounds `tx`'s idle time to `scope`'s TTL left, in one statement (never loosening a tighter bound). */
-export async function boundIdle(tx: Database, scope: LockScope): Promise<void> {
+/** @internal Bounds `tx`'s idle time to `scope`'s TTL left (never loosening a tighter bound) and tags it as a sharer at `fence`, in one statement. */
+export async function boundIdle(tx: Database, scope: LockScope, fence: Fence): Promise<void> {
   // Not noted: sent through `tx`, the statement may run inside a savepoint opened on its connection
   // (yours, or a concurrent write's), whose rollback would undo the bound behind the note's back.
   await prepared(tx, 'palisade.idle_bound', boundSql).rows({
     idle: String(scope.idleMs()),
-    ...tagValues(scope.lock),
+    ...tagValues(scope.lock, fence),
   });
 }
 
@@ -147,7 +147,7 @@ export async function claimLockBounded(
   const [row] = await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({
     ...claimValues(lock, fence),
     idle: String(idleMs),
-    ...tagValues(lock),
+    ...tagValues(lock, fence),
   });
   return { registered: registeredOf(row, lock, fence), session: sessionOf(row) };
 }

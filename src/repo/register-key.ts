@@ -31,15 +31,25 @@ export function registerKey(lock: LockIdentity): string {
   return key;
 }
 
+// The tag of each lock's last fence: a lease's writes tag with the same one again and again.
+const tags = new WeakMap<LockIdentity, { fence: bigint; tag: readonly [number, number] }>();
+
 /**
- * @internal The two integers that tag a transaction as a sharer of `lock`'s register (a shared
- * transaction-level advisory lock, two-integer form): the first two 4-byte words of its register key,
- * top bit cleared — what `palisade.register_tag` computes (migration 0009), where a raise looks them up.
+ * @internal The two integers that tag a transaction as a sharer of `lock`'s register at `fence` (a shared
+ * transaction-level advisory lock, two-integer form): the first 4-byte word of its register key, and the
+ * first of the SHA-256 of the key's 32 hex digits, `:` and the fence in decimal, top bits cleared — what
+ * `palisade.register_tag` computes (migration 0010), where a raise looks up the sharers at the register's
+ * fence (never the raising lease's own sessions, tagged at its higher fence).
  */
-export function registerTag(lock: LockIdentity): readonly [number, number] {
-  const hex = registerKey(lock);
-  return [
+export function registerTag(lock: LockIdentity, fence: bigint): readonly [number, number] {
+  const last = tags.get(lock);
+  if (last?.fence === fence) return last.tag;
+  const hex = registerKey(lock).replaceAll('-', '');
+  const mixed = createHash('sha256').update(`${hex}:${fence}`).digest('hex');
+  const tag = [
     Number.parseInt(hex.slice(0, 8), 16) & 0x7fffffff,
-    Number.parseInt(hex.slice(9, 13) + hex.slice(14, 18), 16) & 0x7fffffff,
-  ];
+    Number.parseInt(mixed.slice(0, 8), 16) & 0x7fffffff,
+  ] as const;
+  if (Object.isFrozen(lock)) tags.set(lock, { fence, tag });
+  return tag;
 }

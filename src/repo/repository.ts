@@ -119,7 +119,7 @@ export function fencedRepository<T extends FencedTable>(
     // In a transaction not yet bounded for this lock, the claim would hold the register row unbounded.
     const bounded =
       scope !== undefined && (onTransaction || on !== db) && needsIdleBound(on, scope)
-        ? () => boundIdle(on, scope).then(attempt)
+        ? () => boundIdle(on, scope, fence).then(attempt)
         : attempt;
     return observeWrite(info.label, w.method, 'UPDATE', fence, bounded);
   }

@@ -105,7 +105,7 @@ export const fenceSources = palisadeSchema.table('fence_sources', {
  * row. Rows are never deleted by palisade; see `palisade locks
  * reset-register`. The migrations also create `palisade.claim_lock(…)`,
  * `palisade.claim_locks(jsonb)`, `palisade.register_grant(…)`,
- * `palisade.register_tag(uuid)` and `palisade.end_stalled_sharers(…)`, with
+ * `palisade.register_tag(uuid, bigint)` and `palisade.end_stalled_sharers(…)`, with
  * which a raise ends the sessions that share the row while stalled
  * mid-statement (README, "Two scopes of fencing").
  */

@@ -288,8 +288,8 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
     });
   });
 
-  // What a raise reads to find a stalled sharer (migration 0009): every statement that keeps a claim past
-  // its end tags the transaction with each register's tag, in whichever form palisade sends it.
+  // What a raise reads to find a stalled sharer (migrations 0009, 0010): every statement that keeps a claim
+  // past its end tags the transaction with each register's tag at its fence, in whichever form palisade sends it.
   it('every claim kept past its statement tags its transaction as the register’s sharer', async () => {
     await withScenario(2, async (url) => {
       const m = await openManager({ kind: 'postgres', namespace: uniqueNamespace('tag'), databaseUrl: url });
@@ -306,7 +306,7 @@ describe.runIf(needs('DATABASE_URL'))('lock scope on the Postgres lease backend'
         };
         const tagOf = (lease: Lease) => {
           if (!lease.lock) throw new Error('every built-in lease has a lock');
-          return [...registerTag(lease.lock)];
+          return [...registerTag(lease.lock, lease.fence)];
         };
         const sorted = (xs: number[][]) =>
           [...xs].sort((x, y) => (x[0] ?? 0) - (y[0] ?? 0) || (x[1] ?? 0) - (y[1] ?? 0));

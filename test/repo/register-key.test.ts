@@ -34,7 +34,10 @@ const part = (minLength: number) =>
     .filter((s) => !s.includes('\u0000') && Buffer.byteLength(s) <= 1024);
 const identityArb = fc.record({ kind: part(1), source: part(1), namespace: part(0), name: part(1) });
 
-async function sameKeyEverywhere(db: Database, lock: LockIdentity) {
+// Any fence: the tag names it in decimal, up to the largest int8.
+const fenceArb = fc.bigInt({ min: 1n, max: 2n ** 63n - 1n });
+
+async function sameKeyEverywhere(db: Database, lock: LockIdentity, fence: bigint) {
   const [row] = await execute(
     db,
     sql`insert into palisade.lock_registers (kind, source, namespace, name, fence)
@@ -50,9 +53,12 @@ async function sameKeyEverywhere(db: Database, lock: LockIdentity) {
   const key = registerKey(lock);
   expect(fn?.computed).toBe(key);
   if (row) expect([row.stored, row.computed]).toEqual([key, key]);
-  // The tag a claim takes is the one a raise looks for (migration 0009).
-  const [tag] = await execute(db, sql`select t.k1, t.k2 from palisade.register_tag(${key}::uuid) t`);
-  expect([tag?.k1, tag?.k2]).toEqual([...registerTag(lock)]);
+  // The tag a claim at `fence` takes is the one a raise above it looks for (migration 0010).
+  const [tag] = await execute(
+    db,
+    sql`select t.k1, t.k2 from palisade.register_tag(${key}::uuid, ${String(fence)}::int8) t`,
+  );
+  expect([tag?.k1, tag?.k2]).toEqual([...registerTag(lock, fence)]);
 }
 
 describe('the register key', () => {
@@ -63,12 +69,21 @@ describe('the register key', () => {
   }, 60_000);
   afterAll(async () => pglite?.close());
 
-  propTest.prop([identityArb], { numRuns: 200 })(
+  propTest.prop([identityArb, fenceArb], { numRuns: 200 })(
     'is the one palisade.lock_key stores, and its tag the one palisade.register_tag computes (PGlite)',
-    async (lock) => {
-      await sameKeyEverywhere(pglite.db, lock);
+    async (lock, fence) => {
+      await sameKeyEverywhere(pglite.db, lock, fence);
     },
   );
+
+  it('tags a sharer by its fence: two fences of one lock, two tags; the first word is the register’s', () => {
+    const lock = Object.freeze({ kind: 'k', source: 's', namespace: 'n', name: 'L' });
+    const [a1, a2] = registerTag(lock, 41n);
+    const [b1, b2] = registerTag(lock, 42n);
+    expect(a1).toBe(b1);
+    expect(a2).not.toBe(b2);
+    expect(registerTag(lock, 41n)).toEqual([a1, a2]);
+  });
 
   it('is taken from what checkLockIdentity checked: a getter that answers differently later changes nothing', () => {
     let reads = 0;
@@ -124,9 +139,12 @@ describe.runIf(needs('DATABASE_URL'))('the two claim paths on Postgres', () => {
     await scratch?.drop();
   });
 
-  propTest.prop([identityArb], { numRuns: 100 })('the key is the one palisade.lock_key stores', async (lock) => {
-    await sameKeyEverywhere(db, lock);
-  });
+  propTest.prop([identityArb, fenceArb], { numRuns: 100 })(
+    'the key is the one palisade.lock_key stores, the tag the one palisade.register_tag computes',
+    async (lock, fence) => {
+      await sameKeyEverywhere(db, lock, fence);
+    },
+  );
 
   let n = 0;
   // A lease's lock identity: frozen, one object per lease (two leases of one lock in two processes

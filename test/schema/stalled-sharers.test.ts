@@ -17,8 +17,10 @@ import { scenarioDatabase } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 
 // A proxy to Postgres whose answers to the client are held back while `withhold` is set.
+// `state.stopReading`: the proxy stops reading them at all, and the server, once the socket buffers are
+// full, waits to write a large result.
 function withholdingProxy(url: string) {
-  const state = { withhold: false };
+  const state = { withhold: false, stopReading: false };
   const held: (() => void)[] = [];
   const sockets = new Set<Socket>();
   const server: Server = createServer((inbound) => {
@@ -26,7 +28,8 @@ function withholdingProxy(url: string) {
     sockets.add(inbound).add(outbound);
     inbound.pipe(outbound);
     outbound.on('data', (chunk: Buffer) => {
-      if (state.withhold) held.push(() => inbound.write(chunk));
+      if (state.stopReading) outbound.pause();
+      if (state.withhold || state.stopReading) held.push(() => inbound.write(chunk));
       else inbound.write(chunk);
     });
     inbound.on('close', () => outbound.destroy());
@@ -58,7 +61,7 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
   let observer: postgres.Sql;
   beforeAll(async () => {
     scenario = await scenarioDatabase();
-    observer = postgres(scenario.url as string, { max: 1, onnotice: () => {} });
+    observer = postgres(scenario.url as string, { max: 2, onnotice: () => {} });
     await observer`insert into palisade.lock_registers (kind, source, namespace, name, fence)
       values ('redis', 'src', 'ns', 'L', 5), ('redis', 'src', 'ns', 'M', 5)`;
   });
@@ -68,8 +71,10 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
   });
 
   // Opens a transaction through a proxy, runs `inside` in it, then (if `stall`) sends a statement new on
-  // the connection with the server's answers held back: the session waits for its client mid-statement.
-  async function session(inside: (tx: postgres.ReservedSql) => Promise<unknown>, stall: boolean) {
+  // the connection with the server's answers held back: the session waits for its client mid-statement
+  // (ClientRead). `'large result'`: the proxy stops reading, and the server waits to send a result that
+  // fills the socket buffers (ClientWrite).
+  async function session(inside: (tx: postgres.ReservedSql) => Promise<unknown>, stall: boolean | 'large result') {
     const proxy = withholdingProxy(scenario.url as string);
     const client = postgres(await proxy.url(), { max: 1, onnotice: () => {} });
     // A reserved connection rather than `begin`: begin's own rollback after the connection closes would
@@ -78,11 +83,17 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
     await conn`begin`;
     await inside(conn);
     let stalled: Promise<unknown> = Promise.resolve();
-    if (stall) {
+    if (stall === 'large result') {
+      proxy.state.stopReading = true;
+      stalled = conn`select repeat('x', 1048576) from generate_series(1, 64)`.catch(() => {});
+    } else if (stall) {
       proxy.state.withhold = true;
       stalled = conn`select ${1}::int as palisade_stalled_marker`.catch(() => {});
     }
-    const pid = await waitFor(stall ? 'active' : 'idle in transaction');
+    const pid =
+      stall === 'large result'
+        ? await waitFor('active', 'ClientWrite')
+        : await waitFor(stall ? 'active' : 'idle in transaction');
     return {
       pid,
       async alive() {
@@ -98,25 +109,34 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
     };
   }
 
-  // The session in `state` (bounded: 200 looks, 25 ms apart).
-  async function waitFor(state: string): Promise<number> {
-    for (let i = 0; i < 200; i++) {
+  // The one session not seen before in `state` (waiting on `event`, if given) (bounded: 400 looks, 25 ms apart).
+  const seen: number[] = [];
+  async function waitFor(state: string, event?: string): Promise<number> {
+    for (let i = 0; i < 400; i++) {
       const rows = await observer<{ pid: number }[]>`select pid from pg_stat_activity
         where state = ${state} and pid <> pg_backend_pid() and datname = current_database()
-          and backend_xid is not null`;
-      if (rows.length === 1 && rows[0]) return rows[0].pid;
+          and backend_xid is not null and pid <> all(${seen}::int[])
+          and (${event ?? null}::text is null or wait_event = ${event ?? null})`;
+      if (rows.length === 1 && rows[0]) {
+        seen.push(rows[0].pid);
+        return rows[0].pid;
+      }
       await new Promise((resolve) => setTimeout(resolve, 25));
     }
-    throw new Error(`no session ${state}`);
+    throw new Error(`no session ${state} ${event ?? ''}`);
   }
 
   // What a raise of `name` to `fence` ends (the registers are at 5).
   const endStalled = async (name: string, fence = 7) =>
     Number((await observer`select palisade.end_stalled_sharers('redis', 'src', 'ns', ${name}, ${fence}) as n`)[0]?.n);
-  // A claim as palisade keeps one past its statement: the claim, and the tag that names its session.
+  // The tag that names a session as a sharer of `name`'s register at `fence`, as palisade takes it.
+  const tag = (tx: postgres.ReservedSql, name: string, fence: number) =>
+    tx`select pg_try_advisory_xact_lock_shared(t.k1, t.k2)
+      from palisade.register_tag(palisade.lock_key('redis', 'src', 'ns', ${name}), ${fence}) t`;
+  // A claim as palisade keeps one past its statement: the claim, and the tag.
   const claim = (tx: postgres.ReservedSql, name: string, fence: number) =>
     tx`select palisade.claim_lock('redis', 'src', 'ns', ${name}, ${fence}),
-      (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('redis', 'src', 'ns', ${name})) t)`;
+      (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('redis', 'src', 'ns', ${name}), ${fence}) t)`;
   const shareL = (tx: postgres.ReservedSql) => claim(tx, 'L', 5);
 
   it('ends a session that shares the register and waits for its client mid-statement', async () => {
@@ -127,6 +147,58 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
       expect(await s.alive()).toBe(false);
     } finally {
       await s.end();
+    }
+  });
+
+  // A lock-scoped write in a transaction tags it (the statement that bounds its idle time) before its claim
+  // raises the register: the newest holder's session, tagged and stalled on its way (postgres.js describes
+  // a new statement before it binds it), while another call of its lease raises past a stale sharer. An
+  // attack saw 0009's raise end it in 13 of 150 trials.
+  it('ends only the sharers tagged at the register’s fence: a session tagged at the raising fence is the newest holder’s', async () => {
+    const stale = await session(shareL, true);
+    // Tagged, its transaction begun (an xid, as its bound's set_config would not give it).
+    const newest = await session(async (tx) => {
+      await tx`select txid_current()`;
+      await tag(tx, 'L', 7);
+    }, true);
+    try {
+      expect(await endStalled('L', 7)).toBe(1);
+      for (let i = 0; i < 200 && (await stale.alive()); i++) await new Promise((resolve) => setTimeout(resolve, 25));
+      expect(await stale.alive()).toBe(false);
+      expect(await newest.alive()).toBe(true);
+    } finally {
+      await stale.end();
+      await newest.end();
+    }
+  });
+
+  it('ends a sharer stopped while the server sends it a large result (waiting on ClientWrite)', async () => {
+    const s = await session(shareL, 'large result');
+    try {
+      expect(await endStalled('L')).toBe(1);
+    } finally {
+      await s.end();
+    }
+  });
+
+  // Postgres keeps one snapshot of pg_stat_activity per transaction: a raise in a transaction that had read
+  // it (a fenced transaction's claim of two locks, waiting on the first) saw a sharer that stalled later as
+  // it was then. An attack saw such a transaction wait for as long as the sharer was stopped.
+  it('sees the sessions as they are now, in a transaction that read pg_stat_activity before', async () => {
+    const reader = await observer.reserve();
+    try {
+      await reader`begin`;
+      await reader`select count(*) from pg_stat_activity`;
+      const s = await session(shareL, true);
+      try {
+        const [row] = await reader`select palisade.end_stalled_sharers('redis', 'src', 'ns', 'L', 7) as n`;
+        expect(Number(row?.n)).toBe(1);
+      } finally {
+        await s.end();
+      }
+    } finally {
+      await reader`rollback`;
+      reader.release();
     }
   });
 
@@ -177,7 +249,7 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
       const stalePid = Number((await stale`select pg_backend_pid() as pid`)[0]?.pid);
       const claimW = (tx: postgres.ReservedSql | postgres.Sql, fence: number) =>
         tx`select palisade.claim_lock('postgres', 'other', 'ns', 'W', ${fence})::text as registered,
-          (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('postgres', 'other', 'ns', 'W')) t)`;
+          (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('postgres', 'other', 'ns', 'W'), ${fence}) t)`;
       await b`begin`;
       await claimW(b, 6); // the newer holder's raise, not committed yet
       await h`begin`;
