@@ -38,6 +38,16 @@ export function assertMaySend(db: Database): void {
   }
 }
 
+/**
+ * @internal The savepoints and the transaction palisade opened `tx` in, innermost first (empty for a
+ * transaction of its own, or one palisade did not open).
+ */
+export function enclosing(tx: Database): Database[] {
+  const around: Database[] = [];
+  for (let at = parentOf.get(tx); at !== undefined; at = parentOf.get(at)) around.push(at);
+  return around;
+}
+
 // Whether `db`, or a transaction or savepoint it was opened in, is one palisade opened that has ended.
 function hasEnded(db: Database | undefined): boolean {
   for (let at = db; at !== undefined; at = parentOf.get(at)) if (ended.has(at)) return true;

@@ -5,6 +5,7 @@
  */
 import { AsyncLocalStorage } from 'node:async_hooks';
 import type { Database } from '../driver.js';
+import { enclosing } from '../overlap.js';
 
 /** A write the database refused inside a fenced transaction, as the transaction reports it. */
 export interface Refusal {
@@ -27,8 +28,9 @@ const scope = new AsyncLocalStorage<Scope>();
 /**
  * Runs `fn` with repositories on `db` joining `tx`; `refusals` collects the refused writes of a fenced
  * transaction. `via`: what `tx` was opened through (`on(db)`, or another name of the same session): it,
- * and every name that led to it, lead to `tx` inside `fn` — one session, one way in, so that no call
- * inside goes around `tx`'s savepoint.
+ * every savepoint and transaction `tx` was opened in (a lock-scoped modify's savepoint is opened in its
+ * claim's), and every name that led to one of them, lead to `tx` inside `fn` — one session, one way in,
+ * so that no call inside goes around `tx`'s savepoint.
  */
 export function joining<R>(
   db: Database,
@@ -38,10 +40,11 @@ export function joining<R>(
   via: Database = db,
 ): R {
   const outer = scope.getStore();
+  const around = new Set(enclosing(tx)).add(via);
   const transactions = new Map<Database, Database>();
-  for (const [name, joined] of outer?.transactions ?? []) transactions.set(name, joined === via ? tx : joined);
+  for (const [name, joined] of outer?.transactions ?? []) transactions.set(name, around.has(joined) ? tx : joined);
+  for (const name of around) transactions.set(name, tx);
   transactions.set(db, tx);
-  transactions.set(via, tx);
   return scope.run({ transactions, refusals: refusals ?? outer?.refusals }, fn);
 }
 

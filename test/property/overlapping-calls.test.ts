@@ -38,6 +38,8 @@ type Kind =
   | 'lock-scoped update'
   | 'modify'
   | 'modify that throws'
+  | 'lock-scoped modify'
+  | 'lock-scoped modify that throws'
   | 'nested fenced transaction'
   | 'nested fenced transaction that throws';
 interface Call {
@@ -47,7 +49,9 @@ interface Call {
   /**
    * For a modify: its function starts a call on another row `ticks` microtasks on and does not await it (it
    * may run inside the savepoint, or after the modify ended): an update, or a modify whose own function
-   * takes `ms` (a savepoint that may outlive the one it was opened in); `null`: it starts none.
+   * takes `ms` (a savepoint that may outlive the one it was opened in) — through the other name of the
+   * session when `other` (a fenced transaction's `tx` where the calls go through its database); `null`:
+   * it starts none.
    */
   readonly leak: Leak | null;
 }
@@ -55,6 +59,9 @@ interface Leak {
   readonly kind: 'update' | 'modify' | 'modify that throws';
   readonly ticks: number;
   readonly ms: number;
+  readonly other: boolean;
+  /** ms more before it starts: long after the modify ended, when not 0. */
+  readonly late: number;
 }
 const callArb: fc.Arbitrary<Call> = fc.record({
   kind: fc.constantFrom<Kind>(
@@ -62,6 +69,8 @@ const callArb: fc.Arbitrary<Call> = fc.record({
     'lock-scoped update',
     'modify',
     'modify that throws',
+    'lock-scoped modify',
+    'lock-scoped modify that throws',
     'nested fenced transaction',
     'nested fenced transaction that throws',
   ),
@@ -71,6 +80,8 @@ const callArb: fc.Arbitrary<Call> = fc.record({
       kind: fc.constantFrom<Leak['kind']>('update', 'modify', 'modify that throws'),
       ticks: fc.integer({ min: 0, max: 8 }),
       ms: fc.constantFrom(0, 5, 20),
+      other: fc.boolean(),
+      late: fc.constantFrom(0, 0, 30),
     }),
   ),
 });
@@ -119,8 +130,9 @@ for (const { name, open, real } of drivers) {
      * Starts `calls` on `on` (call i on row i + 1; an update its function leaves running on row
      * CALLS + i + 1), a few microtasks apart; each call, once all settled.
      */
-    async function overlap(on: Database, calls: readonly Call[], lease: ReturnType<typeof holder>) {
+    async function overlap(on: Database, other: Database, calls: readonly Call[], lease: ReturnType<typeof holder>) {
       const repo = fencedRepository(on, resource, { sameFence: 'allow' });
+      const otherRepo = fencedRepository(other, resource, { sameFence: 'allow' });
       const started: Started[] = [];
       for (const [i, call] of calls.entries()) {
         for (let k = 0; k < call.ticks; k++) await null;
@@ -139,14 +151,20 @@ for (const { name, open, real } of drivers) {
           });
           started.push({ row, what: call.kind, outcome });
         } else {
-          const outcome = repo.modify({ id: row }, fence, async () => {
+          // A lock-scoped modify opens its savepoint inside its claim's.
+          const lockScoped = call.kind === 'lock-scoped modify' || call.kind === 'lock-scoped modify that throws';
+          const modify = (fn: () => Promise<{ value: string }>) =>
+            lockScoped ? repo.with(lease).modify({ id: row }, fn) : repo.modify({ id: row }, fence, fn);
+          const outcome = modify(async () => {
             const { leak } = call;
             if (leak !== null) {
               const id = CALLS + row;
+              const through = leak.other ? otherRepo : repo;
               const left = (async () => {
                 for (let k = 0; k < leak.ticks; k++) await null;
-                if (leak.kind === 'update') return repo.update({ id }, fence, { value: `call ${id}` });
-                return repo.modify({ id }, fence, async () => {
+                if (leak.late > 0) await sleep(leak.late);
+                if (leak.kind === 'update') return through.update({ id }, fence, { value: `call ${id}` });
+                return through.modify({ id }, fence, async () => {
                   await sleep(leak.ms);
                   if (leak.kind === 'modify that throws') throw new Thrown('the function threw');
                   return { value: `call ${id}` };
@@ -156,7 +174,7 @@ for (const { name, open, real } of drivers) {
               started.push({ row: id, what: `a ${leak.kind} a modify left running`, outcome: left, inside: row });
             }
             await null;
-            if (call.kind === 'modify that throws') throw new Thrown('the function threw');
+            if (call.kind.endsWith('that throws')) throw new Thrown('the function threw');
             return { value };
           });
           started.push({ row, what: call.kind, outcome });
@@ -196,18 +214,22 @@ for (const { name, open, real } of drivers) {
       execute((t as TestDatabase).db, sql`update resource set value = 'initial', last_fence = 0, deleted_at = null`);
 
     // Where the calls overlap: `run` starts them on the transaction; each says whether the transaction committed.
-    const contexts: [string, (db: Database, run: (on: Database) => Promise<void>) => Promise<boolean>][] = [
+    // `run(on, other)`: the calls go through `on`; `other` is the other name of the session, if it has one.
+    const contexts: [
+      string,
+      (db: Database, run: (on: Database, other: Database) => Promise<void>) => Promise<boolean>,
+    ][] = [
       [
         "in the caller's own transaction",
         async (db, run) => {
-          await db.transaction((tx) => run(tx as unknown as Database));
+          await db.transaction((tx) => run(tx as unknown as Database, tx as unknown as Database));
           return true;
         },
       ],
       // The repository is on `db`: inside the fenced transaction its calls join it.
       [
         'in a fenced transaction',
-        async (db, run) => (await fencedTransaction(db, holder(), () => run(db))).status === 'applied',
+        async (db, run) => (await fencedTransaction(db, holder(), (ftx) => run(db, ftx))).status === 'applied',
       ],
     ];
     for (const [where, inContext] of contexts) {
@@ -220,8 +242,8 @@ for (const { name, open, real } of drivers) {
           await reset();
           let started: Awaited<ReturnType<typeof overlap>> = [];
           const lease = holder();
-          const committed = await inContext((t as TestDatabase).db, async (on) => {
-            started = await overlap(on, calls, lease);
+          const committed = await inContext((t as TestDatabase).db, async (on, other) => {
+            started = await overlap(on, other, calls, lease);
           });
           await check(started, committed);
         },
@@ -234,6 +256,7 @@ for (const { name, open, real } of drivers) {
       const db = (t as TestDatabase).db;
       const calls = await db.transaction(async (tx) =>
         overlap(
+          tx as unknown as Database,
           tx as unknown as Database,
           [
             { kind: 'modify that throws', ticks: 0, leak: null },
@@ -375,14 +398,23 @@ for (const { name, open, real } of drivers) {
           onDb.update({ id: 5 }, fence, { value: 'e' }),
         );
         statuses.push(nested.status);
+        // A lock-scoped modify, whose savepoint opens inside its claim's: the other name joins it too.
+        statuses.push(
+          (
+            await onTx.with(lease).modify({ id: 6 }, async () => {
+              statuses.push((await onDb.update({ id: 7 }, fence, { value: 'g' })).status);
+              return { value: 'f' };
+            })
+          ).status,
+        );
         return statuses;
       });
       expect(result).toEqual({
         status: 'applied',
-        value: ['applied', { status: 'claimed' }, 'applied', 'applied', 'applied', 'applied'],
+        value: ['applied', { status: 'claimed' }, 'applied', 'applied', 'applied', 'applied', 'applied', 'applied'],
       });
-      const rows = await execute(db, sql`select value from resource where id <= 5 order by id`);
-      expect(rows.map((r) => r.value)).toEqual(['a', 'b', 'c', 'd', 'e']);
+      const rows = await execute(db, sql`select value from resource where id <= 7 order by id`);
+      expect(rows.map((r) => r.value)).toEqual(['a', 'b', 'c', 'd', 'e', 'f', 'g']);
     });
 
     // The first of them claims the lock in its own statement (the lease's first lock-scoped write): no savepoint.
