@@ -367,6 +367,46 @@ for (const { name, open, real } of drivers) {
       });
     }
 
+    // On a pool of one the next transaction runs on the connection of the last. The left call's savepoint
+    // went with the first transaction's rollback; its own ROLLBACK TO, sent when its function returned, hit
+    // the next transaction's savepoint of the same name and undid a write reported applied there.
+    it('a modify left running past a fenced transaction that threw sends nothing into the next transaction on its connection', async () => {
+      const one = await open({ migrated: true, max: 1 });
+      try {
+        await execute(
+          one.db,
+          sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+        );
+        await execute(one.db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, 3) g`);
+        const repo = fencedRepository(one.db, resource, { sameFence: 'allow' });
+        let left: Promise<unknown> = Promise.resolve();
+        const first = await fencedTransaction(one.db, holder(), async () => {
+          left = repo.modify({ id: 1 }, fence, async () => {
+            await sleep(60);
+            return { value: 'left running' };
+          });
+          left.catch(() => {}); // read below
+          await sleep(10);
+          throw new Thrown('the function threw');
+        }).catch((err: unknown) => err);
+        const second = await fencedTransaction(one.db, holder(), async () => {
+          const inside = await repo.modify({ id: 2 }, fence, async () => {
+            await repo.update({ id: 3 }, fence, { value: 'inside' });
+            await sleep(100); // the modify left running returns meanwhile
+            return { value: 'second' };
+          });
+          return inside.status;
+        });
+        expect(first).toBeInstanceOf(Thrown);
+        expect(second).toEqual({ status: 'applied', value: 'applied' });
+        expect((await Promise.allSettled([left]))[0]?.status).toBe('rejected');
+        const rows = await execute(one.db, sql`select value from resource order by id`);
+        expect(rows.map((r) => r.value)).toEqual(['initial', 'second', 'inside']);
+      } finally {
+        await one.close();
+      }
+    });
+
     it('inside a fenced transaction, calls through the database and through its transaction join a savepoint alike', async () => {
       await reset();
       const db = (t as TestDatabase).db;

@@ -129,8 +129,9 @@ export async function singleClientDatabase(o?: Migrated): Promise<TestDatabase> 
  * Postgres (a pool of 4 each).
  */
 export const everyTransactionDriver = [
-  { name: 'PGlite', open: pgliteDatabase, real: false },
-  { name: 'postgres.js', open: (o?: Migrated) => postgresDatabase({ max: 4, ...o }), real: true },
-  { name: 'node-postgres', open: (o?: Migrated) => nodePostgresDatabase({ max: 4, ...o }), real: true },
+  // `max` is a pool's size: PGlite has one session.
+  { name: 'PGlite', open: (o?: RealDatabaseOptions) => pgliteDatabase(o), real: false },
+  { name: 'postgres.js', open: (o?: RealDatabaseOptions) => postgresDatabase({ max: 4, ...o }), real: true },
+  { name: 'node-postgres', open: (o?: RealDatabaseOptions) => nodePostgresDatabase({ max: 4, ...o }), real: true },
   { name: 'a single node-postgres Client', open: singleClientDatabase, real: true },
 ] as const;
