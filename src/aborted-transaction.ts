@@ -114,13 +114,22 @@ export class Statements {
   #idle: (() => void)[] = [];
   #ended = false;
 
-  /** Why a statement may not be sent now: the transaction's function has returned. */
+  /** Why a statement may not be sent now: the transaction's function has returned, or thrown. */
   refusal(): Error | undefined {
     return this.#ended
       ? new InvalidArgumentError(
-          'a statement was sent on a transaction whose function had returned: await every statement in it',
+          'a statement was sent on a transaction whose function had ended: await every statement in it',
         )
       : undefined;
+  }
+
+  /**
+   * The transaction's function threw: every later statement is refused at once. The driver's ROLLBACK
+   * follows the statements sent so far; one sent after it would run in whatever the connection runs
+   * next, or (postgres.js, a connection still describing a statement) wait behind it forever.
+   */
+  end(): void {
+    this.#ended = true;
   }
 
   /** Notes `statement`, sent (or about to be) in the transaction; returns it. */

@@ -29,10 +29,12 @@
  * (aborted-transaction.ts).
  */
 import { assertNotAborted, commitAnswer, rejected, Statements, unwatch, watch } from './aborted-transaction.js';
-import { DatabaseError } from './errors.js';
+import { DatabaseError, InvalidArgumentError } from './errors.js';
 
 interface Connection {
   lost: boolean;
+  /** node-postgres: the transaction's function settled; only the driver's COMMIT or ROLLBACK goes out. */
+  ended?: boolean;
   /** Set when palisade refuses further statements on a live connection (its lease was lost): each rejects with it. */
   refused?: Error;
   /** Sends `ROLLBACK AND CHAIN` on the connection, past the refusal (see {@link refuseStatements}). */
@@ -149,7 +151,10 @@ export function guardedTransaction<Tx, T>(
     session.client = guarded(client, connection);
     try {
       const value = await unlessLost(async () => {
-        const value = await fn(tx);
+        const value = await fn(tx).catch((err: unknown) => {
+          connection.statements?.end();
+          throw err;
+        });
         // postgres.js would COMMIT a transaction aborted by a statement that failed after `fn` returned,
         // or in a savepoint nothing rolled back to (aborted-transaction.ts). Asked past the guards, but
         // not on a session found gone meanwhile: sent there, postgres.js would end the process.
@@ -190,11 +195,14 @@ interface QueryClient extends EventClient {
   query(...args: unknown[]): unknown;
 }
 
-// drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
-const isRollback = (query: unknown): boolean => {
+const textOf = (query: unknown): string | undefined => {
   const text = typeof query === 'string' ? query : (query as { text?: unknown } | null)?.text;
-  return typeof text === 'string' && /^rollback( to savepoint \w+)?$/i.test(text.trim());
+  return typeof text === 'string' ? text.trim() : undefined;
 };
+// drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
+const isRollback = (query: unknown): boolean => /^rollback( to savepoint \w+)?$/i.test(textOf(query) ?? '');
+// What drizzle sends once the transaction's function settled.
+const isEnd = (query: unknown): boolean => /^(commit|rollback)$/i.test(textOf(query) ?? '');
 
 /** What of a node-postgres `Client` the refusal reads (its own fields, stable across pg 8). */
 export interface PgClientState {
@@ -297,6 +305,9 @@ export function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
 function refusing(client: QueryClient, connection: Connection): QueryClient {
   const state = client as unknown as PgClientState;
   const query = (...args: unknown[]) => {
+    // Sent after the function settled (by a call it left running): it would run after the COMMIT or
+    // ROLLBACK, outside the transaction, on a client the pool lends to someone else next.
+    if (connection.ended && !isEnd(args[0])) return refusedStatement(state, args, ENDED());
     if (!connection.refused) return client.query(...args);
     if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
     return whenIdle(state, () => client.query(...args));
@@ -323,6 +334,7 @@ export function heardTransaction<Tx, T>(
   nested: boolean,
 ): Promise<T> {
   let client: EventClient | undefined;
+  const connection: Connection = { lost: false };
   let answer: ReturnType<typeof commitAnswer> | undefined;
   let watched: object | undefined;
   // Heard until the driver is done with the client, rollback included: a session ended while a
@@ -336,7 +348,7 @@ export function heardTransaction<Tx, T>(
       client.on('error', heard);
       // On a single client (not a pool) drizzle runs the transaction on the database's own session
       // (`parent`), whose client the statements palisade prepares there keep for good: not refusable.
-      if (session !== parent) session.client = refusing(client as QueryClient, { lost: false });
+      if (session !== parent) session.client = refusing(client as QueryClient, connection);
       // The COMMIT's answer, read from the connection (not in the caller's own transaction: its COMMIT is theirs).
       if (!nested) {
         answer = commitAnswer(client);
@@ -344,7 +356,12 @@ export function heardTransaction<Tx, T>(
         watch(watched, answer.failures);
       }
     }
-    return fn(tx);
+    // A transaction palisade began: once its function settled, nothing but the driver's COMMIT or
+    // ROLLBACK goes out. (A savepoint of yours shares your transaction's session, and its client: not there.)
+    if (nested) return fn(tx);
+    return fn(tx).finally(() => {
+      connection.ended = true;
+    });
   })
     .then((value) => {
       answer?.check();
@@ -379,3 +396,8 @@ export function refuseStatements(client: unknown, reason: Error): boolean {
 // savepoint, must not keep them), in place of one that holds nothing: the driver's own rollback, sent
 // when the function settles, then ends that one quietly (a plain ROLLBACK with no transaction warns).
 const ROLLBACK_AND_CHAIN = 'rollback and chain';
+
+const ENDED = () =>
+  new InvalidArgumentError(
+    'a statement was sent on a transaction whose function had ended: await every statement in it',
+  );

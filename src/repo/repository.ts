@@ -17,6 +17,7 @@ import {
 } from '../driver.js';
 import { InvalidArgumentError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
+import { assertMaySend } from '../overlap.js';
 import { prepared } from '../prepared.js';
 import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
@@ -259,6 +260,9 @@ export function fencedRepository<T extends FencedTable>(
     fn: (row: RowOf<T>, tx: Database) => PatchOf<T> | Promise<PatchOf<T>>,
   ): Promise<WriteResult<RowOf<T>>> {
     return transaction(on, async (tx) => {
+      // A locking read, sent through drizzle: checked as palisade's statements are (overlap.ts), or a
+      // modify left running past its transaction would lock the row in whatever its session runs next.
+      assertMaySend(tx);
       const [row] = await tx.select().from(t).where(keyWhere(info, key)).for('update');
       const locked = row as (RowOf<T> & { lastFence: bigint; deletedAt: Date | null }) | undefined;
       // The locked row decides (one row version): absent or deleted is `missing`, nothing written.

@@ -367,17 +367,57 @@ for (const { name, open, real } of drivers) {
       });
     }
 
+    /** A database of its own on a pool of one connection (none of palisade's statements prepared on it yet), rows 1…3. */
+    async function poolOfOne(): Promise<TestDatabase> {
+      const one = await open({ migrated: true, max: 1 });
+      await execute(
+        one.db,
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await execute(one.db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, 3) g`);
+      return one;
+    }
+
+    // postgres.js describes a statement new on its connection before it binds it, and meanwhile queues the
+    // transaction's later statements, the driver's ROLLBACK among them. A modify's locking read, sent after
+    // that ROLLBACK, waited behind it forever: its promise never settled.
+    it('a fenced transaction that returns with an update and a modify left running: every call settles, nothing is written', async () => {
+      const one = await poolOfOne();
+      try {
+        const repo = fencedRepository(one.db, resource, { sameFence: 'allow' });
+        let left: Promise<unknown>[] = [];
+        let started = () => {};
+        const inside = new Promise<void>((resolve) => {
+          started = resolve;
+        });
+        const outcome = fencedTransaction(one.db, holder(), async () => {
+          left = [
+            repo.update({ id: 2 }, fence, { value: 'left running' }),
+            repo.modify({ id: 1 }, fence, async () => ({ value: 'left running' })),
+          ];
+          started();
+        });
+        await Promise.race([inside, outcome.catch(() => {})]);
+        const all = Promise.allSettled([outcome, ...left]);
+        const settled = await Promise.race([all, sleep(10_000).then(() => 'still running after 10 s')]);
+        expect(settled).toMatchObject([
+          { status: 'rejected', reason: expect.any(InvalidArgumentError) },
+          {}, // ran inside the transaction (applied there, rolled back with it), or refused
+          { status: 'rejected', reason: expect.any(InvalidArgumentError) },
+        ]);
+        const rows = await execute(one.db, sql`select value from resource order by id`);
+        expect(rows.map((r) => r.value)).toEqual(['initial', 'initial', 'initial']);
+      } finally {
+        await one.close();
+      }
+    });
+
     // On a pool of one the next transaction runs on the connection of the last. The left call's savepoint
     // went with the first transaction's rollback; its own ROLLBACK TO, sent when its function returned, hit
     // the next transaction's savepoint of the same name and undid a write reported applied there.
     it('a modify left running past a fenced transaction that threw sends nothing into the next transaction on its connection', async () => {
-      const one = await open({ migrated: true, max: 1 });
+      const one = await poolOfOne();
       try {
-        await execute(
-          one.db,
-          sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
-        );
-        await execute(one.db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, 3) g`);
         const repo = fencedRepository(one.db, resource, { sameFence: 'allow' });
         let left: Promise<unknown> = Promise.resolve();
         const first = await fencedTransaction(one.db, holder(), async () => {
