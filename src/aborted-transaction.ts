@@ -106,6 +106,12 @@ const LOOK_EVERY = 32;
  * how many still run, and which failed. Once {@link Statements.settled}
  * answered, every later one is refused ({@link Statements.refusal}).
  */
+/** @internal Why a statement is not sent through a transaction palisade began once its function ended. */
+export const sentAfterEnd = (): Error =>
+  new InvalidArgumentError(
+    'a statement was sent on a transaction whose function had ended: await every statement in it',
+  );
+
 export class Statements {
   readonly failures = new Failures();
   #unlooked: Statement[] = [];
@@ -116,11 +122,7 @@ export class Statements {
 
   /** Why a statement may not be sent now: the transaction's function has returned, or thrown. */
   refusal(): Error | undefined {
-    return this.#ended
-      ? new InvalidArgumentError(
-          'a statement was sent on a transaction whose function had ended: await every statement in it',
-        )
-      : undefined;
+    return this.#ended ? sentAfterEnd() : undefined;
   }
 
   /**

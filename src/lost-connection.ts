@@ -28,8 +28,17 @@
  * transaction a caught failure aborted must not pass for committed
  * (aborted-transaction.ts).
  */
-import { assertNotAborted, commitAnswer, rejected, Statements, unwatch, watch } from './aborted-transaction.js';
-import { DatabaseError, InvalidArgumentError } from './errors.js';
+import {
+  assertNotAborted,
+  commitAnswer,
+  rejected,
+  Statements,
+  sentAfterEnd,
+  unwatch,
+  watch,
+} from './aborted-transaction.js';
+import { DatabaseError } from './errors.js';
+import { type PgClientState, refusedStatement, whenIdle } from './node-postgres-client.js';
 
 interface Connection {
   lost: boolean;
@@ -204,98 +213,6 @@ const isRollback = (query: unknown): boolean => /^rollback( to savepoint \w+)?$/
 // What drizzle sends once the transaction's function settled.
 const isEnd = (query: unknown): boolean => /^(commit|rollback)$/i.test(textOf(query) ?? '');
 
-/** What of a node-postgres `Client` the refusal reads (its own fields, stable across pg 8). */
-export interface PgClientState {
-  /** Nothing runs on the client and nothing waits in its queue. */
-  readonly readyForQuery?: boolean;
-  readonly pipeline?: boolean;
-  /** False once the connection failed; `_ending` once the client is being closed: it answers at once then. */
-  readonly _queryable?: boolean;
-  readonly _ending?: boolean;
-  readonly connection?: unknown;
-  /** `Client.Query`: how the client itself turns `query(config, values, callback)` into a statement. */
-  readonly constructor: { Query?: new (...args: unknown[]) => PgQuery };
-  once(event: 'drain' | 'end' | 'error', listener: () => void): unknown;
-  removeListener(event: 'drain' | 'end' | 'error', listener: () => void): unknown;
-}
-interface PgQuery {
-  readonly callback?: unknown;
-  handleError(err: unknown, connection: unknown): void;
-}
-
-/**
- * A refused statement answered as node-postgres answers one on a client it cannot query: a Submittable, or a
- * statement with a callback, through its `handleError` on the next tick; otherwise a rejected promise.
- */
-function refusedStatement(client: PgClientState, args: unknown[], error: Error): unknown {
-  const [config, values, callback] = args;
-  // What the client throws at once, queryable or not.
-  if (config === null || config === undefined) throw new TypeError('Client was passed a null or undefined query');
-  if (typeof (config as { submit?: unknown }).submit === 'function') {
-    const submittable = config as PgQuery & { callback?: unknown };
-    // As the client does: a function among the arguments is the Submittable's callback.
-    const given = typeof values === 'function' ? values : callback;
-    if (!submittable.callback && given) submittable.callback = given;
-    process.nextTick(() => submittable.handleError(error, client.connection));
-    return submittable;
-  }
-  const Query = client.constructor.Query;
-  const query = Query ? new Query(config, values, callback) : undefined;
-  if (query?.callback === undefined) return rejected(error);
-  if (typeof query.callback !== 'function') throw new TypeError('callback is not a function');
-  process.nextTick(() => query.handleError(error, client.connection));
-  return undefined;
-}
-
-// How often a wait for the client to be idle looks at it again (see whenIdle).
-const LOOK_AGAIN_MS = 250;
-
-/**
- * @internal `send()` once nothing runs on the node-postgres client and nothing waits in its queue (its `drain`), or at
- * once where it cannot tell or the client is gone: a statement handed to a client while another waits in its
- * queue is deprecated (pg 8.x warns, pg 9 drops it), and the client's `query_timeout` would drop it unsent.
- */
-export function whenIdle<T>(client: PgClientState, send: () => T): Promise<T> {
-  return new Promise<T>((resolve, reject) => {
-    const now = () => {
-      try {
-        resolve(send());
-      } catch (err) {
-        reject(err);
-      }
-    };
-    const busy = () =>
-      client.readyForQuery === false && !client.pipeline && client._queryable !== false && !client._ending;
-    const go = () => (busy() ? wait() : now());
-    const wait = () => {
-      // Looked at again now and then too: a failure that left the client busy for good emits nothing more.
-      const again = setInterval(() => {
-        if (!busy()) onGone();
-      }, LOOK_AGAIN_MS);
-      again.unref();
-      const off = () => {
-        clearInterval(again);
-        client.removeListener('drain', onDrain);
-        client.removeListener('end', onGone);
-        client.removeListener('error', onGone);
-      };
-      const onDrain = () => {
-        off();
-        go(); // another waiter may have sent first
-      };
-      // Gone: sent now, it is answered at once (not queryable).
-      const onGone = () => {
-        off();
-        now();
-      };
-      client.once('drain', onDrain);
-      client.once('end', onGone);
-      client.once('error', onGone);
-    };
-    go();
-  });
-}
-
 /**
  * A node-postgres `client` whose statements (but a rollback) are refused, before they are sent, once
  * `connection` is refused — each answered with the refusal as the client answers on a connection it cannot
@@ -307,7 +224,7 @@ function refusing(client: QueryClient, connection: Connection): QueryClient {
   const query = (...args: unknown[]) => {
     // Sent after the function settled (by a call it left running): it would run after the COMMIT or
     // ROLLBACK, outside the transaction, on a client the pool lends to someone else next.
-    if (connection.ended && !isEnd(args[0])) return refusedStatement(state, args, ENDED());
+    if (connection.ended && !isEnd(args[0])) return refusedStatement(state, args, sentAfterEnd());
     if (!connection.refused) return client.query(...args);
     if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
     return whenIdle(state, () => client.query(...args));
@@ -396,8 +313,3 @@ export function refuseStatements(client: unknown, reason: Error): boolean {
 // savepoint, must not keep them), in place of one that holds nothing: the driver's own rollback, sent
 // when the function settles, then ends that one quietly (a plain ROLLBACK with no transaction warns).
 const ROLLBACK_AND_CHAIN = 'rollback and chain';
-
-const ENDED = () =>
-  new InvalidArgumentError(
-    'a statement was sent on a transaction whose function had ended: await every statement in it',
-  );

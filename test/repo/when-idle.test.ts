@@ -1,5 +1,5 @@
 /**
- * whenIdle (src/lost-connection.ts): what a lost lease's stop still sends on a node-postgres client —
+ * whenIdle (src/node-postgres-client.ts): what a lost lease's stop still sends on a node-postgres client —
  * `ROLLBACK AND CHAIN`, the driver's rollbacks — goes once the client is idle, and never waits for ever
  * on a client that failed while busy (pg then leaves `readyForQuery` false and has already emitted its
  * `error` and `end`: the hang test/repo/lost-lease.test.ts once met under the idle timeout's race).
@@ -7,7 +7,7 @@
  */
 import { EventEmitter } from 'node:events';
 import { describe, expect, it } from 'vitest';
-import { type PgClientState, whenIdle } from '../../src/lost-connection.js';
+import { type PgClientState, whenIdle } from '../../src/node-postgres-client.js';
 import { sleep } from '../support/sleep.js';
 
 class StandIn extends EventEmitter {
