@@ -20,6 +20,7 @@ import {
 import { causeOf, watchedPgliteTransaction } from './aborted-transaction.js';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import {
+  abandonTransaction,
   type EventClient,
   guardedTransaction,
   heardTransaction,
@@ -118,13 +119,13 @@ export async function transaction<T>(db: Database, fn: (tx: Database) => Promise
               return value;
             }
             reject(new InvalidArgumentError(ORPHANED));
-            return unsettled();
+            return unsettled(tx);
           },
           (err: unknown) => {
             use.ended(tx, true);
             if (!use.orphaned()) throw err;
             reject(err instanceof CallerThrew ? err : translateError(err));
-            return unsettled();
+            return unsettled(tx);
           },
         );
       }).then(resolve, reject);
@@ -139,8 +140,11 @@ const ORPHANED =
 
 // What a savepoint's function gives the driver once the savepoint went with its parent (overlap.ts,
 // `orphaned`): settling it would make the driver send a RELEASE or ROLLBACK TO. What waits on it is
-// collected with it.
-const unsettled = () => new Promise<never>(() => {});
+// collected with it; what waits for the driver to finish it is let go.
+const unsettled = (tx: Database) => {
+  abandonTransaction(tx);
+  return new Promise<never>(() => {});
+};
 
 async function inTransaction<T>(db: Database, fn: (tx: Database) => Promise<T>): Promise<T> {
   try {

@@ -252,6 +252,7 @@ export function heardTransaction<Tx, T>(
 ): Promise<T> {
   let client: EventClient | undefined;
   const connection: Connection = { lost: false };
+  const off = () => client?.removeListener('error', heard);
   let answer: ReturnType<typeof commitAnswer> | undefined;
   let watched: object | undefined;
   // Heard until the driver is done with the client, rollback included: a session ended while a
@@ -273,6 +274,7 @@ export function heardTransaction<Tx, T>(
         watch(watched, answer.failures);
       }
     }
+    abandoning.set(tx as object, off);
     // A transaction palisade began: once its function settled, nothing but the driver's COMMIT or
     // ROLLBACK goes out. (A savepoint of yours shares your transaction's session, and its client: not there.)
     if (nested) return fn(tx);
@@ -285,10 +287,22 @@ export function heardTransaction<Tx, T>(
       return value;
     })
     .finally(() => {
-      client?.removeListener('error', heard);
+      off();
       if (watched) unwatch(watched);
       answer?.off();
     });
+}
+
+// What to undo for each transaction or savepoint heardTransaction runs, should the driver never finish it.
+const abandoning = new WeakMap<object, () => void>();
+
+/**
+ * @internal node-postgres: the driver will never finish `tx` (a savepoint whose function palisade leaves
+ * unsettled, driver.ts): its client is no longer listened to for it — a pool lends that client on, and
+ * a listener per such savepoint would stay on it for good.
+ */
+export function abandonTransaction(tx: unknown): void {
+  abandoning.get(tx as object)?.();
 }
 
 /**

@@ -13,6 +13,7 @@
  * would run inside another's savepoint with `InvalidArgumentError`, before
  * it sends anything.
  */
+import type { EventEmitter } from 'node:events';
 import { fc, test } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
@@ -411,6 +412,43 @@ for (const { name, open, real } of drivers) {
         await one.close();
       }
     });
+
+    // palisade listens to a pool client's errors while its savepoint runs in your transaction, until the
+    // driver finishes the savepoint; the driver never finishes one left running past its parent.
+    it.runIf(name === 'node-postgres')(
+      'modifies left running past a modify in your own transaction leave no listener on the pooled client',
+      async () => {
+        const one = await poolOfOne();
+        try {
+          const repo = fencedRepository(one.db, resource, { sameFence: 'allow' });
+          const client = () => (one.db as unknown as { $client: { _clients: EventEmitter[] } }).$client._clients[0];
+          const listening: number[] = [];
+          for (let i = 0; i < 12; i++) {
+            let inner: Promise<unknown> = Promise.resolve();
+            await one.db.transaction(async (tx) => {
+              const outer = await fencedRepository(tx as unknown as Database, resource, { sameFence: 'allow' })
+                .modify({ id: 1 }, fence, async (_row, mtx) => {
+                  inner = fencedRepository(mtx, resource, { sameFence: 'allow' }).modify({ id: 2 }, fence, async () => {
+                    await sleep(30);
+                    return { value: 'left running' };
+                  });
+                  inner.catch(() => {}); // read below
+                  await sleep(5);
+                  return { value: 'outer' };
+                })
+                .catch((err: unknown) => err);
+              expect(outer).toBeInstanceOf(InvalidArgumentError);
+            });
+            await expect(inner).rejects.toBeInstanceOf(InvalidArgumentError);
+            listening.push(client()?.listenerCount('error') ?? -1);
+          }
+          expect(new Set(listening).size).toBe(1);
+          expect((await repo.update({ id: 3 }, fence, { value: 'after' })).status).toBe('applied');
+        } finally {
+          await one.close();
+        }
+      },
+    );
 
     // On a pool of one the next transaction runs on the connection of the last. The left call's savepoint
     // went with the first transaction's rollback; its own ROLLBACK TO, sent when its function returned, hit
