@@ -101,17 +101,18 @@ interface Statement extends PromiseLike<unknown> {
 // How many statements wait to be looked at before they are (then twice as many as were left waiting).
 const LOOK_EVERY = 32;
 
-/**
- * @internal The statements sent in one transaction (its savepoints' too):
- * how many still run, and which failed. Once {@link Statements.settled}
- * answered, every later one is refused ({@link Statements.refusal}).
- */
 /** @internal Why a statement is not sent through a transaction palisade began once its function ended. */
 export const sentAfterEnd = (): Error =>
   new InvalidArgumentError(
     'a statement was sent on a transaction whose function had ended: await every statement in it',
   );
 
+/**
+ * @internal The statements sent in one transaction (its savepoints' too):
+ * how many still run, and which failed. Once {@link Statements.settled}
+ * answered, or {@link Statements.end} was called, every later one is refused
+ * ({@link Statements.refusal}).
+ */
 export class Statements {
   readonly failures = new Failures();
   #unlooked: Statement[] = [];

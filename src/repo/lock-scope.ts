@@ -31,8 +31,9 @@ const claimSql = () =>
 export const idleBoundSql = () =>
   sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
 // Tags the transaction as a sharer of one register at one fence, by the placeholders `tag1` and `tag2`
-// (registerTag): a raise above that fence ends such a sharer if it stalls mid-statement (migrations 0009, 0010). Never waits: a tag someone
-// holds exclusively (a colliding advisory lock of their own) is not taken.
+// (registerTag): a raise above that fence ends such a sharer if it stalls mid-statement (migrations
+// 0009, 0010). Never waits: a tag someone holds exclusively (a colliding advisory lock of their own) is
+// not taken.
 const tagSql = () => sql`pg_try_advisory_xact_lock_shared(${p('tag1')}::int4, ${p('tag2')}::int4)`;
 const tagValues = (lock: LockIdentity, fence: Fence) => {
   const [tag1, tag2] = registerTag(lock, fence);
@@ -94,7 +95,10 @@ const boundSql = () => sql`select ${idleBoundSql()} as idle, ${tagSql()} as tagg
 export const needsIdleBound = (tx: Database, scope: LockScope): boolean =>
   !boundedBy.get(tx)?.has(lockText(scope.lock));
 
-/** @internal Bounds `tx`'s idle time to `scope`'s TTL left (never loosening a tighter bound) and tags it as a sharer at `fence`, in one statement. */
+/**
+ * @internal Bounds `tx`'s idle time to `scope`'s TTL left (never loosening a tighter bound) and tags it
+ * as a sharer of the lock at `fence`, in one statement.
+ */
 export async function boundIdle(tx: Database, scope: LockScope, fence: Fence): Promise<void> {
   // Not noted: sent through `tx`, the statement may run inside a savepoint opened on its connection
   // (yours, or a concurrent write's), whose rollback would undo the bound behind the note's back.
