@@ -23,6 +23,7 @@ const LONG_FILES = [
   'test/fencing/advisory.test.ts', // 54
   'test/fencing/contract.test.ts', // 51
   'test/cli/demo.test.ts', // 46
+  'test/property/overlapping-calls.test.ts', // 46
   'test/bad-input.test.ts', // 46
   'test/repo/lost-connection.test.ts', // 44
   'test/fencing/redis.test.ts', // 42
