@@ -9,52 +9,12 @@
  * them, are in test/repo/lock-scope.test.ts.
  */
 import { randomBytes } from 'node:crypto';
-import { type AddressInfo, connect, createServer, type Server, type Socket } from 'node:net';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { TestDatabase } from '../support/databases.js';
 import { scenarioDatabase } from '../support/scenario.js';
 import { needs } from '../support/services.js';
-
-// A proxy to Postgres whose answers to the client are held back while `withhold` is set.
-// `state.stopReading`: the proxy stops reading them at all, and the server, once the socket buffers are
-// full, waits to write a large result.
-function withholdingProxy(url: string) {
-  const state = { withhold: false, stopReading: false };
-  const held: (() => void)[] = [];
-  const sockets = new Set<Socket>();
-  const server: Server = createServer((inbound) => {
-    const outbound = connect(Number(new URL(url).port || 5432), '127.0.0.1');
-    sockets.add(inbound).add(outbound);
-    inbound.pipe(outbound);
-    outbound.on('data', (chunk: Buffer) => {
-      if (state.stopReading) outbound.pause();
-      if (state.withhold || state.stopReading) held.push(() => inbound.write(chunk));
-      else inbound.write(chunk);
-    });
-    inbound.on('close', () => outbound.destroy());
-    outbound.on('close', () => inbound.destroy());
-    inbound.on('error', () => {});
-    outbound.on('error', () => {});
-  });
-  return {
-    state,
-    async url(): Promise<string> {
-      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-      const proxied = new URL(url);
-      proxied.host = `127.0.0.1:${(server.address() as AddressInfo).port}`;
-      return proxied.toString();
-    },
-    /** Delivers what was held back (after `state.withhold = false`). */
-    release() {
-      for (const deliver of held.splice(0)) deliver();
-    },
-    close() {
-      for (const socket of sockets) socket.destroy();
-      server.close();
-    },
-  };
-}
+import { withholdingProxy } from '../support/withholding-proxy.js';
 
 describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stalled sharers (real Postgres)', () => {
   let scenario: TestDatabase;

@@ -1,0 +1,80 @@
+import { type AddressInfo, connect, createServer, type Server, type Socket } from 'node:net';
+
+/**
+ * A loopback proxy to Postgres that stalls its clients the ways a network
+ * (or a paused peer) does, each switched on in `state`:
+ *
+ * - `withhold`: the server's answers are held back; the client, waiting for
+ *   them, sends nothing more, and a session that began a statement waits
+ *   for its client mid-statement (`ClientRead`);
+ * - `stopReading`: the proxy stops reading the server's answers at all; the
+ *   server, once the socket buffers are full, waits to write a large result
+ *   (`ClientWrite`);
+ * - `splitAfterParse`: of what the client sends next, the first Parse
+ *   message goes through and everything after it is held back, as a link
+ *   that splits a statement's messages does (the server parses, then waits
+ *   for the Bind: `ClientRead`).
+ *
+ * Held-back answers are delivered by `release()`; what a split holds back,
+ * never. Most tests end the session instead.
+ */
+export function withholdingProxy(url: string) {
+  const state = { withhold: false, stopReading: false, splitAfterParse: false };
+  const held: (() => void)[] = [];
+  const sockets = new Set<Socket>();
+  const server: Server = createServer((inbound) => {
+    const outbound = connect(Number(new URL(url).port || 5432), '127.0.0.1');
+    sockets.add(inbound).add(outbound);
+    let splitting = false;
+    inbound.on('data', (chunk: Buffer) => {
+      if (splitting) return;
+      if (!state.splitAfterParse) {
+        outbound.write(chunk);
+        return;
+      }
+      // After the startup packet every chunk the client writes starts at a message: walk them.
+      splitting = true;
+      const end = endOfFirstParse(chunk);
+      outbound.write(chunk.subarray(0, end ?? chunk.length));
+      if (end === undefined) splitting = false;
+    });
+    outbound.on('data', (chunk: Buffer) => {
+      if (state.stopReading) outbound.pause();
+      if (state.withhold || state.stopReading) held.push(() => inbound.write(chunk));
+      else inbound.write(chunk);
+    });
+    inbound.on('close', () => outbound.destroy());
+    outbound.on('close', () => inbound.destroy());
+    inbound.on('error', () => {});
+    outbound.on('error', () => {});
+  });
+  return {
+    state,
+    /** Starts listening; the URL to give the client (the proxy's loopback port in place of Postgres'). */
+    async url(): Promise<string> {
+      await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+      const proxied = new URL(url);
+      proxied.host = `127.0.0.1:${(server.address() as AddressInfo).port}`;
+      return proxied.toString();
+    },
+    /** Delivers the server's answers that were held back (after `state.withhold = false`). */
+    release() {
+      for (const deliver of held.splice(0)) deliver();
+    },
+    close() {
+      for (const socket of sockets) socket.destroy();
+      server.close();
+    },
+  };
+}
+
+// The offset just past the first Parse message ('P', then its length, which counts itself) in a chunk of
+// whole frontend messages; undefined when the chunk holds none.
+function endOfFirstParse(chunk: Buffer): number | undefined {
+  for (let at = 0; at + 5 <= chunk.length; ) {
+    const end = at + 1 + chunk.readUInt32BE(at + 1);
+    if (chunk[at] === 0x50) return end;
+    at = end;
+  }
+  return undefined;
+}
