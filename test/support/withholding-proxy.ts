@@ -15,32 +15,46 @@ import { type AddressInfo, connect, createServer, type Server, type Socket } fro
  *   that splits a statement's messages does (the server parses, then waits
  *   for the Bind: `ClientRead`).
  *
- * Held-back answers are delivered by `release()`; what a split holds back,
- * never. Most tests end the session instead.
+ * `release()` switches all three off and delivers what was held back, in
+ * order: the stalled session goes on as if the link had only been slow.
  */
 export function withholdingProxy(url: string) {
   const state = { withhold: false, stopReading: false, splitAfterParse: false };
-  const held: (() => void)[] = [];
+  const toClient: (() => void)[] = [];
+  const toServer: (() => void)[] = [];
   const sockets = new Set<Socket>();
+  const outbounds = new Set<Socket>();
   const server: Server = createServer((inbound) => {
     const outbound = connect(Number(new URL(url).port || 5432), '127.0.0.1');
     sockets.add(inbound).add(outbound);
-    let splitting = false;
+    outbounds.add(outbound);
+    let split = false;
     inbound.on('data', (chunk: Buffer) => {
-      if (splitting) return;
+      if (split) {
+        toServer.push(() => outbound.write(chunk));
+        return;
+      }
       if (!state.splitAfterParse) {
         outbound.write(chunk);
         return;
       }
       // After the startup packet every chunk the client writes starts at a message: walk them.
-      splitting = true;
       const end = endOfFirstParse(chunk);
-      outbound.write(chunk.subarray(0, end ?? chunk.length));
-      if (end === undefined) splitting = false;
+      if (end === undefined) {
+        outbound.write(chunk);
+        return;
+      }
+      split = true;
+      outbound.write(chunk.subarray(0, end));
+      const rest = chunk.subarray(end);
+      toServer.push(() => {
+        split = false;
+        outbound.write(rest);
+      });
     });
     outbound.on('data', (chunk: Buffer) => {
       if (state.stopReading) outbound.pause();
-      if (state.withhold || state.stopReading) held.push(() => inbound.write(chunk));
+      if (state.withhold || state.stopReading) toClient.push(() => inbound.write(chunk));
       else inbound.write(chunk);
     });
     inbound.on('close', () => outbound.destroy());
@@ -57,9 +71,14 @@ export function withholdingProxy(url: string) {
       proxied.host = `127.0.0.1:${(server.address() as AddressInfo).port}`;
       return proxied.toString();
     },
-    /** Delivers the server's answers that were held back (after `state.withhold = false`). */
+    /** Ends every stall and delivers, in order, what was held back either way. */
     release() {
-      for (const deliver of held.splice(0)) deliver();
+      state.withhold = false;
+      state.stopReading = false;
+      state.splitAfterParse = false;
+      for (const deliver of toServer.splice(0)) deliver();
+      for (const deliver of toClient.splice(0)) deliver();
+      for (const outbound of outbounds) outbound.resume();
     },
     close() {
       for (const socket of sockets) socket.destroy();
