@@ -314,6 +314,47 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
     }
   });
 
+  // A grant takes the lock, then draws its fence and claims the lock's register, then labels its session,
+  // all in one statement; the claim waits while a fenced transaction shares the register row. Asked
+  // meanwhile, inspect saw a lock without a label and called it foreign — which a scheduler that lost the
+  // race reported instead of naming the winner (seen in CI on a loaded machine).
+  it('inspect waits out a grant still between its lock and its label, and names that holder', async () => {
+    const first = await manager.acquire('job', { ttlMs: 10_000 });
+    // A fenced transaction of the first lease, still running: it shares the register row at its fence.
+    const sharer = await client.reserve();
+    try {
+      await sharer`begin`;
+      await sharer`select 1 from palisade.lock_registers
+        where kind = 'advisory' and namespace = ${namespace} and name = 'job' for share`;
+      await first.release();
+      const second = advisoryLockManager({ client: client, namespace });
+      try {
+        const granting = second.acquire('job', { ttlMs: 10_000, waitMs: 10_000 });
+        // The second grant holds the lock and waits on the register row, its session not yet labelled.
+        expect(
+          await eventually(async () => {
+            const [row] = await execute(
+              test.db,
+              sql`select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '/* palisade advisory grant */%'`,
+            );
+            return row !== undefined;
+          }),
+        ).toBe(true);
+        const inspecting = manager.inspect('job');
+        await new Promise((resolve) => setTimeout(resolve, 200));
+        await sharer`commit`;
+        const [lease, info] = await Promise.all([granting, inspecting]);
+        expect(info?.fence).toBe(lease.fence);
+        await lease.release();
+      } finally {
+        await second.close();
+      }
+    } finally {
+      await sharer`rollback`.catch(() => {});
+      sharer.release();
+    }
+  });
+
   it('close() ends the manager’s sessions: held leases are told they are lost and their locks are free', async () => {
     const closing = advisoryLockManager({ client: client, namespace });
     const lease = await closing.acquire('job', { ttlMs: 30_000 });

@@ -289,26 +289,30 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       return row?.released === true;
     },
 
-    async inspect(name): Promise<LockInfo | null> {
+    inspect(name): Promise<LockInfo | null> {
       const { classid, objid } = advisoryKeyParts(advisoryKey(ns, name));
-      // The label is set in the grant's own statement, a moment after the lock: look again briefly.
-      for (let attempt = 0; attempt < 3; attempt++) {
-        const [row] = await withinMs('Postgres advisory inspect', callMs, () =>
-          run(sql, INSPECT, [classid.toString(), objid.toString()]),
-        );
-        if (!row) return null;
-        const label = LABEL.exec(String(row.label ?? ''));
-        if (label) {
-          return {
-            name,
-            holder: label[3] ?? null,
-            fence: toFence(label[1]) as Fence,
-            acquiredAt: new Date(Number(label[2])),
-            remainingMs: null,
-          };
+      // The label is set in the grant's own statement, after the lock, the fence and the register's claim
+      // (which may wait): while the holder's session is still in that statement, look again. A lock whose
+      // session is anywhere else without the label is not a palisade lease's.
+      return withinMs('Postgres advisory inspect', callMs, async (abandoned) => {
+        for (let pause = 1; !abandoned.aborted; pause = Math.min(pause * 2, 50)) {
+          const [row] = await run(sql, INSPECT, [classid.toString(), objid.toString()]);
+          if (!row) return null;
+          const label = LABEL.exec(String(row.label ?? ''));
+          if (label) {
+            return {
+              name,
+              holder: label[3] ?? null,
+              fence: toFence(label[1]) as Fence,
+              acquiredAt: new Date(Number(label[2])),
+              remainingMs: null,
+            };
+          }
+          if (row.granting !== true) throw new ForeignLockError(name);
+          await new Promise((resolve) => setTimeout(resolve, pause));
         }
-      }
-      throw new ForeignLockError(name);
+        return null;
+      });
     },
 
     waitForRelease(name, ms, signal) {

@@ -13,6 +13,9 @@ export const LABEL = /^pl:([1-9][0-9]{0,18}):([0-9]{1,16}):(?:-|=(.*))$/s;
 const APP_NAME_BYTES = 63;
 export const IDLE_APP_NAME = 'palisade';
 
+/** What the grant statement begins with: `inspect` tells a session still in it (locked, not yet labelled). */
+const GRANT_MARK = '/* palisade advisory grant */';
+
 // The lock, the fence, the label and the idle timeout in one statement.
 // MATERIALIZED: the try-lock runs exactly once (a second call would take the
 // re-entrant lock twice); CASE draws a fence only when the lock was taken.
@@ -26,7 +29,7 @@ export const IDLE_APP_NAME = 'palisade';
 // that holds it: a timeout there is "not granted", as for the sequence. A statement that fails after the
 // try-lock leaves the advisory lock held (advisory locks ignore rollback):
 // the session is then ended, which frees it.
-export const GRANT = `
+export const GRANT = `${GRANT_MARK}
   with w as materialized (select set_config('lock_timeout', $4::text, false) as lt),
   t as materialized (select pg_try_advisory_lock($1::int8) as got from w),
   f0 as materialized (
@@ -64,8 +67,11 @@ export const RELEASE = `
          case when released then pg_notify('${RELEASE_CHANNEL}', $2::text)::text end as notified
   from u`;
 
+// The holder's label, and whether its session is still in the grant statement that labels it (between the
+// lock and the label come the fence and the register's claim, which may wait on a fenced transaction).
 export const INSPECT = `
-  select a.application_name as label
+  select a.application_name as label,
+         a.state = 'active' and starts_with(a.query, '${GRANT_MARK}') as granting
   from pg_catalog.pg_locks l
   left join pg_catalog.pg_stat_activity a on a.pid = l.pid
   where l.locktype = 'advisory' and l.granted and l.objsubid = 1
