@@ -32,6 +32,7 @@ import { afterAll, beforeAll, describe, expect } from 'vitest';
 import type { LockIdentity } from '../../src/fencing/lock-identity.js';
 import { registerTag } from '../../src/repo/register-key.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { eventually } from '../support/lock-workers.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { withholdingProxy } from '../support/withholding-proxy.js';
@@ -326,12 +327,15 @@ describe.runIf(needs('DATABASE_URL'))(
     // Waits (bounded: 400 looks, 25 ms apart) until the session `pid` shows as `stall` does.
     async function shows(pid: number, stall: Stall): Promise<void> {
       const [state, event] = SHOWN[stall];
-      for (let i = 0; i < 400; i++) {
-        const [row] = await observer`select state, wait_event from pg_stat_activity where pid = ${pid}`;
-        if (row?.state === state && (event === undefined || row.wait_event === event)) return;
-        await new Promise((resolve) => setTimeout(resolve, 25));
-      }
-      throw new Error(`session ${pid} never showed as ${stall}`);
+      const seen = await eventually(
+        async () => {
+          const [row] = await observer`select state, wait_event from pg_stat_activity where pid = ${pid}`;
+          return row?.state === state && (event === undefined || row.wait_event === event);
+        },
+        400,
+        25,
+      );
+      if (!seen) throw new Error(`session ${pid} never showed as ${stall}`);
     }
 
     // The raise the case asks for, on `conn` in its open transaction; what it returned (end_stalled_sharers:
@@ -386,8 +390,8 @@ describe.runIf(needs('DATABASE_URL'))(
           // The ended ones go (bounded: 200 looks, 25 ms apart); every other one answers.
           for (const [i, s] of sessions.entries()) {
             if (!ended[i]) continue;
-            for (let n = 0; n < 200 && (await alive(s)); n++) await new Promise((resolve) => setTimeout(resolve, 25));
-            expect(await alive(s), `session ${i} (${c.sessions[i]?.stall}) was to be ended`).toBe(false);
+            const gone = await eventually(async () => !(await alive(s)), 200, 25);
+            expect(gone, `session ${i} (${c.sessions[i]?.stall}) was to be ended`).toBe(true);
           }
           for (const [i, s] of sessions.entries()) {
             if (ended[i]) continue;
