@@ -12,7 +12,7 @@
  * the point is that the database refuses a stale write, not that the worker
  * is polite. Every operation goes to the shared JSON Lines history
  * (invoke, then ok / fail / unknown); stdout carries short JSON messages the
- * runner uses to aim its faults (`acquired`, `wrote`, `released`).
+ * runner uses to aim its faults (`acquired`, `writing`, `wrote`, `released`).
  *
  * With `namespaces` > 1 it runs one such loop per namespace at once (each
  * its own lock and counter row), so a Redis reset makes every namespace
@@ -239,6 +239,8 @@ async function main(): Promise<void> {
       } else {
         // Lock scope: both rows in one fenced transaction, each write claiming the lock's register, so a
         // stale holder is refused on the row the newer holder has not written yet, too.
+        // The hold is over: a pause from here lands in the write, not before it (the runner aims elsewhere).
+        say('writing', { fence });
         const keys = chaosKeys(key);
         if (round++ % 2 === 1) keys.reverse();
         for (const k of keys) record({ type: 'invoke', op: 'increment', key: k, fence });

@@ -11,8 +11,10 @@
  * Faults, at random intervals (seeded; the timing itself is the machine's):
  * - SIGSTOP of the worker that holds the lock, between its acquire and its
  *   write, for 1.2–3 TTLs and on until a newer holder's write landed (at
- *   most 3 TTLs more), then SIGCONT — it wakes up stale and writes;
- * - kill -9 of a worker (often the holder), restarted under the same label;
+ *   most 3 TTLs more), then SIGCONT — it wakes up stale and writes (the
+ *   worker says when its hold ends, so a pause does not land in its write);
+ * - kill -9 of a worker (often the holder, in its hold or its write),
+ *   restarted under the same label;
  * - redis: FLUSHDB of, or kill -9 and restart of, a redis-server this runner
  *   started itself on a free loopback port (the shared 6379 is never used);
  * - postgres / advisory: `pg_terminate_backend` of the holder's connections
@@ -170,8 +172,13 @@ const MIN_HOLDER_PARTITIONS = 2;
 interface Handle {
   readonly label: string;
   child: ChildProcess;
-  /** What the worker last told us: `holding` between `acquired` and `wrote`. */
-  state: 'starting' | 'idle' | 'holding' | 'wrote' | 'exited';
+  /**
+   * What the worker last told us: `holding` from `acquired` to the end of its hold, `writing` from then
+   * to `wrote`. A pause or partition aims at the hold: caught in the write, a holder is ended by the idle
+   * timeout or by the next holder's raise (an unknown write, not a refused one), so it would not show
+   * the database refusing it.
+   */
+  state: 'starting' | 'idle' | 'holding' | 'writing' | 'wrote' | 'exited';
   fence: string | undefined;
   exited: Promise<void>;
   ready: Promise<void>;
@@ -324,6 +331,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
             handle.state = 'holding';
             handle.fence = m.fence;
             if (m.server) grantsSeen.set(m.server, (grantsSeen.get(m.server) ?? 0) + 1);
+          } else if (m.event === 'writing') {
+            handle.state = 'writing';
           } else if (m.event === 'wrote' || m.event === 'skipped') {
             handle.state = 'wrote';
             if (m.status === 'applied' && m.fence && BigInt(m.fence) > newestApplied) newestApplied = BigInt(m.fence);
@@ -354,10 +363,11 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     // The nemesis: one fault at a time until the deadline.
     deadline = Date.now() + o.seconds * 1000;
     const sleepUntil = (ms: number) => sleep(Math.max(0, Math.min(ms, deadline - Date.now())));
-    const holder = async (within: number): Promise<Handle | undefined> => {
+    /** A worker in its hold, or with `writing`, in its hold or its write. */
+    const holder = async (within: number, writing = false): Promise<Handle | undefined> => {
       const until = Date.now() + within;
       while (Date.now() < until) {
-        const h = handles.find((x) => x.state === 'holding');
+        const h = handles.find((x) => x.state === 'holding' || (writing && x.state === 'writing'));
         if (h) return h;
         await sleep(5);
       }
@@ -546,7 +556,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         }
       } else if (kind === 'kill') {
         const h =
-          (random() < 0.5 ? await holder(o.ttlMs) : undefined) ?? handles[Math.floor(random() * handles.length)];
+          (random() < 0.5 ? await holder(o.ttlMs, true) : undefined) ?? handles[Math.floor(random() * handles.length)];
         if (!h) continue;
         fault('kill', `${h.label} (${h.state}) with SIGKILL, restarted`);
         h.expectExit = true;
@@ -578,7 +588,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         fault('restart', 'kill -9 and restart of the private redis-server (no persistence: every key lost)');
         await redis.restart();
       } else if (kind === 'terminate') {
-        const h = await holder(2 * o.ttlMs);
+        const h = await holder(2 * o.ttlMs, true);
         if (!h) continue;
         const [row] = await client<{ n: string }[]>`
           select count(*) filter (where pg_terminate_backend(pid)) as n from pg_stat_activity

@@ -26,6 +26,7 @@ import { claimLockRegister } from '../../src/repo/lock-scope.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
+import { eventually } from '../support/lock-workers.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
@@ -340,13 +341,17 @@ for (const { name, open, real } of drivers) {
           const before = await repo.update({ id: 1 }, fence, { value: 'before' });
           const outer = await repo
             .modify({ id: 2 }, fence, async () => {
+              // The outer function returns once the inner one runs (a fixed sleep lost that race under load:
+              // the inner modify, not yet past its read, was refused before its function could throw).
+              let runs = false;
               left = repo.modify({ id: 3 }, fence, async () => {
+                runs = true;
                 await sleep(50);
                 if (inner === 'throws') throw new Thrown('the function threw');
                 return { value: 'left running' };
               });
               left.catch(() => {}); // read below
-              await sleep(5);
+              expect(await eventually(async () => runs, 400, 25), 'the inner modify never ran its function').toBe(true);
               return { value: 'outer' };
             })
             .catch((err: unknown) => err);
