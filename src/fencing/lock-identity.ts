@@ -31,7 +31,7 @@ const checked = new WeakMap<object, LockIdentity>();
 
 /**
  * Checks a {@link LockIdentity} given by a caller (four non-empty strings of
- * at most 1,024 UTF-8 bytes, no NUL) and returns a frozen copy — the same
+ * at most 1,024 UTF-8 bytes, well-formed, no NUL) and returns a frozen copy — the same
  * copy every time it is given the same frozen value (a lease's).
  * @throws {InvalidArgumentError} otherwise, before any query.
  */
@@ -48,6 +48,10 @@ export function checkLockIdentity(value: unknown): LockIdentity {
     if (typeof s !== 'string' || (part !== 'namespace' && s.length === 0) || s.includes('\u0000')) {
       throw new InvalidArgumentError(`lock.${part} must be a non-empty string without NUL`);
     }
+    // The register key hashes UTF-8, where every lone surrogate becomes U+FFFD: '\uD800', '\uDC00'
+    // and '\uFFFD' would share one register (lock names are refused likewise, options.ts).
+    if (!s.isWellFormed())
+      throw new InvalidArgumentError(`lock.${part} must be well-formed Unicode (no lone surrogates)`);
     if (Buffer.byteLength(s, 'utf8') > PART_BYTES) {
       throw new InvalidArgumentError(`lock.${part} must be at most ${PART_BYTES} UTF-8 bytes`);
     }

@@ -752,6 +752,16 @@ describe.each(drivers)('fenced repository on $name', ({ open }) => {
         InvalidArgumentError,
       );
       expect(() => repo.with({ fence: f(6), signal: {} as never })).toThrow(InvalidArgumentError);
+      // Lone surrogates would all be hashed as U+FFFD: two such lock identities would share one register.
+      for (const [part, value] of [
+        ['name', '\uD800'],
+        ['source', 'db\uDC00'],
+        ['kind', '\uDBFF'],
+      ] as const) {
+        const lock = { kind: 'k', source: 's', namespace: 'n', name: 'L', [part]: value };
+        const lease = { fence: f(6), signal: new AbortController().signal, lock };
+        expect(() => repo.with(lease), part).toThrow(/well-formed Unicode/);
+      }
 
       expect(queries).toEqual([]);
       expect(await repo.get(key)).toMatchObject({ id: 'a', balance: 100, lastFence: 5n });
