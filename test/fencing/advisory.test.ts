@@ -318,7 +318,7 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
   // all in one statement; the claim waits while a fenced transaction shares the register row. Asked
   // meanwhile, inspect saw a lock without a label and called it foreign — which a scheduler that lost the
   // race reported instead of naming the winner (seen in CI on a loaded machine).
-  it('inspect waits out a grant still between its lock and its label, and names that holder', async () => {
+  it('inspect waits out a grant still between its lock and its label, within its call’s time, and names that holder', async () => {
     const first = await manager.acquire('job', { ttlMs: 10_000 });
     // A fenced transaction of the first lease, still running: it shares the register row at its fence.
     const sharer = await client.reserve();
@@ -340,6 +340,13 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
             return row !== undefined;
           }),
         ).toBe(true);
+        // Within its call's time only: a manager whose calls may take 150 ms gives up on it.
+        const impatient = advisoryLockManager({ client: client, namespace, lockTimeoutMs: 50, commandTimeoutMs: 100 });
+        try {
+          await expect(impatient.inspect('job')).rejects.toMatchObject({ code: 'command_timeout' });
+        } finally {
+          await impatient.close();
+        }
         const inspecting = manager.inspect('job');
         await new Promise((resolve) => setTimeout(resolve, 200));
         await sharer`commit`;
