@@ -44,8 +44,9 @@ export async function databaseSourceId(db: Database, lockWaitMs?: number): Promi
 /**
  * `backend` with `namespace` and every grant's `source` set from `source()`
  * (asked once, and again only after it failed): for backends whose source
- * id takes a round trip of its own to learn (a Redis deployment, an etcd
- * cluster). A grant whose source cannot be learnt is given back and the
+ * id takes a round trip of its own to learn and never changes while the
+ * process runs (a Redis deployment's epochs database; not an etcd cluster,
+ * which a restore replaces: its grants name it themselves). A grant whose source cannot be learnt is given back and the
  * error thrown, so no lease exists without its lock identity.
  */
 export function withFenceSource(backend: LockBackend, namespace: string, source: () => Promise<string>): LockBackend {

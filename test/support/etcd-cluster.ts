@@ -2,7 +2,8 @@
  * A real etcd cluster of the test's own: `size` members of Debian's `etcd`
  * binary on free loopback ports, each with its own data directory under a
  * temporary directory. Members can be killed (SIGKILL) and started again on
- * the same data. `stop()` kills them all and removes the directory.
+ * the same data, or the whole cluster replaced by a new one on the same
+ * URLs. `stop()` kills them all and removes the directory.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -37,6 +38,11 @@ export interface EtcdCluster {
   waitHealthy(timeoutMs?: number): Promise<void>;
   /** Starts every stopped member and waits until the cluster is healthy. */
   heal(timeoutMs?: number): Promise<void>;
+  /**
+   * Replaces the cluster, as a restore from a snapshot into a new cluster does: every member killed,
+   * its data removed, and a new cluster (a new cluster id, revisions from 1) started on the same URLs.
+   */
+  replace(timeoutMs?: number): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -51,7 +57,8 @@ export async function startEtcdCluster(size = 3, timeoutMs = 30_000): Promise<Et
   if (!binary) throw new Error('etcd is not on PATH (Debian package etcd-server)');
   const dir = await mkdtemp(join(tmpdir(), 'palisade-etcd-'));
   const ports = await freePorts(size * 2);
-  const token = `palisade-${randomBytes(4).toString('hex')}`;
+  const newToken = () => `palisade-${randomBytes(4).toString('hex')}`;
+  let token = newToken();
   const specs = Array.from({ length: size }, (_, i) => ({
     name: `m${i}`,
     clientUrl: `http://127.0.0.1:${ports[2 * i]}`,
@@ -166,6 +173,13 @@ export async function startEtcdCluster(size = 3, timeoutMs = 30_000): Promise<Et
       await leader(timeout);
     },
     async heal(timeout = timeoutMs) {
+      for (const m of members) m.start();
+      await leader(timeout);
+    },
+    async replace(timeout = timeoutMs) {
+      await Promise.all(members.map((m) => m.kill()));
+      await Promise.all(specs.map((spec) => rm(spec.dataDir, { recursive: true, force: true })));
+      token = newToken();
       for (const m of members) m.start();
       await leader(timeout);
     },

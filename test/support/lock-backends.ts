@@ -10,7 +10,7 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import { execute } from '../../src/driver.js';
-import type { LockBackend } from '../../src/fencing/backend.js';
+import { forwardTo, type LockBackend } from '../../src/fencing/backend.js';
 import { advisoryLockBackend } from '../../src/fencing/backends/postgres-advisory/backend.js';
 import { advisoryKey, advisoryKeyParts } from '../../src/fencing/backends/postgres-advisory/keys.js';
 import { postgresLockBackend } from '../../src/fencing/backends/postgres-lease/backend.js';
@@ -72,15 +72,10 @@ export async function openBackend(config: BackendConfig): Promise<OpenBackend> {
       // Loaded only here: etcd3 (and gRPC) is an optional peer dependency.
       const { Etcd3 } = await import('etcd3');
       const { etcdLockBackend } = await import('../../src/fencing/backends/etcd/backend.js');
-      const { etcdFenceSource } = await import('../../src/fencing/backends/etcd/source.js');
       const etcd = new Etcd3({ hosts: [...config.etcdEndpoints] });
       closers.unshift(async () => etcd.close());
       // As etcdLockManager builds it: grants carry the cluster id, for leases' lock identity.
-      backend = withFenceSource(
-        etcdLockBackend({ client: etcd, namespace: config.namespace }),
-        config.namespace,
-        etcdFenceSource(etcd),
-      );
+      backend = forwardTo(etcdLockBackend({ client: etcd, namespace: config.namespace }), config.namespace);
       break;
     }
     default:

@@ -13,6 +13,7 @@ import { type Fence, toFence } from '../../fence.js';
 import { isTransient, retryingCall, withContext } from './failures.js';
 import { etcdLeaseSeconds } from './keys.js';
 import { checkEtcdOptions, type EtcdLockManagerOptions } from './options.js';
+import { etcdFenceSource } from './source.js';
 
 /** What the backend remembers of a lease it granted, by token. */
 interface Held {
@@ -211,6 +212,11 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         if (granted !== leaseId) revokeLater(leaseId);
       }
       const fence = toFence(kv.create_revision);
+      const source = etcdFenceSource(res.header);
+      if (source === undefined) {
+        if (res.succeeded) revokeLater(granted);
+        throw new LockServiceError('etcd', `etcd grant of ${JSON.stringify(name)}: the response named no cluster id`);
+      }
       if (res.succeeded && fence <= floor) {
         revokeLater(granted);
         throw new FenceSourceError(
@@ -219,12 +225,13 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       }
       seenHeldAt.delete(name);
       const known = held.get(token);
-      if (known && known.fence === fence && !known.lost.signal.aborted) return { fence, lost: known.lost.signal };
+      if (known && known.fence === fence && !known.lost.signal.aborted)
+        return { fence, lost: known.lost.signal, source };
       if (known) cancelLater(known.watcher);
       const entry: Held = { name, fence, leaseId: granted, seconds, lost: new AbortController(), watcher: undefined };
       held.set(token, entry);
       if (!closed) watchForLoss(entry);
-      return { fence, lost: entry.lost.signal };
+      return { fence, lost: entry.lost.signal, source };
     },
 
     async extend(name, token, ttlMs) {

@@ -1,11 +1,11 @@
 /** The etcd lock manager; the README's "etcd" section and "What each guarantees" are its manual. */
+
+import { forwardTo } from '../../backend.js';
 import { checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import { checkNamespace } from '../../options.js';
-import { withFenceSource } from '../../source.js';
 import { etcdLockBackend } from './backend.js';
 import type { EtcdLockManagerOptions } from './options.js';
-import { etcdFenceSource } from './source.js';
 
 /**
  * A lock manager on an etcd v3 cluster: the fence is the revision at which
@@ -16,11 +16,9 @@ import { etcdFenceSource } from './source.js';
  */
 export function etcdLockManager(options: EtcdLockManagerOptions): LockManager {
   const backend = etcdLockBackend(options);
-  // Leases carry their lock (kind, the cluster's id, namespace, name) for lock-scoped writes.
+  // Leases carry their lock (kind, the cluster's id, namespace, name) for lock-scoped writes: each grant
+  // names the cluster its response came from (./source.ts).
   return createLockManager(
-    withEagerClaim(
-      withFenceSource(backend, checkNamespace(options.namespace), etcdFenceSource(options.client)),
-      checkClaimRegisters(options.claimRegisters),
-    ),
+    withEagerClaim(forwardTo(backend, checkNamespace(options.namespace)), checkClaimRegisters(options.claimRegisters)),
   );
 }
