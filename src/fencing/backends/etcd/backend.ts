@@ -23,7 +23,11 @@ interface Held {
   seconds: number;
   readonly lost: AbortController;
   watcher: Watcher | undefined;
+  /** Watches started again after etcd cancelled one (a compaction): at most {@link MAX_REWATCHES}. */
+  rewatches: number;
 }
+
+const MAX_REWATCHES = 10;
 
 /**
  * The etcd {@link LockBackend} behind `etcdLockManager`, for composing a
@@ -146,12 +150,15 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
   const firstKv = (res: ITxnResponse, index: number): IKeyValue | undefined =>
     res.responses[index]?.response_range?.kvs?.[0];
 
-  /** Aborts `lost` when etcd deletes the lock key or someone else re-creates it after `fence`. */
-  function watchForLoss(entry: Held): void {
+  /**
+   * Aborts `lost` when etcd deletes the lock key or someone else re-creates it after `fence`, watching
+   * the key's events from revision `from`.
+   */
+  function watchForLoss(entry: Held, from = entry.fence + 1n): void {
     const watcher = client
       .watch()
       .key(bytes(keys.lock(entry.name)))
-      .startRevision((entry.fence + 1n).toString())
+      .startRevision(from.toString())
       .watcher();
     const lose = () => {
       entry.lost.abort();
@@ -164,9 +171,26 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     watcher.on('put', (kv) => {
       if (kv.create_revision !== entry.fence.toString()) lose();
     });
-    // A broken watch is no verdict on the lease: the local deadline and extend() still decide.
-    watcher.on('error', () => {});
+    // A broken watch is no verdict on the lease: the local deadline and extend() still decide. But etcd
+    // cancels a watch whose revision it compacted away — one whose stream reconnected resumes from where
+    // it started, and a quiet key's revision is soon compacted — and etcd3 then ends it with 'error': the
+    // key is read afresh and watched again from that read, or the signal would no longer abort when etcd
+    // deletes the key. A read that fails leaves it to the local deadline.
+    watcher.on('error', () => {
+      if (entry.watcher !== watcher) return;
+      entry.watcher = undefined;
+      if (entry.rewatches++ < MAX_REWATCHES) later(watchAgain(entry));
+    });
     entry.watcher = watcher;
+  }
+
+  async function watchAgain(entry: Held): Promise<void> {
+    const res = await txn('watch check', { compare: [], success: [rangeOf(keys.lock(entry.name))], failure: [] });
+    if (closed || entry.lost.signal.aborted || entry.watcher !== undefined || ![...held.values()].includes(entry)) {
+      return;
+    }
+    if (firstKv(res, 0)?.create_revision !== entry.fence.toString()) entry.lost.abort();
+    else watchForLoss(entry, BigInt(res.header.revision) + 1n);
   }
 
   const backend: LockBackend = {
@@ -228,7 +252,15 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       if (known && known.fence === fence && !known.lost.signal.aborted)
         return { fence, lost: known.lost.signal, source };
       if (known) cancelLater(known.watcher);
-      const entry: Held = { name, fence, leaseId: granted, seconds, lost: new AbortController(), watcher: undefined };
+      const entry: Held = {
+        name,
+        fence,
+        leaseId: granted,
+        seconds,
+        lost: new AbortController(),
+        watcher: undefined,
+        rewatches: 0,
+      };
       held.set(token, entry);
       if (!closed) watchForLoss(entry);
       return { fence, lost: entry.lost.signal, source };
