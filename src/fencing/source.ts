@@ -42,11 +42,12 @@ export async function databaseSourceId(db: Database, lockWaitMs?: number): Promi
 }
 
 /**
- * `backend` with `namespace` and every grant's `source` set from `source()`
- * (asked once, and again only after it failed): for backends whose source
- * id takes a round trip of its own to learn and never changes while the
- * process runs (a Redis deployment's epochs database; not an etcd cluster,
- * which a restore replaces: its grants name it themselves). A grant whose source cannot be learnt is given back and the
+ * `backend` with `namespace` and every grant's `source` set — unless the
+ * backend named one itself — from `source()` (asked once, and again only
+ * after it failed): for backends whose source id takes a round trip of its
+ * own to learn (a Redis deployment's epochs database, for epochs activated
+ * before Redis kept their database's id; not an etcd cluster, which a
+ * restore replaces: its grants name it themselves). A grant whose source cannot be learnt is given back and the
  * error thrown, so no lease exists without its lock identity.
  */
 export function withFenceSource(backend: LockBackend, namespace: string, source: () => Promise<string>): LockBackend {
@@ -72,7 +73,8 @@ export function withFenceSource(backend: LockBackend, namespace: string, source:
     async grant(...args: Parameters<LockBackend['grant']>): Promise<Grant | null> {
       const id = learnt ?? (await sourceId());
       const grant = await base.grant(...args);
-      return grant === null ? null : withSource(grant, id);
+      // A source the backend named with the grant (Redis: the one its epoch is filed under) comes first.
+      return grant === null ? null : withSource(grant, grant.source ?? id);
     },
     ...(handover
       ? {
@@ -81,7 +83,7 @@ export function withFenceSource(backend: LockBackend, namespace: string, source:
           async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
             const grant = await handover(...args);
             if (grant === undefined) return undefined;
-            const id = learnt ?? (await known?.catch(() => undefined));
+            const id = grant.source ?? learnt ?? (await known?.catch(() => undefined));
             return id === undefined ? undefined : withSource(grant, id);
           },
         }

@@ -52,6 +52,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     const grant = await turn;
     expect(grant?.fence).toBeGreaterThan(lease.fence);
     expect(grant?.confirmWithinMs).toBe(REDIS_HANDOFF_CONFIRM_MS);
+    expect(grant?.source).toBe(lease.lock?.source); // the epoch's, from the message
     expect(await lockToken(redis, keys.lock('baton'))).toBe(waiter);
     const before = await redis.pttl(keys.lock('baton'));
     expect(before).toBeGreaterThan(0);
@@ -340,7 +341,8 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     }
     await until('the messages arrived', async () => messages.length >= 3);
 
-    expect(messages.some((m) => m.split('\0').length === 4)).toBe(true); // a handoff was published
+    // A handoff was published: name, hash, epoch, counter and the id the epoch is filed under.
+    expect(messages.some((m) => m.split('\0').length === 5)).toBe(true);
     for (const message of messages) {
       for (const token of tokens) expect(message).not.toContain(token);
       const [, hash] = message.split('\0');

@@ -9,6 +9,7 @@ import { sql } from 'drizzle-orm';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import postgres from 'postgres';
 import { describe, expect, it, onTestFinished } from 'vitest';
+import { execute } from '../../src/driver.js';
 import {
   CommandTimeoutError,
   FenceSourceError,
@@ -35,8 +36,10 @@ import { REDIS_MIN_VERSION } from '../../src/fencing/backends/redis/scripts/iden
 import { RELEASE_SCRIPT } from '../../src/fencing/backends/redis/scripts/release.js';
 import { scriptRunner } from '../../src/fencing/backends/redis/scripts/script.js';
 import type { Lease } from '../../src/fencing/lease.js';
+import { fencedRepository } from '../../src/repo/repository.js';
 import { hashTag, namespaceKeys, pauseAfter, redisScenario } from '../support/redis.js';
 import { startPrivateRedis } from '../support/redis-server.js';
+import { resource, scenarioRows } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 import { trackTimers } from '../support/timers.js';
@@ -646,5 +649,40 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
       }),
     ).rejects.toThrow('job failed');
     expect(await manager.inspect('u')).toBeNull();
+  });
+
+  // A manager reads its epochs database's id once. With that id changed since (a database created again at
+  // the same address, or the id updated as for a copy), an older and a newer manager filed one epoch's
+  // fences under two ids — two registers — and a stale holder's lock-scoped write landed (an attack).
+  it("one epoch's grants name the id the epoch was taken under, whichever manager grants them", async () => {
+    const { manager, open, test, redis, keys } = await redisScenario(REDIS_URL);
+    const { newRow, rowOf } = scenarioRows(() => test);
+    const repo = fencedRepository(test.db, resource, { scope: 'lock' });
+    const [x, y] = [await newRow(), await newRow()];
+    const before = await manager.acquire('L', { ttlMs: 1_000 }); // reads the id, takes an epoch under it
+    await before.release();
+    await test.db.execute(sql`update palisade.fence_sources set source_id = 'pg:' || md5(random()::text)`);
+    const started = open(); // reads the new id
+
+    const stale = await manager.acquire('L', { ttlMs: 1_000 });
+    const newer = await started.acquire('L', { ttlMs: 5_000, waitMs: 10_000 }); // once the stale one's TTL ran out
+    expect(newer.fence).toBeGreaterThan(stale.fence);
+    expect([stale.lock?.source, newer.lock?.source]).toEqual([before.lock?.source, before.lock?.source]);
+    expect(await repo.with(newer).update({ id: x }, { value: 'newer' })).toMatchObject({ status: 'applied' });
+    const woken = { fence: stale.fence, lock: stale.lock, signal: new AbortController().signal };
+    expect(await repo.with(woken).update({ id: y }, { value: 'stale' })).toMatchObject({
+      status: 'stale',
+      currentFence: newer.fence,
+    });
+    expect(await rowOf(y)).toMatchObject({ value: 'initial' });
+    await newer.release();
+
+    // A new epoch is filed under the id read with it: the fence state gone, the old manager takes one.
+    await redis.del(keys.fence);
+    const next = await manager.acquire('L', { ttlMs: 1_000 });
+    const [row] = await execute(test.db, sql`select palisade.fence_source_id() as id`);
+    expect(next.lock?.source).toBe(`redis-epochs:${String(row?.id)}`);
+    expect(next.lock?.source).not.toBe(before.lock?.source);
+    await next.release();
   });
 });

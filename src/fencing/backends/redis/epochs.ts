@@ -32,6 +32,8 @@ import { runActivateEpoch, runBumpEpoch, runInstallEpoch } from './scripts/epoch
 import { REDIS_MIN_VERSION } from './scripts/identity.js';
 import type { RunScript } from './scripts/script.js';
 
+const nextEpochSql = () => sql`select nextval('palisade.epoch_seq') as epoch, palisade.fence_source_id() as source`;
+
 /**
  * @internal Takes a new epoch after the grant script answered NOEPOCH for
  * `reason` having seen epoch `observed` (''); returns when the grant may be
@@ -85,13 +87,20 @@ export function epochRecovery(
     if (installed !== 'INSTALLED') {
       throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
     }
-    const [next] = await postgres('nextval', sql`select nextval('palisade.epoch_seq') as epoch`);
+    // The database's id with the epoch, in one statement: the epoch's fences are filed under it.
+    const [next] = await postgres('nextval', nextEpochSql());
     const epoch = int8(next?.epoch);
     if (epoch === null || epoch < 1n) throw new FenceSourceError('nextval of palisade.epoch_seq returned nothing');
+    const source = next?.source;
+    if (typeof source !== 'string' || source.length === 0) {
+      throw new FenceSourceError(
+        'palisade.fence_sources holds no id: run palisade migration 0005_lock_registers again',
+      );
+    }
     if (epoch > REDIS_MAX_EPOCH) {
       throw new FenceSourceError(`palisade.epoch_seq passed ${REDIS_MAX_EPOCH}: Redis fences have no epochs left`);
     }
-    const activated = await runActivateEpoch(run, keys, nonce, epoch);
+    const activated = await runActivateEpoch(run, keys, nonce, epoch, source);
     recordFenceSource('redis', 'floor_check', activated === 'BEHIND' ? 'behind' : 'confirmed');
     if (activated === 'BEHIND') {
       throw new FenceSourceError(

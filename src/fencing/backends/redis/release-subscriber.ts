@@ -8,10 +8,14 @@ import type { Cluster, Redis } from 'ioredis';
 import { ReleaseListener } from '../../release-listener.js';
 import type { RedisClient } from './options.js';
 
-/** @internal What a handoff message carries for the waiter it names: its fence, as the script replied it. */
+/**
+ * @internal What a handoff message carries for the waiter it names: its fence, as the script replied it,
+ * and the id its epoch is filed under ('' where none, or from a releaser older than that field).
+ */
 export interface HandedOver {
   readonly epoch: string;
   readonly counter: string;
+  readonly source: string;
 }
 
 /**
@@ -48,8 +52,8 @@ export function releaseSubscriber(redis: RedisClient, channel: string): ReleaseL
       const name = message.slice(0, cut);
       const parts = message.slice(cut + 1).split('\0');
       const head = `${name}\0${parts[0]}`;
-      if (parts.length === 3) {
-        const handed: HandedOver = { epoch: parts[1] as string, counter: parts[2] as string };
+      if (parts.length === 3 || parts.length === 4) {
+        const handed: HandedOver = { epoch: parts[1] as string, counter: parts[2] as string, source: parts[3] ?? '' };
         onReleased(head, undefined, handed); // the head of the line, with its grant …
       } else {
         onReleased(head); // … or only woken

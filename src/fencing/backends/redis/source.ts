@@ -19,5 +19,16 @@ import type { RedisLockManagerOptions } from './backend.js';
 export function redisFenceSource(options: RedisLockManagerOptions): (() => Promise<string>) | undefined {
   const epochs = options.epochs;
   if (epochs === undefined) return undefined;
-  return async () => `redis-epochs:${await databaseSourceId(epochs)}`;
+  return async () => redisEpochsSource(await databaseSourceId(epochs));
 }
+
+/**
+ * @internal The fence source of a grant whose epoch Redis filed under the id of the database it was
+ * taken from (what the grant and release scripts reply), or `undefined` for none: then the manager's
+ * own database names it ({@link redisFenceSource}). The epoch's own id is what makes grants of one
+ * epoch agree — a manager reads its database's id once, and an id changed meanwhile (a database created
+ * again at the same address) would file one epoch's fences under two ids, in two registers.
+ */
+export const epochSource = (id: string): string | undefined => (id === '' ? undefined : redisEpochsSource(id));
+
+const redisEpochsSource = (id: string) => `redis-epochs:${id}`;

@@ -37,7 +37,9 @@ return 'INSTALLED'
 // An epoch at or below the floor means epoch_seq went back (a restore): the
 // state is left used up at the floor, so grants keep refusing (each attempt
 // takes one more value) until the sequence passes the floor.
-// KEYS: fence state. ARGV: nonce, epoch, max counter. Replies: ACTIVE | GONE | BEHIND.
+// The epoch is filed under the id of the database it was taken from (ARGV[4]): the fence source of
+// every grant from it (../source.ts), whatever database the granting client reads.
+// KEYS: fence state. ARGV: nonce, epoch, max counter, source id. Replies: ACTIVE | GONE | BEHIND.
 const ACTIVATE_EPOCH_LUA = `${IDENTITY_LUA}
 local id = identity()
 local st = redis.call('HMGET', KEYS[1], 'state', 'id', 'nonce', 'floor')
@@ -48,7 +50,7 @@ if tonumber(ARGV[2]) <= tonumber(st[4] or '0') then
   redis.call('PERSIST', KEYS[1])
   return 'BEHIND'
 end
-redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', ARGV[2], 'counter', '0')
+redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', ARGV[2], 'counter', '0', 'source', ARGV[4])
 redis.call('HDEL', KEYS[1], 'nonce', 'floor')
 redis.call('PERSIST', KEYS[1])
 return 'ACTIVE'
@@ -85,7 +87,7 @@ export const INSTALL_EPOCH_SCRIPT: LuaScript = {
 };
 /** @internal */
 export const ACTIVATE_EPOCH_SCRIPT: LuaScript = {
-  name: 'palisadeActivateEpochV3',
+  name: 'palisadeActivateEpochV4',
   lua: ACTIVATE_EPOCH_LUA,
   numberOfKeys: 1,
 };
@@ -113,8 +115,9 @@ export async function runActivateEpoch(
   keys: RedisKeyNames,
   nonce: string,
   epoch: bigint,
+  source: string,
 ): Promise<unknown> {
-  return run(ACTIVATE_EPOCH_SCRIPT, [keys.fence, nonce, epoch.toString(), REDIS_MAX_COUNTER_ARG]);
+  return run(ACTIVATE_EPOCH_SCRIPT, [keys.fence, nonce, epoch.toString(), REDIS_MAX_COUNTER_ARG, source]);
 }
 
 /** @internal Without a floor: the reply, one of ACTIVE, RETRY, EXHAUSTED, REPLICA, `['OLD', version]`. */

@@ -48,7 +48,9 @@ const MAX_PRUNE = 64;
 
 // KEYS: lock, fence state, queue, seen.
 // ARGV: token, ttl ms, holder ('' for none, else '=' followed by the label), waiting ('1'/'0').
-// Replies: {'OK', epoch, counter} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}.
+// Replies: {'OK', epoch, counter, source} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}; `source` is the
+// id of the database the fence's epoch was taken from ('' for an epoch from Redis alone, or one activated
+// by a client older than that field, or when the state has moved on from a re-sent grant's epoch).
 // The lock's value is the token and its grant record (./record.ts).
 // The queue: KEYS[3] token → place (order of arrival), KEYS[4] token → last retry (Redis TIME, ms).
 // The constants are part of the script (every argument is parsed on every call).
@@ -85,7 +87,8 @@ if current and token_of(current) == ARGV[1] then
       if ARGV[3] ~= '' then holder = ARGV[3] end
       redis.call('SET', KEYS[1], record(token, epoch, counter, at, '', holder), 'PX', ARGV[2])
     end
-    return {'OK', epoch, counter}
+    local s = redis.call('HMGET', KEYS[2], 'epoch', 'source')
+    return {'OK', epoch, counter, (s[1] == epoch and s[2]) or ''}
   end
 elseif current then
   if waiting then return wait_in_line(now()) end
@@ -114,7 +117,7 @@ elseif redis.call('ZRANGE', KEYS[3], 0, 0)[1] then
 end
 local id = identity()
 if not id then return {'NOEPOCH', 'replica', ''} end
-local st = redis.call('HMGET', KEYS[2], 'state', 'epoch', 'counter', 'id')
+local st = redis.call('HMGET', KEYS[2], 'state', 'epoch', 'counter', 'id', 'source')
 if not st[1] then return {'NOEPOCH', 'missing', ''} end
 if st[1] ~= 'active' then
   if st[4] == id then return {'NOEPOCH', 'pending', st[2] or ''} end
@@ -132,11 +135,11 @@ if queued then
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
 end
-return {'OK', st[2], counter}
+return {'OK', st[2], counter, st[5] or ''}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV8', lua: GRANT_LUA, numberOfKeys: 4 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV9', lua: GRANT_LUA, numberOfKeys: 4 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or
@@ -145,7 +148,7 @@ export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV8', lua: GRANT_LUA
  * epoch seen, '' if none).
  */
 export type GrantReply =
-  | { readonly kind: 'granted'; readonly fence: Fence }
+  | { readonly kind: 'granted'; readonly fence: Fence; readonly source: string }
   | { readonly kind: 'busy' }
   | { readonly kind: 'no-epoch'; readonly reason: string; readonly observed: string };
 
@@ -174,7 +177,7 @@ export async function runGrant(
     holderArg(holder),
     waiting ? '1' : '0',
   ])) as string[];
-  if (reply[0] === 'OK') return { kind: 'granted', fence: fenceOf(reply[1], reply[2]) };
+  if (reply[0] === 'OK') return { kind: 'granted', fence: fenceOf(reply[1], reply[2]), source: String(reply[3] ?? '') };
   if (reply[0] === 'BUSY') return BUSY;
   if (reply[0] !== 'NOEPOCH') {
     throw new FenceSourceError(`unexpected reply to the grant script: ${JSON.stringify(reply)}`);

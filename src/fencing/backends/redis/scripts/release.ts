@@ -36,7 +36,7 @@ export const REDIS_HANDOFF_CONFIRM_MS = 2_000;
 // fence, under the grant script's checks (current data history, active state, counter not used up),
 // for the confirmation window only; published as "<name>\0<sha1(token)>\0<epoch>\0<counter>".
 // Otherwise "<name>\0<sha1(token)>" wakes a live head (only it needs to wake), "<name>" wakes all.
-// Replies: {'HANDED', sha1(token), epoch, counter} | 'RELEASED' | 'LOST'.
+// Replies: {'HANDED', sha1(token), epoch, counter, source (as the grant script's)} | 'RELEASED' | 'LOST'.
 // The token itself is never published: a subscriber could release or extend with it.
 const RELEASE_LUA = `${IDENTITY_LUA}${RECORD_LUA}
 local current = redis.call('GET', KEYS[1])
@@ -54,7 +54,7 @@ local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local nul = string.char(0)
 if seen >= ms - ${REDIS_HANDOFF_RECENT_MS} then
   local id = identity()
-  local st = id and redis.call('HMGET', KEYS[4], 'state', 'epoch', 'counter', 'id')
+  local st = id and redis.call('HMGET', KEYS[4], 'state', 'epoch', 'counter', 'id', 'source')
   if st and st[1] == 'active' and st[4] == id and tonumber(st[3]) < ${REDIS_MAX_COUNTER_ARG} then
     local counter = tostring(redis.call('HINCRBY', KEYS[4], 'counter', 1))
     local at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
@@ -62,8 +62,9 @@ if seen >= ms - ${REDIS_HANDOFF_RECENT_MS} then
     redis.call('ZREM', KEYS[2], head)
     redis.call('ZREM', KEYS[3], head)
     local hash = redis.sha1hex(head)
-    redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. hash .. nul .. st[2] .. nul .. counter)
-    return {'HANDED', hash, st[2], counter}
+    local source = st[5] or ''
+    redis.call('PUBLISH', ARGV[2], ARGV[3] .. nul .. hash .. nul .. st[2] .. nul .. counter .. nul .. source)
+    return {'HANDED', hash, st[2], counter, source}
   end
 end
 if seen >= ms - ${REDIS_QUEUE_STALE_MS} then
@@ -100,7 +101,7 @@ return 'LEFT'
 `;
 
 /** @internal */
-export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV7', lua: RELEASE_LUA, numberOfKeys: 4 };
+export const RELEASE_SCRIPT: LuaScript = { name: 'palisadeReleaseV8', lua: RELEASE_LUA, numberOfKeys: 4 };
 /** @internal */
 export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV3', lua: LEAVE_LUA, numberOfKeys: 3 };
 
@@ -111,7 +112,7 @@ export const LEAVE_SCRIPT: LuaScript = { name: 'palisadeLeaveV3', lua: LEAVE_LUA
  */
 export type ReleaseReply =
   | { readonly released: false }
-  | { readonly released: true; readonly handed?: { hash: string; epoch: string; counter: string } };
+  | { readonly released: true; readonly handed?: { hash: string; epoch: string; counter: string; source: string } };
 
 const NOT_RELEASED: ReleaseReply = { released: false };
 const RELEASED: ReleaseReply = { released: true };
@@ -134,7 +135,11 @@ export async function runRelease(
   ]);
   if (reply === 'RELEASED') return RELEASED;
   if (Array.isArray(reply) && reply[0] === 'HANDED') {
-    return { released: true, handed: { hash: String(reply[1]), epoch: String(reply[2]), counter: String(reply[3]) } };
+    const [, hash, epoch, counter, source = ''] = reply as unknown[];
+    return {
+      released: true,
+      handed: { hash: String(hash), epoch: String(epoch), counter: String(counter), source: String(source) },
+    };
   }
   return NOT_RELEASED;
 }
