@@ -15,7 +15,13 @@ import { type EtcdCluster, startEtcdCluster } from '../test/support/etcd-cluster
 import { builtInContract } from '../test/support/lock-backends.js';
 import type { ManagerConfig } from '../test/support/managers.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../test/support/processes.js';
-import { resource, scenarioDatabase, scenarioRows, uniqueNamespace } from '../test/support/scenario.js';
+import {
+  expectStaleRefusedOnUntouchedRow,
+  resource,
+  scenarioDatabase,
+  scenarioRows,
+  uniqueNamespace,
+} from '../test/support/scenario.js';
 import { needs } from '../test/support/services.js';
 import { sleep } from '../test/support/sleep.js';
 
@@ -345,10 +351,6 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)(
       const outlived = etcdLockManager({ client: lived, namespace });
       const started = etcdLockManager({ client: fresh, namespace });
       try {
-        const { newRow, rowOf } = scenarioRows(() => scenario);
-        const repo = fencedRepository(scenario.db, resource, { scope: 'lock' });
-        const [x, y] = [await newRow(), await newRow()];
-
         const before = await outlived.acquire('L', { ttlMs: 2_000 });
         await before.release();
         await cluster.replace();
@@ -362,15 +364,8 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)(
         const newer = await started.acquire('L', { ttlMs: 2_000, waitMs: 20_000 });
         expect(newer.fence).toBeGreaterThan(stale.fence);
         expect(newer.lock?.source).toBe(stale.lock?.source);
-        expect(await repo.with(newer).update({ id: x }, { value: 'newer' })).toMatchObject({ status: 'applied' });
-
-        // The stale holder wakes, its signal not yet consulted, and writes the row the newer one did not.
-        const woken = { fence: stale.fence, lock: stale.lock, signal: new AbortController().signal };
-        expect(await repo.with(woken).update({ id: y }, { value: 'stale' })).toMatchObject({
-          status: 'stale',
-          currentFence: newer.fence,
-        });
-        expect(await rowOf(y)).toMatchObject({ value: 'initial' });
+        // The stale holder wakes, its signal not yet consulted, and writes a row the newer one did not.
+        await expectStaleRefusedOnUntouchedRow(scenario, stale, newer);
         await newer.release();
       } finally {
         await outlived.close();

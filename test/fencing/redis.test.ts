@@ -36,10 +36,9 @@ import { REDIS_MIN_VERSION } from '../../src/fencing/backends/redis/scripts/iden
 import { RELEASE_SCRIPT } from '../../src/fencing/backends/redis/scripts/release.js';
 import { scriptRunner } from '../../src/fencing/backends/redis/scripts/script.js';
 import type { Lease } from '../../src/fencing/lease.js';
-import { fencedRepository } from '../../src/repo/repository.js';
 import { hashTag, namespaceKeys, pauseAfter, redisScenario } from '../support/redis.js';
 import { startPrivateRedis } from '../support/redis-server.js';
-import { resource, scenarioRows } from '../support/scenario.js';
+import { expectStaleRefusedOnUntouchedRow } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 import { trackTimers } from '../support/timers.js';
@@ -656,9 +655,6 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   // fences under two ids — two registers — and a stale holder's lock-scoped write landed (an attack).
   it("one epoch's grants name the id the epoch was taken under, whichever manager grants them", async () => {
     const { manager, open, test, redis, keys } = await redisScenario(REDIS_URL);
-    const { newRow, rowOf } = scenarioRows(() => test);
-    const repo = fencedRepository(test.db, resource, { scope: 'lock' });
-    const [x, y] = [await newRow(), await newRow()];
     const before = await manager.acquire('L', { ttlMs: 1_000 }); // reads the id, takes an epoch under it
     await before.release();
     await test.db.execute(sql`update palisade.fence_sources set source_id = 'pg:' || md5(random()::text)`);
@@ -668,13 +664,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     const newer = await started.acquire('L', { ttlMs: 5_000, waitMs: 10_000 }); // once the stale one's TTL ran out
     expect(newer.fence).toBeGreaterThan(stale.fence);
     expect([stale.lock?.source, newer.lock?.source]).toEqual([before.lock?.source, before.lock?.source]);
-    expect(await repo.with(newer).update({ id: x }, { value: 'newer' })).toMatchObject({ status: 'applied' });
-    const woken = { fence: stale.fence, lock: stale.lock, signal: new AbortController().signal };
-    expect(await repo.with(woken).update({ id: y }, { value: 'stale' })).toMatchObject({
-      status: 'stale',
-      currentFence: newer.fence,
-    });
-    expect(await rowOf(y)).toMatchObject({ value: 'initial' });
+    await expectStaleRefusedOnUntouchedRow(test, stale, newer);
     await newer.release();
 
     // A new epoch is filed under the id read with it: the fence state gone, the old manager takes one.

@@ -1,6 +1,9 @@
 import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { expect } from 'vitest';
+import type { Lease } from '../../src/fencing/lease.js';
+import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from './databases.js';
 
@@ -44,6 +47,23 @@ export function scenarioRows(scenario: () => TestDatabase) {
       return row;
     },
   };
+}
+
+/**
+ * Lock scope across rows, on two fresh `resource` rows: the newer holder writes the first; the stale
+ * holder, woken after it and never told it lost the lock, is refused on the second, which stays as it was.
+ */
+export async function expectStaleRefusedOnUntouchedRow(scenario: TestDatabase, stale: Lease, newer: Lease) {
+  const { newRow, rowOf } = scenarioRows(() => scenario);
+  const [touched, untouched] = [await newRow(), await newRow()];
+  const repo = fencedRepository(scenario.db, resource, { scope: 'lock' });
+  expect(await repo.with(newer).update({ id: touched }, { value: 'newer' })).toMatchObject({ status: 'applied' });
+  const woken = { fence: stale.fence, lock: stale.lock, signal: new AbortController().signal };
+  expect(await repo.with(woken).update({ id: untouched }, { value: 'stale' })).toMatchObject({
+    status: 'stale',
+    currentFence: newer.fence,
+  });
+  expect(await rowOf(untouched)).toMatchObject({ value: 'initial' });
 }
 
 /** A namespace (or key prefix) no other test uses. */
