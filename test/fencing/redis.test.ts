@@ -675,4 +675,21 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(next.lock?.source).not.toBe(before.lock?.source);
     await next.release();
   });
+
+  // A grant sent again with the same token finds the lock already its own; once the fence state has moved on
+  // from that grant's epoch, which id the epoch was filed under is known no more (an attack: a waiter that
+  // took a handed-over lock by its next grant named the manager's id, not the epoch's).
+  it('a grant sent again after the fence state moved on gives the lock back and is granted afresh, under a known id', async () => {
+    const { backend, redis, keys, test } = await redisScenario(REDIS_URL);
+    const bare = backend();
+    const token = randomBytes(16).toString('hex');
+    const first = await bare.grant('L', token, 30_000, null);
+    await redis.del(keys.fence); // evicted, say: the state of the first grant's epoch is gone
+    const again = await bare.grant('L', token, 30_000, null);
+    const [row] = await execute(test.db, sql`select palisade.fence_source_id() as id`);
+    expect(first?.source).toBe(`redis-epochs:${String(row?.id)}`);
+    expect(again?.source).toBe(first?.source);
+    expect(again?.fence).toBeGreaterThan(first?.fence ?? 0n); // a new epoch's, not the first grant's again
+    expect(await bare.release('L', token)).toBe(true);
+  });
 });

@@ -69,6 +69,16 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
   // Grants wait at most this long for a new epoch to settle before giving up.
   const recoveryBudgetMs = Math.max(5_000, 3 * Math.min(10_000, Math.max(1_000, 2 * checked.timeoutMs)));
 
+  async function releaseToken(name: string, token: string): Promise<boolean> {
+    const reply = await runRelease(run, keys, name, token);
+    // A waiter of this process gets its turn from the reply, before the published message arrives.
+    if (reply.released && reply.handed) {
+      const { hash, epoch, counter, source } = reply.handed;
+      notifier.deliver(`${name}\0${hash}`, { epoch, counter, source } satisfies HandedOver);
+    }
+    return reply.released;
+  }
+
   async function grantOnce(
     name: string,
     token: string,
@@ -86,6 +96,13 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       const reply = await runGrant(run, keys, name, token, ttlMs, holder, waiting);
       if (reply.kind === 'granted') return grantOf(reply.fence, reply.source);
       if (reply.kind === 'busy') return null;
+      if (reply.kind === 'source-unknown') {
+        // Held by this token from an epoch whose id the state no longer knows (a re-sent grant after the
+        // state moved on): a lease would name a guessed source. Given back (to the next in line, if
+        // one waits), then asked for again: a grant from now on names its epoch's.
+        await releaseToken(name, token);
+        continue;
+      }
       if (performance.now() >= deadline) break;
       // Redis answered: the new epoch is bounded by recoveryBudgetMs and the command timeouts, not by waitMs.
       const { reason, observed } = reply;
@@ -104,15 +121,7 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
 
     extend: (name, token, ttlMs) => runExtend(run, keys, name, token, ttlMs),
 
-    async release(name, token) {
-      const reply = await runRelease(run, keys, name, token);
-      // A waiter of this process gets its turn from the reply, before the published message arrives.
-      if (reply.released && reply.handed) {
-        const { hash, epoch, counter, source } = reply.handed;
-        notifier.deliver(`${name}\0${hash}`, { epoch, counter, source } satisfies HandedOver);
-      }
-      return reply.released;
-    },
+    release: releaseToken,
 
     inspect: (name) => runInspect(run, keys, name),
 

@@ -45,7 +45,8 @@ local id = identity()
 local st = redis.call('HMGET', KEYS[1], 'state', 'id', 'nonce', 'floor')
 if st[1] ~= 'pending' or st[3] ~= ARGV[1] or st[2] ~= id then return 'GONE' end
 if tonumber(ARGV[2]) <= tonumber(st[4] or '0') then
-  redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', st[4], 'counter', ARGV[3])
+  -- The floor's id went with the state it was taken from: a re-sent grant of that epoch is told '?'.
+  redis.call('HSET', KEYS[1], 'state', 'active', 'epoch', st[4], 'counter', ARGV[3], 'source', '?')
   redis.call('HDEL', KEYS[1], 'nonce', 'floor')
   redis.call('PERSIST', KEYS[1])
   return 'BEHIND'

@@ -49,8 +49,8 @@ const MAX_PRUNE = 64;
 // KEYS: lock, fence state, queue, seen.
 // ARGV: token, ttl ms, holder ('' for none, else '=' followed by the label), waiting ('1'/'0').
 // Replies: {'OK', epoch, counter, source} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}; `source` is the
-// id of the database the fence's epoch was taken from ('' for an epoch from Redis alone, or one activated
-// by a client older than that field, or when the state has moved on from a re-sent grant's epoch).
+// id of the database the fence's epoch was taken from ('' for an epoch from Redis alone or one activated by
+// a client older than that field; '?' for a re-sent grant whose epoch the state no longer holds).
 // The lock's value is the token and its grant record (./record.ts).
 // The queue: KEYS[3] token → place (order of arrival), KEYS[4] token → last retry (Redis TIME, ms).
 // The constants are part of the script (every argument is parsed on every call).
@@ -87,8 +87,12 @@ if current and token_of(current) == ARGV[1] then
       if ARGV[3] ~= '' then holder = ARGV[3] end
       redis.call('SET', KEYS[1], record(token, epoch, counter, at, '', holder), 'PX', ARGV[2])
     end
+    -- The id this grant's epoch is filed under, while the state still holds that epoch; once it moved on
+    -- (a new epoch, or none) nothing here knows it: '?', and the client gives the lock back.
     local s = redis.call('HMGET', KEYS[2], 'epoch', 'source')
-    return {'OK', epoch, counter, (s[1] == epoch and s[2]) or ''}
+    local source = '?'
+    if s[1] == epoch then source = s[2] or '' end
+    return {'OK', epoch, counter, source}
   end
 elseif current then
   if waiting then return wait_in_line(now()) end
@@ -143,16 +147,19 @@ export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV9', lua: GRANT_LUA
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or
- * promised to an earlier waiter), or a fence state that needs a new epoch
+ * promised to an earlier waiter), the lock this token already held from an
+ * epoch whose id the fence state no longer knows, or a fence state that needs a new epoch
  * (`reason`: missing, server, pending, exhausted, replica; `observed`: the
  * epoch seen, '' if none).
  */
 export type GrantReply =
   | { readonly kind: 'granted'; readonly fence: Fence; readonly source: string }
+  | { readonly kind: 'source-unknown' }
   | { readonly kind: 'busy' }
   | { readonly kind: 'no-epoch'; readonly reason: string; readonly observed: string };
 
 const BUSY: GrantReply = { kind: 'busy' };
+const SOURCE_UNKNOWN: GrantReply = { kind: 'source-unknown' };
 
 /** @internal A holder label as the grant and confirm scripts take it: '' for none, '=' before a label (which may be ''). */
 export const holderArg = (holder: string | null): string => (holder === null ? '' : `=${holder}`);
@@ -177,7 +184,10 @@ export async function runGrant(
     holderArg(holder),
     waiting ? '1' : '0',
   ])) as string[];
-  if (reply[0] === 'OK') return { kind: 'granted', fence: fenceOf(reply[1], reply[2]), source: String(reply[3] ?? '') };
+  if (reply[0] === 'OK') {
+    if (reply[3] === '?') return SOURCE_UNKNOWN;
+    return { kind: 'granted', fence: fenceOf(reply[1], reply[2]), source: String(reply[3] ?? '') };
+  }
   if (reply[0] === 'BUSY') return BUSY;
   if (reply[0] !== 'NOEPOCH') {
     throw new FenceSourceError(`unexpected reply to the grant script: ${JSON.stringify(reply)}`);
