@@ -77,6 +77,23 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis direct handof
     expect(await backend.confirm?.('baton', waiter, 30_000, null, info?.fence as Fence)).toBe(false);
   });
 
+  // An earlier version's release publishes no id for the epoch: taking its fence would name the
+  // manager's own id, not the epoch's (an attack with the earlier release script: a stale write landed).
+  it("a handoff message without the epoch's id (an earlier version's release) only wakes the waiter", async () => {
+    const { namespace, test, redis, keys } = await redisScenario(REDIS_URL);
+    const client = connect(REDIS_URL);
+    const backend = redisLockBackend({ client, namespace, epochs: test.db });
+    onTestFinished(async () => {
+      await backend.close();
+      client.disconnect();
+    });
+    const waiter = randomBytes(16).toString('hex');
+    const turn = backend.waitForTurn?.('baton', HOUR, undefined, waiter);
+    await until('the subscriber listens', async () => Number((await redis.pubsub('NUMSUB', keys.channel))[1]) > 0);
+    await redis.publish(keys.channel, `baton\0${sha1(waiter)}\0${'7'}\0${'3'}`);
+    expect(await turn).toBeUndefined(); // woken, with no grant: its next grant call asks Redis
+  });
+
   it('a waiter of the releasing process gets its turn from the release itself, even where it cannot subscribe', async () => {
     const { namespace, test, redis, keys } = await redisScenario(REDIS_URL);
     // A Redis user that may do everything but subscribe: only the release's own reply can wake the waiter.

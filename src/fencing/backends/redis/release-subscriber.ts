@@ -10,7 +10,7 @@ import type { RedisClient } from './options.js';
 
 /**
  * @internal What a handoff message carries for the waiter it names: its fence, as the script replied it,
- * and the id its epoch is filed under ('' where none, or from a releaser older than that field).
+ * and the id its epoch is filed under ('' for an epoch activated by an earlier version).
  */
 export interface HandedOver {
   readonly epoch: string;
@@ -52,8 +52,14 @@ export function releaseSubscriber(redis: RedisClient, channel: string): ReleaseL
       const name = message.slice(0, cut);
       const parts = message.slice(cut + 1).split('\0');
       const head = `${name}\0${parts[0]}`;
-      if (parts.length === 3 || parts.length === 4) {
-        const handed: HandedOver = { epoch: parts[1] as string, counter: parts[2] as string, source: parts[3] ?? '' };
+      // A handoff names hash, epoch, counter and the id the epoch is filed under. An earlier version's has no
+      // id: a plain wake-up here, so the waiter's next grant (same token) reads the epoch's id in Redis.
+      if (parts.length === 4) {
+        const handed: HandedOver = {
+          epoch: parts[1] as string,
+          counter: parts[2] as string,
+          source: parts[3] as string,
+        };
         onReleased(head, undefined, handed); // the head of the line, with its grant …
       } else {
         onReleased(head); // … or only woken
