@@ -150,7 +150,6 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
   };
 }
 
-/** What the release script publishes instead of a token (`redis.sha1hex`): a subscriber learns nothing it could use. */
 // A grant, with the source its epoch is filed under where Redis names one (./source.ts). Built field by
 // field: spreading an object takes a slow clone path in V8, on every acquire.
 function grantOf(fence: Fence, epochId: string, confirmWithinMs?: number): Grant {
@@ -161,6 +160,7 @@ function grantOf(fence: Fence, epochId: string, confirmWithinMs?: number): Grant
   return grant;
 }
 
+/** What the release script publishes instead of a token (`redis.sha1hex`): a subscriber learns nothing it could use. */
 function tokenHash(token: string): string {
   return createHash('sha1').update(token).digest('hex');
 }
