@@ -24,7 +24,9 @@ export default defineConfig({
     pool: 'forks',
     // A worker process runs file after file without reloading the modules: each file's imports cost 2–3 s of
     // CPU on this machine, 170 s of a run's 1,300 (2026-12-05, same order: 376 s wall isolated, 332 s not).
-    // Tests share no state through modules (each opens its own databases, key prefixes and SDKs).
+    // Tests share no state through modules (each opens its own databases, key prefixes and SDKs) but the
+    // process's one deadline timer, whose tests count only the deadlines they scheduled (a lease an earlier
+    // file left to expire may still be pending: test/fencing/deadlines.test.ts).
     isolate: false,
     // Four files at once on this 2-core machine: the whole suite took 335–364 s wall with 4, 319–389 s with 3 and
     // 384 s with 2 (2026-12-04: warm and cold caches, CI runs; no worker count won beyond the runs' spread).
