@@ -4,6 +4,7 @@
  * budget, and reports what is left as a `LockServiceError`.
  */
 import { performance } from 'node:perf_hooks';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { LockServiceError, PalisadeError } from '../../../errors.js';
 
 const MAX_ATTEMPTS = 12;
@@ -69,8 +70,4 @@ export function withContext(err: unknown, what: string): unknown {
   const message = err instanceof Error ? err.message : String(err);
   const hint = isTransient(err) ? ' (the cluster did not answer in time: members down, or an election under way)' : '';
   return new LockServiceError('etcd', `${what} failed${hint}: ${message}`, err);
-}
-
-function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
 }

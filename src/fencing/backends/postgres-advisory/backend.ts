@@ -13,6 +13,7 @@
  * set by each grant and extension), so a paused holder loses the lock after
  * one TTL instead of wedging it.
  */
+import { setTimeout as sleep } from 'node:timers/promises';
 import { PgDialect } from 'drizzle-orm/pg-core';
 import type postgres from 'postgres';
 import { int8, listen, type RawRow, translateError } from '../../../driver.js';
@@ -309,7 +310,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
             };
           }
           if (row.granting !== true) throw new ForeignLockError(name);
-          await new Promise((resolve) => setTimeout(resolve, pause));
+          await sleep(pause);
         }
         return null;
       });

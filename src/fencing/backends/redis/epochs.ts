@@ -20,6 +20,7 @@
  * guarantees) is the manual.
  */
 import { randomBytes } from 'node:crypto';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { sql } from 'drizzle-orm';
 import { execute, int8 } from '../../../driver.js';
 import { FenceSourceError } from '../../../errors.js';
@@ -148,10 +149,6 @@ function oldServerError(version: unknown): FenceSourceError {
   return new FenceSourceError(
     `the Redis server is version ${String(version)}: palisade issues fences only on Redis ${REDIS_MIN_VERSION} or later, where a restart always changes the server's replication id (its data history)`,
   );
-}
-
-function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
 function jitter(min: number, max: number): number {
