@@ -117,7 +117,7 @@ export const lockRegisters = palisadeSchema.table(
     namespace: text('namespace').notNull(),
     name: text('name').notNull(),
     fence: bigint('fence', { mode: 'bigint' }).notNull(),
-    /** The four parts as one uuid (`palisade.lock_key(…)`, migration 0007): what a lock-scoped write probes. */
+    /** The four parts as one uuid (`palisade.lock_key(…)`, migrations 0007 and 0011): what a lock-scoped write probes. */
     lockKey: uuid('lock_key')
       .notNull()
       .generatedAlwaysAs(sql`palisade.lock_key("kind", "source", "namespace", "name")`),

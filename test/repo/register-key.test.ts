@@ -76,6 +76,25 @@ describe('the register key', () => {
     },
   );
 
+  // A lock manager's live locks sit side by side in the key's index, however many other registers it holds.
+  it('keeps one namespace’s registers together: its locks share the key’s first half, and only theirs do', () => {
+    const key = (kind: string, source: string, namespace: string, name: string) =>
+      registerKey(Object.freeze({ kind, source, namespace, name })).replaceAll('-', '');
+    const a = key('redis', 's1', 'jobs', 'order:1');
+    const b = key('redis', 's1', 'jobs', 'order:2');
+    expect(a.slice(0, 16)).toBe(b.slice(0, 16));
+    expect(a.slice(16)).not.toBe(b.slice(16));
+    for (const other of [
+      key('redis', 's1', 'jobs2', 'order:1'),
+      key('redis', 's2', 'jobs', 'order:1'),
+      key('etcd', 's1', 'jobs', 'order:1'),
+      // The length prefixes: moving a byte between namespace and name is another namespace.
+      key('redis', 's1', 'jobsorder:', '1'),
+    ]) {
+      expect(other.slice(0, 16)).not.toBe(a.slice(0, 16));
+    }
+  });
+
   it('tags a sharer by its fence: two fences of one lock, two tags; the first word is the register’s', () => {
     const lock = Object.freeze({ kind: 'k', source: 's', namespace: 'n', name: 'L' });
     const [a1, a2] = registerTag(lock, 41n);
