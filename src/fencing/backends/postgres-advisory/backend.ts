@@ -113,8 +113,10 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     }
   };
 
-  let source = '';
-  // A lock on palisade.fence_sources (an operator's ALTER TABLE) is waited for no longer than the grant would wait.
+  let checked = false;
+  // The one-time checks: the server, the sequence's safety, and that this database has a fence source id
+  // (each grant names the id it read itself). A lock on palisade.fence_sources (an operator's ALTER TABLE)
+  // is waited for no longer than the grant would wait.
   const ensureReady = (lockWaitMs: number): Promise<void> => {
     ready ??= (async () => {
       // postgres.js is an optional peer: loaded when the first lease needs a session of its own.
@@ -130,7 +132,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       judgeFenceSequence(row);
       // In a transaction whose lock_timeout is set first: the function is inlined, and its table
       // locked, when the statement that calls it is planned.
-      const [id] = await sql
+      await sql
         .begin(async (tx) => {
           await tx.unsafe("select set_config('lock_timeout', $1, true)", [String(lockWaitMs)]);
           return tx.unsafe('select palisade.fence_source_id() as id');
@@ -138,7 +140,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
         .catch((err: unknown) => {
           throw translateError(err);
         });
-      source = String(id?.id);
+      checked = true;
     })().catch((err: unknown) => {
       ready = undefined;
       throw err;
@@ -204,8 +206,8 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     const mine = held.get(token);
     if (mine) return mine.name === name ? mine.grant : null;
     if (closed) throw new LockManagerClosedError('advisory lock manager');
-    // Known once the one-time checks are done (`source` is set last): no wrapper on later grants.
-    if (source === '' && !(await firstGrantChecks('Postgres advisory grant', wait, ensureReady))) return null;
+    // Known once the one-time checks are done: no wrapper on later grants.
+    if (!checked && !(await firstGrantChecks('Postgres advisory grant', wait, ensureReady))) return null;
     if (abandoned.aborted) return null; // the call already failed: take no session for nobody
     const key = advisoryKey(ns, name);
     const params = [key.toString(), String(ttlMs), holderLabel(holder), String(wait), String(lockTimeoutMs), ns, name];
@@ -239,7 +241,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
     }
     const lost = new AbortController();
     session.lost = lost;
-    const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal, source };
+    const grant: Grant = { fence: toFence(int8(row.fence)), lost: lost.signal, source: String(row.source) };
     held.set(token, { name, key, session, grant });
     return grant;
   }

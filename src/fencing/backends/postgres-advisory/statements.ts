@@ -24,8 +24,10 @@ const GRANT_MARK = '/* palisade advisory grant */';
 // attempt's lock_timeout first ($4: what is left of the acquire's wait; the
 // sequence is locked when nextval runs, after it), and the last column puts
 // the session's own bound back ($5). The grant claims its lock's register in
-// the same statement (palisade.register_grant, migration 0005; $6 namespace,
-// $7 name), waiting at most the same lock_timeout for a fenced transaction
+// the same statement (palisade.register_grant, migrations 0005 and 0012; $6
+// namespace, $7 name) under the fence source id read there, which it returns
+// for the lease to name (an id changed while managers run applies from the
+// next grant of each), waiting at most the same lock_timeout for a fenced transaction
 // that holds it: a timeout there is "not granted", as for the sequence. A statement that fails after the
 // try-lock leaves the advisory lock held (advisory locks ignore rollback):
 // the session is then ended, which frees it.
@@ -34,15 +36,16 @@ export const GRANT = `${GRANT_MARK}
   t as materialized (select pg_try_advisory_lock($1::int8) as got from w),
   f0 as materialized (
     select got, case when got then nextval('palisade.fence_seq') end as fence,
-           floor(extract(epoch from clock_timestamp()) * 1000)::int8 as at
+           floor(extract(epoch from clock_timestamp()) * 1000)::int8 as at,
+           case when got then (select s.source_id from palisade.fence_sources s) end as source
     from t
   ),
   f as materialized (
-    select got, fence, at,
-           case when got then palisade.register_grant('advisory', $6::text, $7::text, fence) end as registered
+    select got, fence, at, source,
+           case when got then palisade.register_grant('advisory', source, $6::text, $7::text, fence) end as registered
     from f0
   )
-  select got, fence::text as fence,
+  select got, fence::text as fence, source,
          case when got then set_config('application_name',
            left('pl:' || fence || ':' || at || ':' || $3::text, ${APP_NAME_BYTES}), false) end as label,
          case when got then set_config('idle_session_timeout', $2::text, false) end as idle,

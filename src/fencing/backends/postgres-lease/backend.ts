@@ -116,8 +116,9 @@ const p = (name: string) => sql.placeholder(name);
 // The grant inserts the lock's first row, or takes over the row if it is
 // expired (or released) or already ours (a re-sent grant: same fence); see
 // the function for the SQL.
+// The source is the id the grant claimed the register under, read in the same statement (migration 0012).
 const grantSql = (): SQL => sql`
-  select granted_fence as fence from palisade.lease_grant(${p('ns')}::text, ${p('name')}::text, ${p('token')}::text,
+  select granted_fence as fence, granted_source as source from palisade.lease_grant(${p('ns')}::text, ${p('name')}::text, ${p('token')}::text,
     ${p('holder')}::text, ${p('ttl')}::float8, ${p('wait')}::int)`;
 
 const extendSql = (): SQL => sql`
@@ -206,15 +207,18 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
   const commandTimeoutMs = checkCommandTimeout(options.commandTimeoutMs, POSTGRES_COMMAND_TIMEOUT_MS);
   const client = options.listen === false ? undefined : (options.listen ?? listenClientOf(db));
   const listener = new ReleaseListener(client ? (onPayload) => listen(client, RELEASE_CHANNEL, onPayload) : undefined);
-  let ready: Promise<string> | undefined;
-  let knownSource: string | undefined;
+  let ready: Promise<void> | undefined;
+  let checked = false;
 
-  // The sequence's safety and this database's fence source id, learnt once before the first grant;
-  // a lock on palisade.fence_sources is waited for no longer than the grant would wait.
-  const ensureSafeSequence = (lockWaitMs: number): Promise<string> => {
+  // The sequence's safety, and that this database has a fence source id, checked once before the first
+  // grant (each grant names the id it read itself); a lock on palisade.fence_sources is waited for no
+  // longer than the grant would wait.
+  const ensureSafeSequence = (lockWaitMs: number): Promise<void> => {
     ready ??= checkFenceSequence(db)
       .then(() => databaseSourceId(db, lockWaitMs))
-      .then((id) => (knownSource = id))
+      .then(() => {
+        checked = true;
+      })
       .catch((err: unknown) => {
         ready = undefined; // re-check next time: the failure may be transient
         throw err;
@@ -256,10 +260,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     abandoned: AbortSignal,
   ): Promise<Grant | null> {
     // Known once the one-time checks are done: no wrapper on later grants.
-    if (knownSource === undefined && !(await firstGrantChecks('Postgres lease grant', wait, ensureSafeSequence))) {
-      return null;
-    }
-    const source = knownSource as string;
+    if (!checked && !(await firstGrantChecks('Postgres lease grant', wait, ensureSafeSequence))) return null;
     if (abandoned.aborted) return null; // the call already failed: send no grant nobody awaits
     let rows: RawRow[];
     try {
@@ -275,7 +276,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
       throw err;
     }
     const fence = int8(rows[0]?.fence);
-    return fence === null ? null : { fence: toFence(fence), source };
+    return fence === null ? null : { fence: toFence(fence), source: String(rows[0]?.source) };
   }
 
   return {
