@@ -349,12 +349,15 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   });
 
   it('refuses to go below the epoch in Redis when epoch_seq went back (a restored database), until it passes it', async () => {
-    const { manager, redis, keys, test } = await redisScenario(REDIS_URL);
+    const { manager, backend, redis, keys, test } = await redisScenario(REDIS_URL);
     await test.db.execute(sql`select setval('palisade.epoch_seq', 50)`);
     const first = await manager.acquire('r', { ttlMs: 5_000 });
     await first.release();
     const { epoch } = splitRedisFence(first.fence);
     expect(epoch).toBe(51n);
+    const bare = backend();
+    const token = randomBytes(16).toString('hex');
+    expect((await bare.grant('held', token, 60_000, null))?.fence).toBe(first.fence + 1n); // held across the restore
     await test.db.execute(sql`select setval('palisade.epoch_seq', 1)`); // as a restore of an older backup would
     await redis.hset(keys.fence, 'id', 'another-replid'); // and the history changes: a new epoch is due
 
@@ -362,6 +365,11 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     expect(refused).toBeInstanceOf(FenceSourceError);
     expect(await manager.acquire('r', { ttlMs: 5_000 }).catch((e: unknown) => e)).toBeInstanceOf(FenceSourceError);
     expect(await redis.hget(keys.fence, 'epoch')).toBe(String(epoch)); // the floor stays in Redis
+    // The state now stands at the floor's epoch under no known id: the lock held from that epoch, its grant
+    // sent again, is given back rather than named after a guessed source — and not granted again meanwhile.
+    expect(await redis.hget(keys.fence, 'source')).toBe('?');
+    expect(await bare.grant('held', token, 60_000, null).catch((e: unknown) => e)).toBeInstanceOf(FenceSourceError);
+    expect(await redis.exists(keys.lock('held'))).toBe(0);
 
     await test.db.execute(sql`select setval('palisade.epoch_seq', ${String(epoch + 10n)}::bigint)`);
     const after = await manager.acquire('r', { ttlMs: 5_000 });
