@@ -229,7 +229,8 @@ async function main(): Promise<void> {
         continue;
       }
       const fence = lease.fence.toString();
-      record({ type: 'ok', op: 'acquire', lock, fence, ...(server ? { server } : {}) });
+      const source = lease.lock?.source;
+      record({ type: 'ok', op: 'acquire', lock, fence, ...(source ? { source } : {}), ...(server ? { server } : {}) });
       say('acquired', { fence, ...(server ? { server } : {}) });
 
       await sleep(Math.random() * args.holdMs);
@@ -258,7 +259,8 @@ async function main(): Promise<void> {
                   .with(holder)
                   .modify({ id: k }, (row) => ({ n: row.n + 1 }));
                 if (r.status !== 'applied') return r.status;
-                const lockLabel = `${slot.namespace}/${lock}`;
+                // Named with its source: fences of two sources are never compared (the runner changes the id).
+                const lockLabel = `${lease.lock?.source}:${slot.namespace}/${lock}`;
                 await tx
                   .insert(chaosAudit)
                   .values({ key: k, fence: lease.fence, process: label, value: r.row.n, lock: lockLabel });

@@ -30,6 +30,12 @@
  *   release, a fenced write — reach the server late, after the partition.
  *   The report counts the partitions that caught the holder, and those whose
  *   holder's write was answered only after the heal;
+ * - every backend: `source`, the database given a new fence source id
+ *   (`palisade.fence_sources`) while the workers' managers run, once by
+ *   mid-run at least, on Redis followed by a FLUSHDB (its next epoch is the
+ *   first under the new id). The checker holds each lock's grants to naming
+ *   their sources in fence order; a run where no worker running since before
+ *   a change was granted under the new id failed to bite;
  * - redis `--nemesis replication`: the runner owns a primary and a replica
  *   (two redis-servers, each its own `--dir`) and tells the workers which is
  *   the primary (a line on their stdin). Failover: the replica is promoted,
@@ -74,7 +80,7 @@ import { redisLockManager } from '../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
 import { migrate } from '../src/migrate.js';
 import { type AuditRow, checkHistory, formatReport, type Report } from '../src/testing/checker.js';
-import { historyRecorder, historyTime, readHistory } from '../src/testing/history.js';
+import { type HistoryEvent, historyRecorder, historyTime, readHistory } from '../src/testing/history.js';
 import { openManager } from '../test/support/managers.js';
 import { type PrivateRedis, startPrivateRedis } from '../test/support/redis-server.js';
 import { createScratchDatabase } from '../test/support/scratch-database.js';
@@ -376,8 +382,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     const kinds = topology
       ? ['pause', 'kill', 'failover', 'failback', 'resync', 'restart', 'flush']
       : o.backend === 'redis'
-        ? ['pause', 'pause', 'kill', 'flush', 'restart', 'partition', 'partition']
-        : ['pause', 'pause', 'kill', 'terminate', 'terminate', 'partition', 'partition'];
+        ? ['pause', 'pause', 'kill', 'flush', 'restart', 'partition', 'partition', 'source']
+        : ['pause', 'pause', 'kill', 'terminate', 'terminate', 'partition', 'partition', 'source'];
     const started = Date.now();
     let failedOver = false;
     // Pauses and partitions that caught a worker holding the lock: the faults that make stale writes.
@@ -386,6 +392,10 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     // Holder pauses that ended with no newer write landed, 3 TTLs past their length: the lock stayed out of
     // reach for that long (a paused holder wedging it, or a machine too loaded). Reported, not judged.
     let unfollowedPauses = 0;
+    /** The fence source ids the run gave the database, and when (on the history's clock). */
+    const sourceChanges: { id: string; time: number }[] = [];
+    // Redis names a new id from its next epoch on: a flush follows each change there.
+    let flushDue = false;
     /** Partitions that caught a holder: who, its fence, and when (on the history's clock). */
     const holderPartitions: { label: string; fence: string | undefined; to: number }[] = [];
     const tell = (to: readonly Handle[], server: PrivateRedis) => {
@@ -474,6 +484,10 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         kind = 'partition';
         partitionDrawn = false;
       }
+      // One id change by mid-run, outside the replication nemesis, so that grants follow it (one quick
+      // statement: a holder fault due waits for the next turn); on Redis the flush that makes it bite.
+      if (!topology && sourceChanges.length === 0 && Date.now() - started > o.seconds * 500) kind = 'source';
+      if (flushDue) kind = 'flush';
       // The run's minimum of failbacks, spread over its length.
       const due = ((replication.failbacks + 1) / (o.minFailbacks + 1)) * o.seconds * 1000;
       if (topology && replication.failbacks < o.minFailbacks && Date.now() - started > due) kind = 'failback';
@@ -579,6 +593,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
             'flush',
             `${topology ? 'FLUSHALL on the primary' : 'FLUSHDB on the private redis-server'} (locks and fence counter gone)`,
           );
+          flushDue = false;
         } catch (err) {
           log(`nemesis: FLUSHDB failed: ${String(err)}`);
         } finally {
@@ -587,6 +602,14 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       } else if (kind === 'restart' && redis) {
         fault('restart', 'kill -9 and restart of the private redis-server (no persistence: every key lost)');
         await redis.restart();
+      } else if (kind === 'source') {
+        // An operator gives the database a new fence source id while the managers run: from then on every
+        // grant must name it, whichever manager grants it (Postgres grants at once, Redis from its next epoch).
+        const [row] = await client<{ id: string }[]>`
+          update palisade.fence_sources set source_id = 'pg:' || md5(random()::text) returning source_id as id`;
+        sourceChanges.push({ id: row?.id ?? '', time: historyTime() });
+        flushDue = o.backend === 'redis';
+        fault('source', `the database's fence source id changed to ${row?.id}, managers running`);
       } else if (kind === 'terminate') {
         const h = await holder(2 * o.ttlMs, true);
         if (!h) continue;
@@ -697,6 +720,22 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       if (summary.grantsOnOldPrimary === 0) missed.push('no grant on an old primary during a split brain');
       if (summary.grantsOnNewPrimary === 0) missed.push('no grant on a new primary during a split brain');
     }
+    // An id change bit when a worker running since before it (its manager read the old id) was granted
+    // under the new one: a manager that named the id it had read would have named the old one.
+    const runningSince = (e: HistoryEvent, time: number) =>
+      !history.some((s) => s.process === e.process && s.op === 'start' && s.time > time && s.time < e.time);
+    const sourcesNamed = sourceChanges.filter((c) =>
+      history.some(
+        (e) =>
+          e.op === 'acquire' &&
+          e.type === 'ok' &&
+          e.time > c.time &&
+          e.source?.endsWith(c.id) &&
+          runningSince(e, c.time),
+      ),
+    ).length;
+    if (!topology && sourcesNamed === 0)
+      missed.push('no worker running since before a fence source id change was granted under the new id');
     // A worker's history label is its own, or `<label>.<i>` per namespace.
     const partitionedWrites = holderPartitions.filter((p) =>
       history.some(
@@ -725,6 +764,11 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     const text = [
       `palisade chaos run: backend ${o.backend}${o.nemesis === 'replication' ? ' (replication nemesis: a primary and a replica)' : ''}, ${o.workers} workers, ${o.namespaces > 1 ? `${o.namespaces} namespaces, ` : ''}${o.seconds} s of faults, TTL ${o.ttlMs} ms, hold ≤ ${o.holdMs} ms, seed ${seed}`,
       `faults injected: ${faultLine || 'none'}`,
+      ...(sourceChanges.length > 0
+        ? [
+            `fence source id changes: ${sourceChanges.length}, ${sourcesNamed} of them named afterwards by a worker running since before`,
+          ]
+        : []),
       ...(summary
         ? [
             `replication: ${summary.failovers} failovers, ${summary.failbacks} failbacks; ${summary.splitBrains} split brains with ${summary.grantsOnOldPrimary} grants on the old primary and ${summary.grantsOnNewPrimary} on the new one`,

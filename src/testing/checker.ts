@@ -13,7 +13,8 @@ export interface AuditRow {
   readonly process: string;
   /**
    * The lock whose lease wrote, for writes made lock-scoped (`with(lease)`,
-   * a fenced transaction). Rows that carry it are checked per lock too.
+   * a fenced transaction). Rows that carry it are checked per lock too:
+   * name the lock with its fence source, whose fences alone it compares.
    */
   readonly lock?: string | null;
 }
@@ -46,6 +47,10 @@ export interface Report {
  *   write was accepted after a higher fence of the same lock had claimed it;
  * - every accepted fence was issued (by an `acquire ok`) to the process that
  *   used it, and no fence was issued twice;
+ * - per lock, the fence sources its grants name (`source` of `acquire ok`),
+ *   in fence order, never go back to one left behind: a source id changes
+ *   at one point of a counter's fences, so no two holders of one counter's
+ *   fences fill two registers of one lock;
  * - each counter equals its acknowledged increments, within ok … ok + unknown,
  *   and equals its number of audit rows;
  * - after the faults stopped, every `probe` acquire (the runner bounds its wait
@@ -75,6 +80,8 @@ export function checkHistory(input: CheckInput): Report {
     if (owner !== undefined) anomalies.push(`fence ${e.fence} issued twice (to ${owner} and ${e.process})`);
     else issuedTo.set(e.fence, e.process);
   }
+
+  anomalies.push(...sourcesOutOfOrder(history));
 
   // Commit order per key.
   const byKey = new Map<string, AuditRow[]>();
@@ -143,6 +150,37 @@ export function checkHistory(input: CheckInput): Report {
     fencesIssued: issuedTo.size,
     anomalies,
   };
+}
+
+/**
+ * Per lock, in fence order, a source named again after another was named: one counter's fences filed
+ * under two sources at once (a grant that named an id its counter had left, say), where a stale holder's
+ * lock-scoped write would claim a register the newer holder's never touched.
+ */
+function sourcesOutOfOrder(history: readonly HistoryEvent[]): string[] {
+  const byLock = new Map<string, { fence: bigint; source: string }[]>();
+  for (const e of history) {
+    if (e.op !== 'acquire' || e.type !== 'ok' || e.fence === undefined || !e.source || !e.lock) continue;
+    const grants = byLock.get(e.lock) ?? [];
+    grants.push({ fence: BigInt(e.fence), source: e.source });
+    byLock.set(e.lock, grants);
+  }
+  const found: string[] = [];
+  for (const [lock, grants] of byLock) {
+    const left = new Set<string>();
+    let current: { fence: bigint; source: string } | undefined;
+    for (const grant of grants.sort((a, b) => compare(a.fence, b.fence))) {
+      if (current !== undefined && grant.source !== current.source) {
+        if (left.has(grant.source))
+          found.push(
+            `lock ${lock}: fence ${grant.fence} names source ${grant.source} again, after fence ${current.fence} named ${current.source}`,
+          );
+        left.add(current.source);
+      }
+      current = grant;
+    }
+  }
+  return found;
 }
 
 /**

@@ -19,6 +19,11 @@ export interface HistoryEvent {
   /** Decimal string: fences exceed 2^53. */
   readonly fence?: string;
   readonly value?: number;
+  /**
+   * The fence source an `acquire`'s lease names (its lock's `source`), where it has one: the checker
+   * holds the sources of one lock's grants to the order of their fences.
+   */
+  readonly source?: string;
   /** Which server granted an `acquire`, where the run has several (a Redis primary and replica). */
   readonly server?: string;
   /** Why a `fail`: `stale`, `duplicate`, `timeout`, … */

@@ -85,6 +85,23 @@ describe('checkHistory', () => {
     expect(checkHistory({ history: both, audit: same, counters: { c: 1, d: 1 } }).anomalies).toEqual([]);
   });
 
+  it("fence sources: reports a lock's grants naming a source again after another, in fence order", () => {
+    const grant = (process: string, fence: string, source: string) => [
+      ev(process, 'invoke', 'acquire', { lock: 'L' }),
+      ev(process, 'ok', 'acquire', { lock: 'L', fence, source }),
+    ];
+    const check = (history: HistoryEvent[]) => checkHistory({ history, audit: [], counters: {} }).anomalies;
+    // An id changed once: fences 1–2 under s1, 3–4 under s2 (the order of the events does not matter, fences do).
+    const changed = [...grant('w2', '3', 's2'), ...grant('w1', '1', 's1'), ...grant('w1', '2', 's1')];
+    const probe = [ev('probe', 'invoke', 'probe', { lock: 'L' }), ev('probe', 'ok', 'probe', { lock: 'L' })];
+    expect(check([...changed, ...grant('w2', '4', 's2'), ...probe])).toEqual([]);
+    // A manager that kept the old id after the change: two registers of one lock filled at once.
+    const stuck = check([...changed, ...grant('w1', '4', 's1'), ...probe]);
+    expect(stuck).toEqual(['lock L: fence 4 names source s1 again, after fence 3 named s2']);
+    // Grants without a source (a backend whose leases name none) are not judged.
+    expect(check([...grant('w1', '1', ''), ...grant('w2', '2', 's1'), ...grant('w1', '3', ''), ...probe])).toEqual([]);
+  });
+
   it('reports a fence issued twice and a fence used by a process it was not issued to', () => {
     const run = cleanRun();
     const history = [...run.history, ev('w3', 'ok', 'acquire', { lock: 'L', fence: '2' })];
