@@ -17,6 +17,7 @@ import { etcdFenceSource } from './source.js';
 
 /** What the backend remembers of a lease it granted, by token. */
 interface Held {
+  readonly token: string;
   readonly name: string;
   readonly fence: Fence;
   leaseId: string;
@@ -186,7 +187,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
 
   async function watchAgain(entry: Held): Promise<void> {
     const res = await txn('watch check', { compare: [], success: [rangeOf(keys.lock(entry.name))], failure: [] });
-    if (closed || entry.lost.signal.aborted || entry.watcher !== undefined || ![...held.values()].includes(entry)) {
+    if (closed || entry.lost.signal.aborted || entry.watcher !== undefined || held.get(entry.token) !== entry) {
       return;
     }
     if (firstKv(res, 0)?.create_revision !== entry.fence.toString()) entry.lost.abort();
@@ -253,6 +254,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         return { fence, lost: known.lost.signal, source };
       if (known) cancelLater(known.watcher);
       const entry: Held = {
+        token,
         name,
         fence,
         leaseId: granted,

@@ -314,7 +314,7 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
           if (row.granting !== true) throw new ForeignLockError(name);
           await sleep(pause);
         }
-        return null;
+        return null; // never seen: the call already failed with CommandTimeoutError when `abandoned` fired
       });
     },
 
