@@ -1,5 +1,6 @@
 import { Cluster } from 'ioredis';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { LockServiceError } from '../../src/errors.js';
 import { redisKeyNames, splitRedisFence } from '../../src/fencing/backends/redis/backend.js';
 import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../../src/fencing/lease.js';
@@ -8,7 +9,13 @@ import type { AcquireOptions } from '../../src/fencing/options.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { TestDatabase } from '../support/databases.js';
 import { type ClusterNode, type RedisClusterHandle, startRedisCluster, waitFor } from '../support/redis-cluster.js';
-import { resource, scenarioDatabase, scenarioRows, uniqueNamespace } from '../support/scenario.js';
+import {
+  expectStaleRefusedOnUntouchedRow,
+  resource,
+  scenarioDatabase,
+  scenarioRows,
+  uniqueNamespace,
+} from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 
@@ -194,5 +201,51 @@ describe.runIf(needs('DATABASE_URL') && hasRedisServer)('Redis lock manager on a
     expect(await write(row, stale, 'stale holder, late')).toEqual({ status: 'stale', currentFence: next.fence });
     expect(await rowOf(row)).toMatchObject({ value: 'next', lastFence: next.fence });
     await Promise.all([stale.release(), next.release()]);
+  });
+
+  // Resharding: the namespace's slot moves to another master, key by key (CLUSTER SETSLOT … MIGRATING /
+  // IMPORTING, MIGRATE, SETSLOT … NODE), as `redis-cli --cluster reshard` does it.
+  it("a move of the namespace's slot to another master: grants fail while its keys are split, then take a new epoch; the old holder is refused on every row", async () => {
+    const ns = uniqueNamespace('rc');
+    const keys = redisKeyNames(ns);
+    const m = manager(ns);
+    const before = await m.acquire('k', { ttlMs: 1_000, autoExtend: false });
+
+    const slot = await rc.keyslot(keys.fence);
+    const from = await rc.masterOf(slot);
+    const fromId = await rc.nodeId(from);
+    const toView = (await rc.view()).find((n) => n.flags.includes('master') && n.id !== fromId);
+    const to = rc.nodes.find((n) => n.port === toView?.port) as ClusterNode;
+    const toId = toView?.id as string;
+    await to.admin().call('CLUSTER', 'SETSLOT', String(slot), 'IMPORTING', fromId);
+    await from.admin().call('CLUSTER', 'SETSLOT', String(slot), 'MIGRATING', toId);
+    const migrate = async (names: string[]) => {
+      if (names.length > 0)
+        await from.admin().call('MIGRATE', '127.0.0.1', String(to.port), '', '0', '5000', 'KEYS', ...names);
+    };
+    // The fence state moves first; the lock keys stay behind: a grant names keys on both masters.
+    await migrate([keys.fence]);
+    const split = await m.acquire('other', { ttlMs: 1_000 }).catch((e: unknown) => e);
+    expect(split).toBeInstanceOf(LockServiceError); // redirected back and forth until ioredis gave up
+
+    // The rest of the slot, then the slot itself, everywhere.
+    for (let i = 0; i < 100; i++) {
+      const left = (await from.admin().call('CLUSTER', 'GETKEYSINSLOT', String(slot), '100')) as string[];
+      if (left.length === 0) break;
+      await migrate(left);
+    }
+    const masters = (await rc.view()).filter((n) => n.flags.includes('master')).map((n) => n.port);
+    for (const node of rc.nodes.filter((n) => masters.includes(n.port))) {
+      await node.admin().call('CLUSTER', 'SETSLOT', String(slot), 'NODE', toId);
+    }
+    await rc.waitStable();
+
+    // The new master's data history is new to the fence state: the next grant takes a new epoch.
+    const after = await acquireAfterFailover(m, 'k', { ttlMs: 5_000, waitMs: 10_000 });
+    expect(after.fence).toBeGreaterThan(before.fence);
+    expect(splitRedisFence(after.fence).epoch).toBeGreaterThan(splitRedisFence(before.fence).epoch);
+    expect(await rc.masterOf(slot)).toBe(to);
+    await expectStaleRefusedOnUntouchedRow(scenario, before, after);
+    await after.release();
   });
 });

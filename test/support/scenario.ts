@@ -2,6 +2,7 @@ import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { expect } from 'vitest';
+import { execute } from '../../src/driver.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
@@ -35,12 +36,14 @@ export const resource = pgTable('resource', {
  * fence 0, and how it reads one back. `scenario` is read at each call (suites open it in `beforeAll`).
  */
 export function scenarioRows(scenario: () => TestDatabase) {
-  let next = 100;
   return {
+    // The next id above every row there (from 100): helpers and the suite draw rows from one database.
     async newRow(): Promise<number> {
-      const id = next++;
-      await scenario().db.execute(sql`insert into resource (id, value) values (${id}, 'initial')`);
-      return id;
+      const [row] = await execute(
+        scenario().db,
+        sql`insert into resource (id, value) select greatest(coalesce(max(id), 0), 99) + 1, 'initial' from resource returning id`,
+      );
+      return Number(row?.id);
     },
     async rowOf(id: number) {
       const [row] = await scenario().db.select().from(resource).where(sql`${resource.id} = ${id}`);
