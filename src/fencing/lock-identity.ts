@@ -24,7 +24,8 @@ export interface LockIdentity {
   readonly name: string;
 }
 
-const PART_BYTES = 1024;
+/** @internal The most UTF-8 bytes of each part of a lock identity. */
+export const PART_BYTES = 1024;
 
 // A lease's identity is frozen and checked once: repo.with(lease) on every write finds it here.
 const checked = new WeakMap<object, LockIdentity>();

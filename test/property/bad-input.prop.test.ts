@@ -11,7 +11,8 @@
  * ./support.ts for PALISADE_PROPERTY_RUNS and replaying a failure.
  *
  * Also: acquire options (holder labels with NUL, autoExtend of any type,
- * maxHoldMs with and without autoExtend) and `where` conditions that are not
+ * maxHoldMs with and without autoExtend), lock identities built by hand for
+ * `with({ fence, signal, lock })`, and `where` conditions that are not
  * drizzle SQL (a string once updated every row).
  *
  * Left out on purpose (known bug, see test/bad-input.test.ts): patch objects
@@ -27,6 +28,7 @@ import { type Database, execute } from '../../src/driver.js';
 import { InvalidArgumentError, type PalisadeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { type Fence, MAX_FENCE, toFence } from '../../src/fencing/fence.js';
+import { PART_BYTES } from '../../src/fencing/lock-identity.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { MAX_NAME_BYTES, MAX_TTL_MS } from '../../src/fencing/options.js';
 import { migrate } from '../../src/migrate.js';
@@ -300,6 +302,58 @@ describe('fuzzing the bad-input surface', () => {
       expect(got.value).not.toBeNull();
       await got.value?.release();
       expect(got.value?.holder).toBe(holder ?? null);
+    },
+    propertyTimeout(60_000),
+  );
+
+  /** Parts of a lock identity a caller builds by hand: strings of any kind (NUL, lone surrogates, long) or not strings. */
+  const partLike: fc.Arbitrary<unknown> = fc.oneof(
+    fc.string({ maxLength: 10 }),
+    fc.string({ unit: fc.constantFrom('a', '\u0000', '\uD800', '\uDC00', 'é', ':'), maxLength: 5 }),
+    fc.integer({ min: PART_BYTES - 2, max: PART_BYTES + 2 }).map((n) => 'p'.repeat(n)),
+    fc.integer({ min: 340, max: 343 }).map((n) => '€'.repeat(n)),
+    fc.anything({ maxDepth: 0 }),
+  );
+  const lockLike: fc.Arbitrary<unknown> = fc.oneof(
+    {
+      weight: 8,
+      arbitrary: fc.record(
+        { kind: partLike, source: partLike, namespace: partLike, name: partLike },
+        { requiredKeys: [] },
+      ),
+    },
+    { weight: 1, arbitrary: fc.anything({ maxDepth: 1 }) },
+  );
+  const validPart = (part: string, value: unknown) =>
+    typeof value === 'string' &&
+    (part === 'namespace' || value.length > 0) &&
+    !value.includes('\u0000') &&
+    value.isWellFormed() &&
+    Buffer.byteLength(value, 'utf8') <= PART_BYTES;
+  const lockRepo = () => fencedRepository(db, items, { scope: 'lock' });
+
+  test.prop([lockLike], propertyParams())(
+    "with({ fence, signal, lock }) on a scope: 'lock' repository: a well-formed identity writes, anything else is invalid_argument (no lock at all: lock_scope) with no query",
+    async (lock) => {
+      await client.exec(`delete from fuzz_items; insert into fuzz_items (id, n, last_fence) values ('a', 7, 1000)`);
+      queries.length = 0;
+      const holder = { fence: toFence(2000n), signal: new AbortController().signal, lock } as never;
+      const got = await outcome(() => lockRepo().with(holder).update({ id: 'a' }, { n: 8 }));
+      const [row] = await execute(db, sql`select n, last_fence::text as f from fuzz_items where id = 'a'`);
+      const parts = lock !== null && typeof lock === 'object' ? (lock as Record<string, unknown>) : undefined;
+      const valid = parts !== undefined && ['kind', 'source', 'namespace', 'name'].every((p) => validPart(p, parts[p]));
+      if (!valid) {
+        expect(got.ok, `accepted: lock ${fc.stringify(lock)}`).toBe(false);
+        if (!got.ok)
+          expect((got.error as PalisadeError).code).toBe(lock === undefined ? 'lock_scope' : 'invalid_argument');
+        expect(queries.filter((q) => !q.startsWith('select n, last_fence'))).toEqual([]);
+        expect(row).toEqual({ n: 7, f: '1000' });
+        return;
+      }
+      // A lock no grant of this database claimed: the write claims its register (at 2000, or shares it there).
+      if (!got.ok) throw got.error;
+      expect(got.value.status).toBe('applied');
+      expect(row).toEqual({ n: 8, f: '2000' });
     },
     propertyTimeout(60_000),
   );
