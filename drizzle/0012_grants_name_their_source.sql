@@ -9,6 +9,26 @@
 -- landed on a row the newer holder had not written. Now a grant reads the id once, claims under it and
 -- returns it, and the client names what its grant returned: from an id change on, every grant of every
 -- manager names the new id.
+--
+-- The id is read once the grant holds its lock (the lease row, the advisory lock), by granting_source_id()
+-- below: not in the grant statement's own snapshot, which the server takes when the statement is bound —
+-- an advisory grant whose Execute reached the server late (a link that split its messages) drew a fence
+-- above another manager's grant made after an id change, yet named the id its snapshot saw, the old one.
+CREATE FUNCTION "palisade"."granting_source_id"() RETURNS text LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+  src text;
+BEGIN
+  IF current_setting('transaction_isolation') = 'read committed' THEN
+    -- A statement of a volatile function takes a snapshot of its own: every id committed before it.
+    SELECT s.source_id INTO src FROM palisade.fence_sources s;
+  ELSE
+    -- One snapshot for the whole transaction, taken before the grant held its lock: an id changed since
+    -- fails this read (40001, a serialization failure: nothing granted, the grant is asked again).
+    SELECT s.source_id INTO src FROM palisade.fence_sources s FOR SHARE;
+  END IF;
+  RETURN src;
+END $$;
+--> statement-breakpoint
 CREATE OR REPLACE FUNCTION "palisade"."register_grant"(p_kind text, p_source text, p_ns text, p_name text, p_fence bigint)
 RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -72,9 +92,9 @@ BEGIN
   SELECT f INTO got FROM (SELECT i.fence AS f FROM inserted i UNION ALL SELECT t.fence FROM taken t) g;
   IF got IS NOT NULL THEN
     -- The grant claims its lock's register (palisade.lock_registers) in the same transaction, under
-    -- the id read here, which it returns: from this commit on, every lock-scoped write of a lower
-    -- fence of this lock is refused.
-    src := (SELECT s.source_id FROM palisade.fence_sources s);
+    -- the id read here, holding the lease row, which it returns: from this commit on, every
+    -- lock-scoped write of a lower fence of this lock is refused.
+    src := palisade.granting_source_id();
     PERFORM palisade.register_grant('postgres', src, p_ns, p_name, got);
     granted_fence := got::text;
     granted_source := src;

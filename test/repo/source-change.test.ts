@@ -5,12 +5,16 @@
  * change fill one register per lock.
  */
 import { sql } from 'drizzle-orm';
-import { afterEach, describe, expect, it } from 'vitest';
+import postgres from 'postgres';
+import { afterEach, describe, expect, it, onTestFinished } from 'vitest';
 import { execute } from '../../src/driver.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
 import type { TestDatabase } from '../support/databases.js';
 import { type BackendKind, type OpenManager, openManager } from '../support/managers.js';
 import { expectStaleRefusedOnUntouchedRow, scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
+import { withholdingProxy } from '../support/withholding-proxy.js';
 
 const opened: (OpenManager | TestDatabase)[] = [];
 afterEach(async () => {
@@ -41,6 +45,53 @@ describe.runIf(needs('DATABASE_URL'))('an id changed while lock managers run', (
       expect(before.lock?.source).not.toBe(row?.id);
       expect([stale.lock?.source, newer.lock?.source]).toEqual([row?.id, row?.id]);
       await expectStaleRefusedOnUntouchedRow(scenario, stale, newer);
+      await newer.release();
+    },
+  );
+
+  // The advisory grant is one statement, whose snapshot the server takes when it is bound; the lock, the
+  // fence and the id are taken when it is executed. A link that delivers the Bind and holds back the
+  // Execute (a lost segment) let an id change and another manager's whole grant fall in between.
+  it.each(['read committed', 'repeatable read'])(
+    "advisory, %s: a grant executed after an id change and another's grant names the id of its execution",
+    async (isolation) => {
+      const scenario = await scenarioDatabase();
+      opened.push(scenario);
+      // Under REPEATABLE READ the bound snapshot is the transaction's: the id read fails (40001), the grant is asked again.
+      const [{ name } = { name: '' }] = await execute(scenario.db, sql`select current_database() as name`);
+      await scenario.db.execute(
+        sql.raw(`alter database "${String(name)}" set default_transaction_isolation = '${isolation}'`),
+      );
+      const proxy = withholdingProxy(scenario.url as string);
+      onTestFinished(() => proxy.close());
+      const namespace = uniqueNamespace('src');
+      const client = postgres(await proxy.url(), { max: 2, onnotice: () => {} });
+      const split = advisoryLockManager({ client, namespace }); // its sessions go through the proxy too
+      onTestFinished(async () => {
+        proxy.release();
+        await split.close();
+        await client.end({ timeout: 2 });
+      });
+      const other = await openManager({ kind: 'advisory', namespace, databaseUrl: scenario.url as string });
+      opened.push(other);
+      // The one-time checks done, and the grant statement prepared on an idle session: Bind, Execute, Sync.
+      await (await split.acquire('warm', { ttlMs: 5_000 })).release();
+
+      proxy.state.splitAfterBind = true;
+      const late = split.acquire('L', { ttlMs: 10_000, waitMs: 8_000 });
+      for (let i = 0; i < 200 && proxy.splits === 0; i++) await sleep(10);
+      expect(proxy.splits).toBe(1);
+      await sleep(100); // the server has bound it: its snapshot is taken
+      await scenario.db.execute(sql`update palisade.fence_sources set source_id = 'pg:' || md5(random()::text)`);
+      const [row] = await execute(scenario.db, sql`select palisade.fence_source_id() as id`);
+      const between = await other.manager.acquire('L', { ttlMs: 10_000, autoExtend: false });
+      await between.release(); // its holder goes on as if it still held the lock: a stale one
+      proxy.release();
+
+      const newer = await late;
+      expect(newer.fence).toBeGreaterThan(between.fence);
+      expect([between.lock?.source, newer.lock?.source]).toEqual([row?.id, row?.id]);
+      await expectStaleRefusedOnUntouchedRow(scenario, between, newer);
       await newer.release();
     },
   );

@@ -13,17 +13,21 @@ import { type AddressInfo, connect, createServer, type Server, type Socket } fro
  * - `splitAfterParse`: of what the client sends next, the first Parse
  *   message goes through and everything after it is held back, as a link
  *   that splits a statement's messages does (the server parses, then waits
- *   for the Bind: `ClientRead`).
+ *   for the Bind: `ClientRead`);
+ * - `splitAfterBind`: the same, up to the end of the first Bind message (the
+ *   server binds the statement — and takes its snapshot — then waits for the
+ *   Execute).
  *
- * `release()` switches all three off and delivers what was held back, in
+ * `release()` switches all of them off and delivers what was held back, in
  * order: the stalled session goes on as if the link had only been slow.
  */
 export function withholdingProxy(url: string) {
-  const state = { withhold: false, stopReading: false, splitAfterParse: false };
+  const state = { withhold: false, stopReading: false, splitAfterParse: false, splitAfterBind: false };
   const toClient: (() => void)[] = [];
   const toServer: (() => void)[] = [];
   const sockets = new Set<Socket>();
   const outbounds = new Set<Socket>();
+  let splits = 0;
   const server: Server = createServer((inbound) => {
     const outbound = connect(Number(new URL(url).port || 5432), '127.0.0.1');
     sockets.add(inbound).add(outbound);
@@ -34,17 +38,18 @@ export function withholdingProxy(url: string) {
         toServer.push(() => outbound.write(chunk));
         return;
       }
-      if (!state.splitAfterParse) {
+      if (!state.splitAfterParse && !state.splitAfterBind) {
         outbound.write(chunk);
         return;
       }
       // After the startup packet every chunk the client writes starts at a message: walk them.
-      const end = endOfFirstParse(chunk);
+      const end = endOfFirst(chunk, state.splitAfterParse ? PARSE : BIND);
       if (end === undefined) {
         outbound.write(chunk);
         return;
       }
       split = true;
+      splits++;
       outbound.write(chunk.subarray(0, end));
       const rest = chunk.subarray(end);
       toServer.push(() => {
@@ -64,6 +69,10 @@ export function withholdingProxy(url: string) {
   });
   return {
     state,
+    /** How many statements were split so far. */
+    get splits() {
+      return splits;
+    },
     /** Starts listening; the URL to give the client (the proxy's loopback port in place of Postgres'). */
     async url(): Promise<string> {
       await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
@@ -76,6 +85,7 @@ export function withholdingProxy(url: string) {
       state.withhold = false;
       state.stopReading = false;
       state.splitAfterParse = false;
+      state.splitAfterBind = false;
       for (const deliver of toServer.splice(0)) deliver();
       for (const deliver of toClient.splice(0)) deliver();
       for (const outbound of outbounds) outbound.resume();
@@ -87,12 +97,15 @@ export function withholdingProxy(url: string) {
   };
 }
 
-// The offset just past the first Parse message ('P', then its length, which counts itself) in a chunk of
-// whole frontend messages; undefined when the chunk holds none.
-function endOfFirstParse(chunk: Buffer): number | undefined {
+const PARSE = 0x50; // 'P'
+const BIND = 0x42; // 'B'
+
+// The offset just past the first message of `type` (its type byte, then its length, which counts itself)
+// in a chunk of whole frontend messages; undefined when the chunk holds none.
+function endOfFirst(chunk: Buffer, type: number): number | undefined {
   for (let at = 0; at + 5 <= chunk.length; ) {
     const end = at + 1 + chunk.readUInt32BE(at + 1);
-    if (chunk[at] === 0x50) return end;
+    if (chunk[at] === type) return end;
     at = end;
   }
   return undefined;

@@ -226,8 +226,11 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
         const retry = reused && session.dead && !closed && !abandoned.aborted;
         // The statement may have taken the lock before failing (advisory locks ignore rollback): end the session.
         await endSession(session);
-        // lock_timeout while drawing the fence: not granted this time, and the ended session holds nothing.
-        if (sqlStateOf(err) === '55P03') return null;
+        // lock_timeout while drawing the fence, or (a database whose default isolation is REPEATABLE READ
+        // or SERIALIZABLE) the fence source id changed since the statement's snapshot: not granted this
+        // time, and the ended session holds nothing.
+        const state = sqlStateOf(err);
+        if (state === '55P03' || state === '40001') return null;
         if (!retry) throw err;
         reused = false;
         session = openSession();

@@ -25,9 +25,9 @@ const GRANT_MARK = '/* palisade advisory grant */';
 // sequence is locked when nextval runs, after it), and the last column puts
 // the session's own bound back ($5). The grant claims its lock's register in
 // the same statement (palisade.register_grant, migrations 0005 and 0012; $6
-// namespace, $7 name) under the fence source id read there, which it returns
-// for the lease to name (an id changed while managers run applies from the
-// next grant of each), waiting at most the same lock_timeout for a fenced transaction
+// namespace, $7 name) under the fence source id read once the lock is held
+// (palisade.granting_source_id: not in this statement's snapshot, taken when
+// it was bound), which it returns for the lease to name, waiting at most the same lock_timeout for a fenced transaction
 // that holds it: a timeout there is "not granted", as for the sequence. A statement that fails after the
 // try-lock leaves the advisory lock held (advisory locks ignore rollback):
 // the session is then ended, which frees it.
@@ -37,7 +37,7 @@ export const GRANT = `${GRANT_MARK}
   f0 as materialized (
     select got, case when got then nextval('palisade.fence_seq') end as fence,
            floor(extract(epoch from clock_timestamp()) * 1000)::int8 as at,
-           case when got then (select s.source_id from palisade.fence_sources s) end as source
+           case when got then palisade.granting_source_id() end as source
     from t
   ),
   f as materialized (
