@@ -6,6 +6,7 @@ import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
 import { assertSupportedDriver, asThrown, callerCode, type Database, int8, transaction } from '../driver.js';
 import {
+  DriverError,
   FenceNotIssuedError,
   InvalidArgumentError,
   LeaseLostError,
@@ -18,7 +19,7 @@ import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
 import { claimLockBounded, idleBoundSql, noteBounded } from './lock-scope.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
-import { registerTag } from './register-key.js';
+import { registerKey, registerTag } from './register-key.js';
 import type { FenceHolder } from './repository-api.js';
 
 /** A lease as a fenced transaction needs it: a fence, its signal, its lock and (optionally) its local expiry. */
@@ -163,8 +164,10 @@ export async function fencedTransactionOrThrow<R>(
 }
 
 const p = (name: string) => sql.placeholder(name);
+// Each row names its lock by key, a uuid: text comes back through some drivers changed (PGlite drops a
+// leading U+FEFF), and a lease whose row was not recognised was taken for one no higher fence had claimed.
 const claimLocksSql = () =>
-  sql`select c.kind, c.source, c.namespace, c.name, c.fence, c.registered, ${sessionColumnsSql()}
+  sql`select palisade.lock_key(c.kind, c.source, c.namespace, c.name)::text as key, c.fence, c.registered, ${sessionColumnsSql()}
     from (select ${idleBoundSql()}, (select bool_and(pg_try_advisory_xact_lock_shared((t->>0)::int4, (t->>1)::int4))
       from jsonb_array_elements(${p('tags')}::jsonb) t) as tagged) s,
     lateral palisade.claim_locks(${p('claims')}::jsonb) c`;
@@ -192,17 +195,19 @@ async function claimAll(
     // Each lease's register tag (register-key.ts), as a claim of one lock takes it.
     tags: JSON.stringify(list.map(({ lock, fence }) => registerTag(lock, fence))),
   });
-  const key = (l: LockIdentity, fence: unknown) =>
-    JSON.stringify([l.kind, l.source, l.namespace, l.name, String(fence)]);
   const registered = new Map<string, bigint>();
   for (const row of rows) {
     const fence = int8(row.fence) ?? 0n;
     const current = int8(row.registered) ?? 0n;
     if (current < fence) throw new FenceNotIssuedError(current, fence);
-    registered.set(key(row as unknown as LockIdentity, fence), current);
+    registered.set(`${String(row.key)}:${fence}`, current);
   }
   return {
-    registered: list.map(({ lock, fence }) => registered.get(key(lock, fence)) ?? 0n),
+    registered: list.map(({ lock, fence }) => {
+      const current = registered.get(`${registerKey(lock)}:${fence}`);
+      if (current === undefined) throw new DriverError('the claim of the lock registers returned no row for a lease');
+      return current;
+    }),
     session: sessionOf(rows[0]),
   };
 }

@@ -611,6 +611,32 @@ describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, ()
   });
 });
 
+describe('lock scope on PGlite, names PGlite reads back changed', { timeout: 120_000 }, () => {
+  // PGlite returns text without a leading U+FEFF: a claim's rows name their locks by key, a uuid.
+  it('a fenced transaction over two leases is refused when a higher fence claimed a lock whose name begins with U+FEFF', async () => {
+    const test = await pgliteDatabase();
+    const locks = postgresLockManager({ client: test.db, namespace: uniqueNamespace('pglite'), listen: false });
+    try {
+      await migrate(test.db);
+      await test.db.execute(sql`create table ledger (id serial primary key, note text)`);
+      const name = '\uFEFFA';
+      const stale = await locks.acquire(name, { ttlMs: 100, autoExtend: false });
+      const held = await locks.acquire('B', { ttlMs: 60_000, autoExtend: false });
+      const newer = await locks.acquire(name, { ttlMs: 60_000, waitMs: 10_000 }); // once the stale one ran out
+      const result = await fencedTransaction(test.db, [unaware(stale), unaware(held)], async (tx) => {
+        await tx.execute(sql`insert into ledger (note) values ('stale')`);
+        return 'ran';
+      });
+      expect(result).toMatchObject({ status: 'stale', refusal: { table: null, currentFence: newer.fence } });
+      expect(await test.db.execute(sql`select * from ledger`)).toMatchObject({ rows: [] });
+      await Promise.all([newer.release(), held.release()]);
+    } finally {
+      await locks.close();
+      await test.close();
+    }
+  });
+});
+
 describe("the caller's own error, thrown inside palisade's transactions", () => {
   // Regression (outside review): the transaction a lock-scoped modify or a fenced transaction
   // claims in turned the function's error into a DatabaseError naming no cause.
