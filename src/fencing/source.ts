@@ -5,7 +5,6 @@
 import { sql } from 'drizzle-orm';
 import { type Database, execute, transaction } from '../driver.js';
 import { FenceSourceError } from '../errors.js';
-import { forwardTo, type Grant, type LockBackend } from './backend.js';
 
 /**
  * This database's id as a fence source (`palisade.fence_source_id()`,
@@ -39,66 +38,4 @@ export async function databaseSourceId(db: Database, lockWaitMs?: number): Promi
     throw new FenceSourceError('palisade.fence_sources holds no id: run palisade migration 0005_lock_registers again');
   }
   return id;
-}
-
-/**
- * `backend` with `namespace` and every grant's `source` set — unless the
- * backend named one itself — from `source()` (asked once, and again only
- * after it failed): for backends whose source id takes a round trip of its
- * own to learn (a Redis deployment's epochs database, for epochs activated
- * before Redis kept their database's id; not an etcd cluster, which a
- * restore replaces: its grants name it themselves). A grant whose source cannot be learnt is given back and the
- * error thrown, so no lease exists without its lock identity.
- */
-export function withFenceSource(backend: LockBackend, namespace: string, source: () => Promise<string>): LockBackend {
-  let known: Promise<string> | undefined;
-  let learnt: string | undefined; // the id once known: no extra await on every grant
-  const sourceId = (): Promise<string> => {
-    known ??= source().then(
-      (id) => {
-        learnt = id;
-        return id;
-      },
-      (err: unknown) => {
-        known = undefined;
-        throw err;
-      },
-    );
-    return known;
-  };
-  const base = forwardTo(backend, namespace);
-  const handover = base.waitForTurn;
-  return {
-    ...base,
-    async grant(...args: Parameters<LockBackend['grant']>): Promise<Grant | null> {
-      const id = learnt ?? (await sourceId());
-      const grant = await base.grant(...args);
-      // A source the backend named with the grant (Redis: the one its epoch is filed under) comes first.
-      return grant === null ? null : withSource(grant, grant.source ?? id);
-    },
-    ...(handover
-      ? {
-          // Never rejects (the contract): a source not learnt yet makes a handover a plain wake-up,
-          // and the waiter's next grant call (same token: the same grant) learns it or fails.
-          async waitForTurn(...args: Parameters<NonNullable<LockBackend['waitForTurn']>>) {
-            const grant = await handover(...args);
-            if (grant === undefined) return undefined;
-            const id = grant.source ?? learnt ?? (await known?.catch(() => undefined));
-            return id === undefined ? undefined : withSource(grant, id);
-          },
-        }
-      : {}),
-  };
-}
-
-// Field by field, not `{ ...grant, source }`: spreading an object takes a slow clone path in V8,
-// on every acquire.
-function withSource(grant: Grant, source: string): Grant {
-  const out: { fence: Grant['fence']; source: string; lost?: AbortSignal; confirmWithinMs?: number } = {
-    fence: grant.fence,
-    source,
-  };
-  if (grant.lost !== undefined) out.lost = grant.lost;
-  if (grant.confirmWithinMs !== undefined) out.confirmWithinMs = grant.confirmWithinMs;
-  return out;
 }

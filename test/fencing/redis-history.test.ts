@@ -264,7 +264,7 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL') && needs('REDIS_SERVE
       for (let i = 0; i < 250 && !(await clients[1].exists(keys.lock('held'))); i++) await sleep(20);
       const token = (await lockToken(clients[0], keys.lock('held'))) ?? '';
       const run = scriptRunner(clients[1], [GRANT_SCRIPT], commandDeadline(2_000));
-      expect(await runGrant(run, keys, 'held', token, 30_000, null, false)).toEqual({
+      expect(await runGrant(run, keys, 'held', token, 30_000, null, false, true)).toEqual({
         kind: 'no-epoch',
         reason: 'replica',
         observed: '',

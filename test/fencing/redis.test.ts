@@ -684,6 +684,41 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     await next.release();
   });
 
+  // An epoch made in Redis alone (by a manager without `epochs`) is filed under no id: managers with
+  // `epochs` named it each after the id it knew, and with that id changed between them, one counter filled
+  // two registers (an attack: a stale lock-scoped write landed). Such a manager now replaces that epoch.
+  it('an epoch made without epochs is replaced by one filed under the database id before a manager with epochs grants', async () => {
+    const { namespace, redis, keys, test, open } = await redisScenario(REDIS_URL);
+    const fresh = redisLockManager({ client: redis, namespace, allowFreshCounter: true });
+    onTestFinished(() => fresh.close());
+    const unfiled = await fresh.acquire('L', { ttlMs: 2_000 });
+    expect(unfiled.lock).toBeUndefined();
+    await unfiled.release();
+    expect(await redis.hget(keys.fence, 'source')).toBeNull();
+
+    const early = open();
+    await test.db.execute(sql`select setval('palisade.epoch_seq', 100)`); // above the epoch made in Redis
+    const [before] = await execute(test.db, sql`select palisade.fence_source_id() as id`);
+    await (await early.acquire('warm', { ttlMs: 2_000 })).release();
+    expect(await redis.hget(keys.fence, 'source')).toBe(before?.id);
+    // A manager without epochs still grants from the filed epoch; its leases stay without a lock.
+    const rowScoped = await fresh.acquire('L', { ttlMs: 2_000 });
+    expect(rowScoped.lock).toBeUndefined();
+    expect(splitRedisFence(rowScoped.fence).epoch).toBe(101n);
+    await rowScoped.release();
+
+    await test.db.execute(sql`update palisade.fence_sources set source_id = 'pg:' || md5(random()::text)`);
+    const late = open();
+    const stale = await early.acquire('L', { ttlMs: 1_000, autoExtend: false });
+    const newer = await late.acquire('L', { ttlMs: 5_000, waitMs: 10_000 }); // once the stale one's TTL ran out
+    expect([stale.lock?.source, newer.lock?.source]).toEqual([
+      `redis-epochs:${before?.id}`,
+      `redis-epochs:${before?.id}`,
+    ]);
+    await expectStaleRefusedOnUntouchedRow(test, stale, newer);
+    await newer.release();
+  });
+
   // A grant sent again with the same token finds the lock already its own; once the fence state has moved on
   // from that grant's epoch, which id the epoch was filed under is known no more (an attack: a waiter that
   // took a handed-over lock by its next grant named the manager's id, not the epoch's).

@@ -15,10 +15,8 @@ import { advisoryLockBackend } from '../../src/fencing/backends/postgres-advisor
 import { advisoryKey, advisoryKeyParts } from '../../src/fencing/backends/postgres-advisory/keys.js';
 import { postgresLockBackend } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { redisLockBackend } from '../../src/fencing/backends/redis/backend.js';
-import { redisFenceSource } from '../../src/fencing/backends/redis/source.js';
 import type { LockManagerHooks } from '../../src/fencing/lock-manager.js';
 import { SERVER_WAIT_GRACE_MS } from '../../src/fencing/options.js';
-import { withFenceSource } from '../../src/fencing/source.js';
 import type { ContractSubject, LockBackendContract } from '../../src/testing/contract.js';
 import type { BackendKind } from './managers.js';
 import { uniqueNamespace } from './scenario.js';
@@ -61,10 +59,8 @@ export async function openBackend(config: BackendConfig): Promise<OpenBackend> {
       redis.on('error', () => {}); // reconnects by itself; commands fail (bounded) meanwhile
       closers.unshift(async () => redis.disconnect());
       const options = { client: redis, namespace: config.namespace, epochs: drizzle(client) };
-      // As redisLockManager builds it: grants carry the fence source, for leases' lock identity.
-      const source = redisFenceSource(options);
-      if (source === undefined) throw new Error('the Redis contract subject has epochs, so a fence source');
-      backend = withFenceSource(redisLockBackend(options), config.namespace, source);
+      // As redisLockManager builds it: grants carry their epoch's fence source, the namespace makes the lock.
+      backend = forwardTo(redisLockBackend(options), config.namespace);
       break;
     }
     case 'etcd': {

@@ -65,6 +65,8 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
   const bounded = commandDeadline(checked.timeoutMs);
   const run = scriptRunner(checked.client, SCRIPTS, bounded);
   const recover = epochRecovery(checked, keys, run, bounded);
+  // With `epochs`, every grant names the source its epoch is filed under (an unfiled epoch is replaced).
+  const filed = checked.epochs !== undefined;
   const notifier = releaseSubscriber(checked.client, keys.channel);
   // Grants wait at most this long for a new epoch to settle before giving up.
   const recoveryBudgetMs = Math.max(5_000, 3 * Math.min(10_000, Math.max(1_000, 2 * checked.timeoutMs)));
@@ -93,13 +95,14 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
     checkTtl(ttlMs);
     const deadline = performance.now() + recoveryBudgetMs;
     for (let round = 0; round < MAX_GRANT_ROUNDS; round++) {
-      const reply = await runGrant(run, keys, name, token, ttlMs, holder, waiting);
+      const reply = await runGrant(run, keys, name, token, ttlMs, holder, waiting, filed);
       if (reply.kind === 'granted') return grantOf(reply.fence, reply.source);
       if (reply.kind === 'busy') return null;
       if (reply.kind === 'source-unknown') {
-        // Held by this token from an epoch whose id the state no longer knows (a re-sent grant after the
-        // state moved on): a lease would name a guessed source. Given back (to the next in line, if
-        // one waits), then asked for again: a grant from now on names its epoch's.
+        // Held by this token from an epoch whose id is not known (a re-sent grant after the state moved
+        // on, or a lock handed over from an unfiled epoch): a lease would name a guessed source. Given
+        // back (to the next in line, if one waits), then asked for again: a grant from now on names its
+        // epoch's.
         await releaseToken(name, token);
         continue;
       }
@@ -136,7 +139,9 @@ export function redisLockBackend(options: RedisLockManagerOptions): LockBackend 
       const handed = (await notifier.waitForValue(`${name}\0${tokenHash(token)}`, ms, signal)) as
         | HandedOver
         | undefined;
-      if (!handed) return undefined;
+      // Handed over from an epoch filed under no id: the next grant finds the lock its own, gives it back
+      // and takes a fence of a filed epoch.
+      if (!handed || (filed && handed.source === '')) return undefined;
       try {
         return grantOf(fenceOf(handed.epoch, handed.counter), handed.source, REDIS_HANDOFF_CONFIRM_MS);
       } catch {

@@ -5,12 +5,11 @@
  * while disconnected with "Stream isn't writeable…", which says nothing of
  * the cause; its `error` events do ("connect ECONNREFUSED 127.0.0.1:6379").
  */
+import { forwardTo } from '../../backend.js';
 import { checkClaimRegisters, withEagerClaim } from '../../eager-claim.js';
 import { createLockManager, type LockManager } from '../../lock-manager.js';
 import { checkNamespace } from '../../options.js';
-import { withFenceSource } from '../../source.js';
 import { type RedisClient, type RedisLockManagerOptions, redisLockBackend } from './backend.js';
-import { redisFenceSource } from './source.js';
 
 /** How often a queued waiter retries: well inside REDIS_HANDOFF_RECENT_MS (500) and REDIS_QUEUE_STALE_MS (1,000). */
 const QUEUED_RETRY_MS = { min: 100, max: 200 } as const;
@@ -90,9 +89,10 @@ const QUEUED_RETRY_MS = { min: 100, max: 200 } as const;
 export function redisLockManager(options: RedisLockManagerOptions): LockManager {
   const inner = redisLockBackend(options);
   const namespace = checkNamespace(options.namespace);
-  const source = redisFenceSource(options);
+  // With `epochs` each grant names its epoch's source (./backend.ts), and the namespace makes the lease's
+  // lock; without, leases carry no lock (README, "Two scopes of fencing").
   const backend = withEagerClaim(
-    source === undefined ? inner : withFenceSource(inner, namespace, source),
+    options.epochs === undefined ? inner : forwardTo(inner, namespace),
     checkClaimRegisters(options.claimRegisters),
   );
   const watch = watchConnection(options.client);

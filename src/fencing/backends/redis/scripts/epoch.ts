@@ -8,7 +8,9 @@ import type { LuaScript, RunScript } from './script.js';
 
 // Step 1 of a new epoch: a placeholder (state pending, epoch 0, the caller's
 // nonce), only over a missing, foreign (another history, another palisade
-// version) or used-up state. It keeps the epoch there as `floor`. While it
+// version), used-up or unfiled state (an epoch filed under no database id:
+// made in Redis alone, or by an earlier version; only clients with `epochs`
+// install). It keeps the epoch there as `floor`. While it
 // lives, no other client can install or activate anything here.
 // KEYS: fence state. ARGV: nonce, pending ttl ms, max counter, minimum Redis version.
 // Replies: INSTALLED | ACTIVE (a healthy state is there) | WAIT (another client's placeholder) | REPLICA
@@ -18,9 +20,9 @@ local id = identity()
 if not id then return 'REPLICA' end
 local recent = recent_enough(ARGV[4])
 if recent ~= true then return {'OLD', recent} end
-local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id', 'nonce')
+local st = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'counter', 'id', 'nonce', 'source')
 if st[4] == id then
-  if st[1] == 'active' and tonumber(st[3]) < tonumber(ARGV[3]) then return 'ACTIVE' end
+  if st[1] == 'active' and tonumber(st[3]) < tonumber(ARGV[3]) and st[6] and st[6] ~= '' then return 'ACTIVE' end
   if st[1] == 'pending' then
     if st[5] == ARGV[1] then return 'INSTALLED' end
     return 'WAIT'
@@ -82,7 +84,7 @@ return 'ACTIVE'
 
 /** @internal */
 export const INSTALL_EPOCH_SCRIPT: LuaScript = {
-  name: 'palisadeInstallEpochV3',
+  name: 'palisadeInstallEpochV4',
   lua: INSTALL_EPOCH_LUA,
   numberOfKeys: 1,
 };

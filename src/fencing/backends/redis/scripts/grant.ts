@@ -47,10 +47,12 @@ export const QUEUE_TTL_MS = REDIS_QUEUE_STALE_MS + 4_000;
 const MAX_PRUNE = 64;
 
 // KEYS: lock, fence state, queue, seen.
-// ARGV: token, ttl ms, holder ('' for none, else '=' followed by the label), waiting ('1'/'0').
+// ARGV: token, ttl ms, holder ('' for none, else '=' followed by the label), waiting ('1'/'0'), filed ('1'
+// for a client with `epochs`, whose leases name their epoch's source; '0').
 // Replies: {'OK', epoch, counter, source} | {'BUSY'} | {'NOEPOCH', reason, observed epoch}; `source` is the
 // id of the database the fence's epoch was taken from ('' for an epoch from Redis alone or one activated by
-// a client older than that field; '?' for a re-sent grant whose epoch the state no longer holds).
+// a client older than that field, to a client without `epochs` only; '?' for a re-sent grant whose epoch's
+// id is not known: the state no longer holds that epoch, or, to a filed client, filed it under no id).
 // The lock's value is the token and its grant record (./record.ts).
 // The queue: KEYS[3] token → place (order of arrival), KEYS[4] token → last retry (Redis TIME, ms).
 // The constants are part of the script (every argument is parsed on every call).
@@ -92,6 +94,7 @@ if current and token_of(current) == ARGV[1] then
     local s = redis.call('HMGET', KEYS[2], 'epoch', 'source')
     local source = '?'
     if s[1] == epoch then source = s[2] or '' end
+    if source == '' and ARGV[5] == '1' then source = '?' end
     return {'OK', epoch, counter, source}
   end
 elseif current then
@@ -129,6 +132,10 @@ if st[1] ~= 'active' then
 end
 if st[4] ~= id then return {'NOEPOCH', 'server', st[2]} end
 if tonumber(st[3]) >= ${REDIS_MAX_COUNTER_ARG} then return {'NOEPOCH', 'exhausted', st[2]} end
+-- A filed client takes no fence from an epoch filed under no id (made in Redis alone, or by an earlier
+-- version): each manager would name it after the id it knows, two registers for one counter. It takes a
+-- new epoch from its database instead (the install replaces such a state).
+if ARGV[5] == '1' and (not st[5] or st[5] == '') then return {'NOEPOCH', 'unfiled', st[2]} end
 -- HINCRBY's reply is a Lua number, exact (a counter stays below 2^39) and printed in full by tostring (%.14g).
 -- The lock is free or this token's (checked above, in this same script): a plain SET takes it.
 local counter = tostring(redis.call('HINCRBY', KEYS[2], 'counter', 1))
@@ -143,14 +150,14 @@ return {'OK', st[2], counter, st[5] or ''}
 `;
 
 /** @internal */
-export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV9', lua: GRANT_LUA, numberOfKeys: 4 };
+export const GRANT_SCRIPT: LuaScript = { name: 'palisadeGrantV10', lua: GRANT_LUA, numberOfKeys: 4 };
 
 /**
  * @internal What a grant attempt found: the lock with its fence, taken (or
  * promised to an earlier waiter), the lock this token already held from an
- * epoch whose id the fence state no longer knows, or a fence state that needs a new epoch
- * (`reason`: missing, server, pending, exhausted, replica; `observed`: the
- * epoch seen, '' if none).
+ * epoch whose id is not known, or a fence state that needs a new epoch
+ * (`reason`: missing, server, pending, exhausted, replica, unfiled; `observed`:
+ * the epoch seen, '' if none).
  */
 export type GrantReply =
   | { readonly kind: 'granted'; readonly fence: Fence; readonly source: string }
@@ -173,6 +180,7 @@ export async function runGrant(
   ttlMs: number,
   holder: string | null,
   waiting: boolean,
+  filed: boolean,
 ): Promise<GrantReply> {
   const reply = (await run(GRANT_SCRIPT, [
     keys.lock(name),
@@ -183,6 +191,7 @@ export async function runGrant(
     ttlMs,
     holderArg(holder),
     waiting ? '1' : '0',
+    filed ? '1' : '0',
   ])) as string[];
   if (reply[0] === 'OK') {
     if (reply[3] === '?') return SOURCE_UNKNOWN;
