@@ -13,6 +13,14 @@
 -- The column is computed again for every row (a table rewrite under ACCESS EXCLUSIVE: lock-scoped
 -- writes and grants that claim wait for it). A sharer's tag takes its first word from the second half
 -- now, which tells the locks of one namespace apart as the whole key's first word did.
+--
+-- The lock is waited for at most 2 s: a session that shares a register and stalled mid-statement (a
+-- paused holder) holds it off, and every grant and lock-scoped write would queue behind the migration's
+-- request for as long as that holder stays stopped (a grant ends such sessions, migration 0009; a
+-- migration does not). The migration then fails (55P03), changes nothing, and is run again.
+SELECT set_config('palisade.lock_timeout_before_0011', current_setting('lock_timeout'), true),
+  set_config('lock_timeout', '2s', true);
+--> statement-breakpoint
 ALTER TABLE "palisade"."lock_registers" DROP COLUMN "lock_key";
 --> statement-breakpoint
 CREATE OR REPLACE FUNCTION "palisade"."lock_key"(p_kind text, p_source text, p_ns text, p_name text)
@@ -35,3 +43,5 @@ LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
     ('x' || substr(encode(sha256(convert_to(h || ':' || p_fence::text, 'UTF8')), 'hex'), 1, 8))::bit(32)::integer & 2147483647
   FROM (SELECT replace(p_key::text, '-', '') AS h) s
 $$;
+--> statement-breakpoint
+SELECT set_config('lock_timeout', current_setting('palisade.lock_timeout_before_0011'), true);
