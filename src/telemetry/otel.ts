@@ -216,7 +216,7 @@ export function failSpan(otel: Api, span: Otel.Span, err: unknown): string {
 
 /**
  * @internal A fence-source event: `epoch_recovery` (the counter was missing,
- * foreign, exhausted or pending — `reason` says which), `new_epoch` (an
+ * foreign, exhausted, pending or unfiled — `reason` says which), `new_epoch` (an
  * epoch was installed), `floor_check` (an epoch from Postgres checked against
  * the floor Redis still holds: `confirmed`, or `behind` when the sequence went back).
  */
