@@ -687,6 +687,23 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
   // An epoch made in Redis alone (by a manager without `epochs`) is filed under no id: managers with
   // `epochs` named it each after the id it knew, and with that id changed between them, one counter filled
   // two registers (an attack: a stale lock-scoped write landed). Such a manager now replaces that epoch.
+  // The handoff path of the same rule: a release from an unfiled epoch hands the lock over with no id.
+  it('a lock handed over from an epoch made without epochs reaches a manager with epochs under a filed epoch', async () => {
+    const { namespace, redis, test, open } = await redisScenario(REDIS_URL);
+    const fresh = redisLockManager({ client: redis, namespace, allowFreshCounter: true });
+    onTestFinished(() => fresh.close());
+    const unfiled = await fresh.acquire('L', { ttlMs: 10_000 });
+    await test.db.execute(sql`select setval('palisade.epoch_seq', 100)`); // above the epoch made in Redis
+    const waiting = open().acquire('L', { ttlMs: 5_000, waitMs: 10_000 });
+    await sleep(300); // queued, and seen recently: the release hands the lock over
+    await unfiled.release();
+    const lease = await waiting;
+    const [row] = await execute(test.db, sql`select palisade.fence_source_id() as id`);
+    expect(lease.lock?.source).toBe(`redis-epochs:${row?.id}`);
+    expect(splitRedisFence(lease.fence).epoch).toBe(101n);
+    await lease.release();
+  });
+
   it('an epoch made without epochs is replaced by one filed under the database id before a manager with epochs grants', async () => {
     const { namespace, redis, keys, test, open } = await redisScenario(REDIS_URL);
     const fresh = redisLockManager({ client: redis, namespace, allowFreshCounter: true });

@@ -15,6 +15,7 @@ import { FenceNotIssuedError, LockScopeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { claimLockRegister } from '../../src/repo/lock-scope.js';
@@ -576,16 +577,26 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
 );
 
 describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, () => {
-  it('the Postgres lease backend claims at grant: the old holder is refused on a row the new one never wrote', async () => {
+  /** A migrated PGlite and a Postgres lease manager on it, closed after `fn`. */
+  async function onPglite(fn: (db: Database, locks: LockManager) => Promise<void>): Promise<void> {
     const test = await pgliteDatabase();
     const locks = postgresLockManager({ client: test.db, namespace: uniqueNamespace('pglite'), listen: false });
     try {
       await migrate(test.db);
-      await test.db.execute(
+      await fn(test.db, locks);
+    } finally {
+      await locks.close();
+      await test.close();
+    }
+  }
+
+  it('the Postgres lease backend claims at grant: the old holder is refused on a row the new one never wrote', () =>
+    onPglite(async (db, locks) => {
+      await db.execute(
         sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
       );
-      await test.db.execute(sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
-      const repo = fencedRepository(test.db, resource, { scope: 'lock' });
+      await db.execute(sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
+      const repo = fencedRepository(db, resource, { scope: 'lock' });
       const old = await locks.acquire('L', { ttlMs: 100, autoExtend: false });
       expect((await repo.with(unaware(old)).update({ id: 1 }, { value: 'old' })).status).toBe('applied');
       const current = await locks.acquire('L', { ttlMs: 60_000, waitMs: 10_000 });
@@ -594,47 +605,34 @@ describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, ()
         status: 'stale',
         currentFence: current.fence,
       });
-      const result = await fencedTransaction(test.db, current, async () => {
+      const result = await fencedTransaction(db, current, async () => {
         await repo.with(current).update({ id: 1 }, { value: 'new 1' });
         await repo.with(current).update({ id: 2 }, { value: 'new 2' });
         return 'done';
       });
       expect(result).toEqual({ status: 'applied', value: 'done' });
-      const refused = await fencedTransaction(test.db, unaware(old), async () => 'never');
+      const refused = await fencedTransaction(db, unaware(old), async () => 'never');
       expect(refused.status).toBe('stale');
       expect((await repo.get({ id: 2 }))?.value).toBe('new 2');
       await current.release();
-    } finally {
-      await locks.close();
-      await test.close();
-    }
-  });
-});
+    }));
 
-describe('lock scope on PGlite, names PGlite reads back changed', { timeout: 120_000 }, () => {
   // PGlite returns text without a leading U+FEFF: a claim's rows name their locks by key, a uuid.
-  it('a fenced transaction over two leases is refused when a higher fence claimed a lock whose name begins with U+FEFF', async () => {
-    const test = await pgliteDatabase();
-    const locks = postgresLockManager({ client: test.db, namespace: uniqueNamespace('pglite'), listen: false });
-    try {
-      await migrate(test.db);
-      await test.db.execute(sql`create table ledger (id serial primary key, note text)`);
+  it('a fenced transaction over two leases is refused when a higher fence claimed a lock whose name begins with U+FEFF', () =>
+    onPglite(async (db, locks) => {
+      await db.execute(sql`create table ledger (id serial primary key, note text)`);
       const name = '\uFEFFA';
       const stale = await locks.acquire(name, { ttlMs: 100, autoExtend: false });
       const held = await locks.acquire('B', { ttlMs: 60_000, autoExtend: false });
       const newer = await locks.acquire(name, { ttlMs: 60_000, waitMs: 10_000 }); // once the stale one ran out
-      const result = await fencedTransaction(test.db, [unaware(stale), unaware(held)], async (tx) => {
+      const result = await fencedTransaction(db, [unaware(stale), unaware(held)], async (tx) => {
         await tx.execute(sql`insert into ledger (note) values ('stale')`);
         return 'ran';
       });
       expect(result).toMatchObject({ status: 'stale', refusal: { table: null, currentFence: newer.fence } });
-      expect(await test.db.execute(sql`select * from ledger`)).toMatchObject({ rows: [] });
+      expect(await db.execute(sql`select * from ledger`)).toMatchObject({ rows: [] });
       await Promise.all([newer.release(), held.release()]);
-    } finally {
-      await locks.close();
-      await test.close();
-    }
-  });
+    }));
 });
 
 describe("the caller's own error, thrown inside palisade's transactions", () => {
