@@ -3,8 +3,9 @@
  * compare fences of two counters (README, "Two scopes of fencing").
  */
 import { sql } from 'drizzle-orm';
-import { type Database, execute, transaction } from '../driver.js';
+import { type Database, execute, type RawRow, transaction, translateError } from '../driver.js';
 import { FenceSourceError } from '../errors.js';
+import { sqlStateOf } from '../server-error.js';
 
 /**
  * This database's id as a fence source (`palisade.fence_source_id()`,
@@ -17,21 +18,36 @@ import { FenceSourceError } from '../errors.js';
  * @throws {FenceSourceError} when the migration has not run.
  */
 export async function databaseSourceId(db: Database, lockWaitMs?: number): Promise<string> {
-  const read = (on: Database) => execute(on, sql`select palisade.fence_source_id() as id`);
-  let rows: Awaited<ReturnType<typeof execute>>;
+  const read = (on: Database) => execute(on, sql.raw(SOURCE_ID_SQL));
+  return sourceIdFrom(
+    lockWaitMs === undefined
+      ? read(db)
+      : transaction(db, async (tx) => {
+          await execute(tx, sql`select set_config('lock_timeout', ${String(lockWaitMs)}::text, true)`);
+          return read(tx);
+        }),
+  );
+}
+
+/** @internal The statement that reads the id; its caller sets `lock_timeout` first where the wait is bounded. */
+export const SOURCE_ID_SQL = 'select palisade.fence_source_id() as id';
+
+/**
+ * @internal The id that {@link SOURCE_ID_SQL}, run by `read`, returned.
+ * @throws {FenceSourceError} when the migrations have not run (no
+ * `palisade` schema, no function: SQLSTATE 3F000, 42883) or left no id; the
+ * statement's other errors as palisade's (translateError).
+ */
+export async function sourceIdFrom(read: Promise<readonly RawRow[]>): Promise<string> {
+  let rows: readonly RawRow[];
   try {
-    rows =
-      lockWaitMs === undefined
-        ? await read(db)
-        : await transaction(db, async (tx) => {
-            await execute(tx, sql`select set_config('lock_timeout', ${String(lockWaitMs)}::text, true)`);
-            return read(tx);
-          });
+    rows = await read;
   } catch (err) {
-    if (err instanceof Error && /fence_source_id/.test(err.message)) {
+    const state = sqlStateOf(err);
+    if (state === '3F000' || state === '42883') {
       throw new FenceSourceError("the database has no palisade.fence_source_id(): run palisade's migrations (0005)");
     }
-    throw err;
+    throw translateError(err);
   }
   const id = rows[0]?.id;
   if (typeof id !== 'string' || id.length === 0) {

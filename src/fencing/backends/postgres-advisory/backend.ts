@@ -42,6 +42,7 @@ import {
 } from '../../options.js';
 import { RELEASE_CHANNEL, ReleaseListener, releasePayload } from '../../release-listener.js';
 import { fenceSequenceQuery, judgeFenceSequence } from '../../sequence.js';
+import { SOURCE_ID_SQL, sourceIdFrom } from '../../source.js';
 import { advisoryKey, advisoryKeyParts } from './keys.js';
 import { type AdvisoryLockManagerOptions, isPostgresJs } from './options.js';
 import { EXTEND, GRANT, holderLabel, IDLE_APP_NAME, INSPECT, LABEL, RELEASE } from './statements.js';
@@ -132,14 +133,12 @@ export function advisoryLockBackend(options: AdvisoryLockManagerOptions): LockBa
       judgeFenceSequence(row);
       // In a transaction whose lock_timeout is set first: the function is inlined, and its table
       // locked, when the statement that calls it is planned.
-      await sql
-        .begin(async (tx) => {
+      await sourceIdFrom(
+        sql.begin(async (tx) => {
           await tx.unsafe("select set_config('lock_timeout', $1, true)", [String(lockWaitMs)]);
-          return tx.unsafe('select palisade.fence_source_id() as id');
-        })
-        .catch((err: unknown) => {
-          throw translateError(err);
-        });
+          return (await tx.unsafe(SOURCE_ID_SQL)) as unknown as RawRow[];
+        }),
+      );
       checked = true;
     })().catch((err: unknown) => {
       ready = undefined;
