@@ -5,7 +5,7 @@
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
 import { assertSupportedDriver, type Database, int8, isTransaction, transaction } from '../driver.js';
-import { FenceNotIssuedError, InvalidArgumentError, LockScopeError } from '../errors.js';
+import { FenceNotIssuedError, InvalidArgumentError, LeaseLostError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
@@ -13,7 +13,7 @@ import { sqlStateOf } from '../server-error.js';
 import type { Claim } from './claim-guard.js';
 import { on } from './joined.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
-import { registerTag } from './register-key.js';
+import { registerKey, registerTag } from './register-key.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Returning } from './statements.js';
@@ -42,9 +42,14 @@ const tagValues = (lock: LockIdentity, fence: Fence) => {
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
 // It names its session too, for a transaction to stop if its lease is lost (lost-lease.ts).
 // It tags the transaction as the register's sharer too (migration 0009), which a raise reads.
+// The bound and the tag only where the claim holds: a refused claim holds no register row, and the
+// transaction of a refusal, which only reports, must reach its COMMIT even for a holder whose TTL ran out
+// (a bound of 1 ms: a resumed process's next statement is always later than that).
 const boundedClaimSql = () =>
-  sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered,
-    ${idleBoundSql()} as idle, ${tagSql()} as tagged, ${sessionColumnsSql()}`;
+  sql`select c.registered::text as registered,
+    case when c.registered = ${p('fence')}::int8 then ${idleBoundSql()} end as idle,
+    case when c.registered = ${p('fence')}::int8 then ${tagSql()} end as tagged, ${sessionColumnsSql()}
+    from (select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8) as registered) c`;
 
 /** The most a claim's transaction may sit idle for a holder without an expiry estimate, as in fencedTransaction. */
 const DEFAULT_IDLE_MS = 60_000;
@@ -58,6 +63,8 @@ const DEFAULT_IDLE_MS = 60_000;
 export interface LockScope {
   readonly lock: LockIdentity;
   idleMs(): number;
+  /** Whether the holder's TTL ran out by its own estimate (its signal aborts then, once its timers run). */
+  ranOut(): boolean;
   /** The holder's signal: a `modify` whose lease is lost while its function runs is stopped. */
   readonly signal: AbortSignal;
 }
@@ -118,11 +125,38 @@ export function noteClaim(lock: LockIdentity, fence: Fence, registered: bigint):
 export const claimOf = (scope: LockScope | undefined, fence: Fence): Claim | undefined =>
   scope && { lock: scope.lock, shared: claimedAt.get(scope.lock) === fence };
 
+// `holder`'s remaining TTL in whole ms by its expiry estimate; undefined without one.
+function ttlLeft(holder: { readonly expiresAt?: unknown }): number | undefined {
+  const at = holder.expiresAt;
+  return typeof at !== 'number' || Number.isNaN(at) ? undefined : Math.floor(at - performance.now());
+}
+
 /** @internal `holder`'s remaining TTL in ms (at least 1), at most {@link DEFAULT_IDLE_MS}. */
 export function idleBound(holder: { readonly expiresAt?: unknown }): number {
-  const at = holder.expiresAt;
-  if (typeof at !== 'number' || Number.isNaN(at)) return DEFAULT_IDLE_MS;
-  return Math.max(1, Math.min(DEFAULT_IDLE_MS, Math.floor(at - performance.now())));
+  const left = ttlLeft(holder);
+  return left === undefined ? DEFAULT_IDLE_MS : Math.max(1, Math.min(DEFAULT_IDLE_MS, left));
+}
+
+/** @internal Whether `holder`'s TTL ran out by its expiry estimate. */
+const ranOut = (holder: { readonly expiresAt?: unknown }): boolean => (ttlLeft(holder) ?? 1) < 1;
+
+const registerFenceSql = () =>
+  sql`select fence::text as registered from palisade.lock_registers where lock_key = ${p('lkey')}::uuid`;
+
+/**
+ * @internal What a lock-scoped write of a holder whose TTL ran out by its
+ * own estimate does instead of opening or bounding a transaction, whose idle
+ * bound would be 1 ms and end the session before its next statement (a
+ * process resumed after a pause writes before its timers abort the signal):
+ * returns the register's fence when a higher fence claimed the lock (read
+ * without a lock: the write is `stale`), and otherwise throws
+ * `LeaseLostError`. Nothing is written either way.
+ */
+export async function afterRanOut(on: Database, lock: LockIdentity, fence: Fence): Promise<Fence> {
+  const [row] = await prepared(on, 'palisade.register_fence', registerFenceSql).rows({ lkey: registerKey(lock) });
+  const registered = int8(row?.registered) ?? 0n;
+  if (registered > fence) return registered as Fence;
+  throw new LeaseLostError(lock.name, fence, 'its TTL ran out before the write');
 }
 
 /**
@@ -208,7 +242,8 @@ export async function claimLockWithin(
  * instead, and nothing is written. `callerRuns`: `run` runs the caller's
  * code (a `modify`'s function), so a transaction of its own — not a
  * savepoint, not PGlite — is stopped if the holder's signal aborts while it
- * runs (lost-lease.ts), and the call rejects with `LeaseLostError`.
+ * runs (lost-lease.ts), and the call rejects with `LeaseLostError`. A holder
+ * whose TTL ran out opens no transaction: {@link afterRanOut}.
  */
 export async function inClaim<R>(
   on: Database,
@@ -218,6 +253,7 @@ export async function inClaim<R>(
   refused: (registered: Fence, tx: Database) => R | Promise<R>,
   callerRuns = false,
 ): Promise<R> {
+  if (scope.ranOut()) return refused(await afterRanOut(on, scope.lock, fence), on);
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
   const lost = () => lostError(scope.signal, fence);
   try {
@@ -293,6 +329,7 @@ export function leasedRepository<T extends FencedTable>(
   const scoped: LockScope | undefined = lock && {
     lock,
     idleMs: () => idleBound(holder as { expiresAt?: unknown }),
+    ranOut: () => ranOut(holder as { expiresAt?: unknown }),
     signal: holder.signal,
   };
   return {
@@ -331,8 +368,12 @@ export function returningOf(options: unknown): Returning {
  * `lock_timeout` allows (by default, until that transaction ends). Inside
  * a `modify`'s function or a fenced transaction opened on `db`, it runs in
  * that transaction, as a repository on `db` does.
+ * In a transaction, a holder whose `expiresAt` has passed claims nothing
+ * (the bound would be 1 ms): `stale` where a higher fence claimed the lock.
  * @throws {LockScopeError} for a holder without `lock`; {@link FenceNotIssuedError}
- * for a fence above the latest grant of a lock whose grants claim on `db`.
+ * for a fence above the latest grant of a lock whose grants claim on `db`;
+ * `LeaseLostError` in a transaction for a holder whose `expiresAt` has
+ * passed and whose lock no higher fence claimed.
  */
 export async function claimLockRegister(
   db: Database,
@@ -346,7 +387,12 @@ export async function claimLockRegister(
   // Inside a modify's function or a fenced transaction on `db`, it joins that transaction, as a repository does.
   const target = on(db);
   // In a transaction the claim holds the register row until it ends: bounded like a fenced transaction's.
-  const idle = isTransaction(target) ? idleBound(holder as { readonly expiresAt?: unknown }) : undefined;
-  const registered = await claimLock(target, checkLockIdentity(holder.lock), fence, idle);
+  const inTransaction = isTransaction(target);
+  const lock = checkLockIdentity(holder.lock);
+  const estimated = holder as { readonly expiresAt?: unknown };
+  const registered =
+    inTransaction && ranOut(estimated)
+      ? await afterRanOut(target, lock, fence)
+      : await claimLock(target, lock, fence, inTransaction ? idleBound(estimated) : undefined);
   return registered === fence ? { status: 'claimed' } : { status: 'stale', currentFence: registered };
 }

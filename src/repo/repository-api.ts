@@ -168,6 +168,10 @@ export interface FencedRepository<T extends FencedTable> {
    * a fence that was never granted rejects with `FenceNotIssuedError`.
    * `update` and `delete` are one statement; `upsert`, `modify` and
    * `updateWhere` claim first in their own transaction (one statement more).
+   * A holder whose `expiresAt` has passed (a lease whose signal has not
+   * aborted yet) opens no such transaction: that write is `stale` where a
+   * higher fence claimed the lock and otherwise rejects with
+   * `LeaseLostError`, writing nothing.
    * Without a `lock`, the writes are row-scoped (as the bare-fence methods).
    *
    * @throws {LockScopeError} on a `scope: 'lock'` repository for a holder without `lock`.

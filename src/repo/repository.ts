@@ -23,6 +23,7 @@ import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
 import { joining, on } from './joined.js';
 import {
+  afterRanOut,
   boundIdle,
   claimOf,
   inClaim,
@@ -120,7 +121,10 @@ export function fencedRepository<T extends FencedTable>(
     // In a transaction not yet bounded for this lock, the claim would hold the register row unbounded.
     const bounded =
       scope !== undefined && (onTransaction || on !== db) && needsIdleBound(on, scope)
-        ? () => boundIdle(on, scope, fence).then(attempt)
+        ? () =>
+            scope.ranOut()
+              ? afterRanOut(on, scope.lock, fence).then((registered) => lockRefusal(w.key, fence, registered))
+              : boundIdle(on, scope, fence).then(attempt)
         : attempt;
     return observeWrite(info.label, w.method, 'UPDATE', fence, bounded);
   }

@@ -219,7 +219,7 @@ for (const { name, open } of drivers) {
     it('lost after the last statement of a claimed transaction, before it commits: it rejects with LeaseLostError, never "applied" with its write rolled back', async () => {
       const { db } = await fresh();
       const controller = new AbortController();
-      const scope = { lock: fakeLock, idleMs: () => 60_000, signal: controller.signal };
+      const scope = { lock: fakeLock, idleMs: () => 60_000, ranOut: () => false, signal: controller.signal };
       const outcome = await settled(
         inClaim(
           db,
