@@ -42,14 +42,9 @@ const tagValues = (lock: LockIdentity, fence: Fence) => {
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
 // It names its session too, for a transaction to stop if its lease is lost (lost-lease.ts).
 // It tags the transaction as the register's sharer too (migration 0009), which a raise reads.
-// The bound and the tag only where the claim holds: a refused claim holds no register row, and the
-// transaction of a refusal, which only reports, must reach its COMMIT even for a holder whose TTL ran out
-// (a bound of 1 ms: a resumed process's next statement is always later than that).
 const boundedClaimSql = () =>
-  sql`select c.registered::text as registered,
-    case when c.registered = ${p('fence')}::int8 then ${idleBoundSql()} end as idle,
-    case when c.registered = ${p('fence')}::int8 then ${tagSql()} end as tagged, ${sessionColumnsSql()}
-    from (select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8) as registered) c`;
+  sql`select palisade.claim_lock(${p('kind')}::text, ${p('source')}::text, ${p('namespace')}::text, ${p('name')}::text, ${p('fence')}::int8)::text as registered,
+    ${idleBoundSql()} as idle, ${tagSql()} as tagged, ${sessionColumnsSql()}`;
 
 /** The most a claim's transaction may sit idle for a holder without an expiry estimate, as in fencedTransaction. */
 const DEFAULT_IDLE_MS = 60_000;

@@ -19,8 +19,9 @@ import { migrate } from '../../src/migrate.js';
 import { claimLockRegister } from '../../src/repo/lock-scope.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
+import { everyTransactionDriver, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
@@ -112,3 +113,91 @@ describe.each(everyTransactionDriver)('a holder whose TTL ran out, on $name', ({
     });
   });
 });
+
+describe.runIf(needs('DATABASE_URL'))(
+  'a refused claim that waited for a raise (postgres.js)',
+  { timeout: 60_000 },
+  () => {
+    // A claim that waits for a concurrent raise of the register keeps its share of the row after the
+    // raise commits, though it is refused (Postgres keeps a row lock taken before its recheck fails): its
+    // transaction stays bounded by the holder's TTL, so a holder paused there does not keep the next
+    // raise waiting past it.
+    let test: TestDatabase;
+    beforeAll(async () => {
+      test = await postgresDatabase({ max: 6, migrated: true });
+      await execute(
+        test.db,
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await execute(test.db, sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
+    }, 120_000);
+    afterAll(async () => test?.close());
+
+    const claims = {
+      claimLockRegister: (tx: Database, a: ReturnType<typeof soon>) => claimLockRegister(tx, a),
+      upsert: (tx: Database, a: ReturnType<typeof soon>) =>
+        fencedRepository(tx, resource).with(a).upsert({ id: 1, value: 'late' }),
+      updateWhere: (tx: Database, a: ReturnType<typeof soon>) =>
+        fencedRepository(tx, resource).with(a).updateWhere(sql`id = 1`, { value: 'late' }),
+    };
+    const soon = (lock: Lock, fence: bigint) => ({ ...live(lock, fence), expiresAt: performance.now() + 1_500 });
+
+    it.each(Object.keys(claims) as (keyof typeof claims)[])(
+      '%s: refused, and its transaction still bounded',
+      async (how) => {
+        const db = test.db;
+        const lock = lockNamed(how);
+        await claimLockRegister(db, live(lock, 41n));
+        const a = soon(lock, 41n);
+        // B raises the register in a transaction it keeps open until A's claim waits for it.
+        let commitB: (() => void) | undefined;
+        const b = db.transaction(async (tx) => {
+          expect(await claimLockRegister(tx as unknown as Database, live(lock, 42n))).toEqual({ status: 'claimed' });
+          await new Promise<void>((resolve) => {
+            commitB = resolve;
+          });
+        });
+        await until(() => commitB !== undefined);
+        let resume = () => {};
+        const seen: { result?: unknown; bound?: unknown } = {};
+        // A's transaction is palisade's (a row-scoped modify's), whose connection closing is survived
+        // ("When the connection closes inside a transaction"; one of your own would end the process).
+        const aDone = fencedRepository(db, resource)
+          .modify({ id: 2 }, toFence(1n) as Fence, async (_row, tx) => {
+            seen.result = await claims[how](tx, a);
+            seen.bound = (
+              await execute(tx, sql`select current_setting('idle_in_transaction_session_timeout') as v`)
+            )[0]?.v;
+            await new Promise<void>((resolve) => {
+              resume = resolve; // A "pauses" here, idle in its transaction
+            });
+            return { value: 'A' };
+          })
+          .catch(() => 'ended');
+        await until(async () => (await waitingOn(db)) > 0);
+        commitB?.();
+        await b;
+        await until(() => seen.bound !== undefined);
+        expect(seen.result).toMatchObject(how === 'updateWhere' ? { applied: 0, stale: 1 } : { currentFence: 42n });
+        expect(seen.bound).not.toBe('0');
+        // C's claim goes through once A's session is ended by its bound.
+        expect(await claimLockRegister(db, live(lock, 43n))).toEqual({ status: 'claimed' });
+        resume();
+        expect(await aDone).toBe('ended');
+      },
+    );
+  },
+);
+
+// Sessions waiting for a lock (A's claim behind B's raise).
+const waitingOn = async (db: Database) =>
+  Number((await execute(db, sql`select count(*)::int as n from pg_locks where not granted`))[0]?.n ?? 0);
+
+// Polls `ready` every 10 ms, at most 3,000 times.
+async function until(ready: () => boolean | Promise<boolean>): Promise<void> {
+  for (let i = 0; i < 3_000; i++) {
+    if (await ready()) return;
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+  throw new Error('the state the test waits for never came');
+}
