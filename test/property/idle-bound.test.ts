@@ -4,15 +4,21 @@
  * transactions of either lease, row-scoped `modify`s, savepoints that commit
  * or roll back — with lock-scoped writes of every kind (through a repository
  * on the database, which joins the transaction, or on the transaction),
- * `claimLockRegister` and checks in between. Two holders: `S`, whose TTL
- * left is ~5 s, and `L`, whose bound is the 60 s cap.
+ * `claimLockRegister` and checks in between. Four holders: `S`, whose TTL
+ * left is ~5 s, and `L`, whose bound is the 60 s cap; `O`, ~5 s left, of a
+ * lock a higher fence claimed first, so each of its claims is refused; and
+ * `R`, of such a lock too, whose TTL ran out while its signal has not aborted
+ * (a process resumed after a pause).
  *
  * The model: a claim holds its lock's register row until the transaction
- * ends, unless the savepoint it was made in rolls back. At every check, with
- * a claim of `S` standing the transaction's
- * `idle_in_transaction_session_timeout` is set and at most S's TTL left;
- * with only claims of `L`, set and at most 60 s. (A paused holder then keeps
- * the next holder out for no longer than that.)
+ * ends, unless the savepoint it was made in rolls back — a refused one too
+ * (one that waited for a concurrent raise keeps its share of the row). At
+ * every check, with a claim of `S` or `O` standing the transaction's
+ * `idle_in_transaction_session_timeout` is set and at most 5 s; with only
+ * claims of `L`, set and at most 60 s. (A paused holder then keeps the next
+ * holder out for no longer than that.) Every write of `O` and `R` is
+ * refused, and `R` claims nothing: it opens and bounds no transaction, so
+ * its session goes on.
  */
 import { randomBytes } from 'node:crypto';
 import { fc, test } from '@fast-check/vitest';
@@ -34,15 +40,17 @@ const table = pgTable('idle_rows', { id: integer('id').primaryKey(), v: text('v'
 const ROWS = 4;
 const S_TTL_MS = 5_000;
 const CAP_MS = 60_000;
+const HIGHER = toFence(5n);
 
-type Who = 'S' | 'L';
+type Who = 'S' | 'L' | 'O' | 'R';
+type Leased = 'S' | 'L';
 type Write = 'update' | 'delete' | 'upsert' | 'modify' | 'updateWhere';
 type Step =
   | { readonly t: 'write'; readonly who: Who; readonly write: Write; readonly via: 'db' | 'tx'; readonly row: number }
   | { readonly t: 'claim'; readonly who: Who }
   | { readonly t: 'check' }
   | { readonly t: 'savepoint'; readonly body: readonly Step[]; readonly rollback: boolean }
-  | { readonly t: 'fenced'; readonly who: Who; readonly body: readonly Step[] }
+  | { readonly t: 'fenced'; readonly who: Leased; readonly body: readonly Step[] }
   | { readonly t: 'rowModify'; readonly row: number; readonly body: readonly Step[] };
 interface Program {
   /** The registers claimed beforehand (as a grant that claims does): a rolled-back claim leaves them. */
@@ -53,7 +61,8 @@ interface Program {
 
 // Weighted toward what reaches the rare shapes: S (the tighter bound), update and delete (the path that
 // claims in its own statement), writes that join, savepoints that roll back.
-const who = fc.constantFrom<Who>('S', 'S', 'L');
+const who = fc.constantFrom<Who>('S', 'S', 'L', 'O', 'R');
+const leased = fc.constantFrom<Leased>('S', 'S', 'L');
 const row = fc.integer({ min: 1, max: ROWS });
 const { step } = fc.letrec<{ step: Step; body: Step[] }>((tie) => ({
   step: fc.oneof(
@@ -74,7 +83,7 @@ const { step } = fc.letrec<{ step: Step; body: Step[] }>((tie) => ({
       weight: 2,
       arbitrary: fc.record({ t: fc.constant('savepoint' as const), body: tie('body'), rollback: fc.boolean() }),
     },
-    { weight: 1, arbitrary: fc.record({ t: fc.constant('fenced' as const), who, body: tie('body') }) },
+    { weight: 1, arbitrary: fc.record({ t: fc.constant('fenced' as const), who: leased, body: tie('body') }) },
     { weight: 1, arbitrary: fc.record({ t: fc.constant('rowModify' as const), row, body: tie('body') }) },
   ),
   body: fc.array(tie('step'), { maxLength: 4 }) as fc.Arbitrary<Step[]>,
@@ -116,9 +125,13 @@ describe.runIf(needs('DATABASE_URL'))('the idle bound of lock-scoped work', () =
       const holders = {
         S: { fence, lock: lock('S'), signal, expiresAt: performance.now() + S_TTL_MS },
         L: { fence, lock: lock('L'), signal, expiresAt: performance.now() + 10 * CAP_MS },
+        O: { fence, lock: lock('O'), signal, expiresAt: performance.now() + S_TTL_MS },
+        R: { fence, lock: lock('R'), signal, expiresAt: performance.now() - 1 },
       };
+      // A higher fence claimed O's and R's locks first.
+      for (const h of [holders.O, holders.R]) await claimLockRegister(db, { fence: HIGHER, lock: h.lock, signal });
       const repo = fencedRepository(db, table, { sameFence: 'allow' });
-      if (program.registered) for (const h of Object.values(holders)) await claimLockRegister(db, h);
+      if (program.registered) for (const h of [holders.S, holders.L]) await claimLockRegister(db, h);
       // The claims standing, one set per open transaction or savepoint (innermost last).
       const levels: Set<Who>[] = [];
       const standing = () => new Set(levels.flatMap((l) => [...l]));
@@ -131,12 +144,16 @@ describe.runIf(needs('DATABASE_URL'))('the idle bound of lock-scoped work', () =
           sql`select extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000 as ms`,
         );
         const ms = Number(r?.ms);
-        const most = claims.has('S') ? S_TTL_MS : CAP_MS;
+        const most = claims.has('S') || claims.has('O') ? S_TTL_MS : CAP_MS;
         expect(ms > 0 && ms <= most, `idle bound ${ms} ms with claims of ${[...claims].join(', ')} standing`).toBe(
           true,
         );
       };
-      const claimed = (w: Who) => levels.at(-1)?.add(w);
+      const claimed = (w: Who) => (w === 'R' ? undefined : levels.at(-1)?.add(w));
+      const refused = (w: Who) => w === 'O' || w === 'R';
+      // Open fenced transactions: a refused write inside one makes it refused as a whole (README, "Fenced
+      // transactions"), so O and R write only outside them.
+      let fenced = 0;
       // A level of its own for `body`, merged into the one around it unless it rolls back.
       const nested = async <R>(run: () => Promise<R>): Promise<R> => {
         levels.push(new Set());
@@ -159,18 +176,26 @@ describe.runIf(needs('DATABASE_URL'))('the idle bound of lock-scoped work', () =
         for (const s of steps) {
           if (s.t === 'check') await check(tx);
           else if (s.t === 'claim') {
-            await claimLockRegister(tx, holders[s.who]);
+            const result = await claimLockRegister(tx, holders[s.who]);
+            if (refused(s.who)) expect(result).toEqual({ status: 'stale', currentFence: HIGHER });
             claimed(s.who);
           } else if (s.t === 'write') {
+            if (refused(s.who) && fenced > 0) continue;
             const leased = (s.via === 'db' && joined ? repo : fencedRepository(tx, table, { sameFence: 'allow' })).with(
               holders[s.who],
             );
             const v = `${s.who} ${s.write}`;
-            if (s.write === 'update') await leased.update({ id: s.row }, { v });
-            else if (s.write === 'delete') await leased.delete({ id: s.row });
-            else if (s.write === 'upsert') await leased.upsert({ id: s.row, v });
-            else if (s.write === 'modify') await leased.modify({ id: s.row }, () => ({ v }));
-            else await leased.updateWhere(sql`${table.id} = ${s.row}`, { v });
+            let result: unknown;
+            if (s.write === 'update') result = await leased.update({ id: s.row }, { v });
+            else if (s.write === 'delete') result = await leased.delete({ id: s.row });
+            else if (s.write === 'upsert') result = await leased.upsert({ id: s.row, v });
+            else if (s.write === 'modify') result = await leased.modify({ id: s.row }, () => ({ v }));
+            else result = await leased.updateWhere(sql`${table.id} = ${s.row}`, { v });
+            if (refused(s.who)) {
+              expect(result).toMatchObject(
+                s.write === 'updateWhere' ? { applied: 0 } : { status: 'stale', currentFence: HIGHER },
+              );
+            }
             claimed(s.who);
           } else if (s.t === 'savepoint') {
             await nested(() =>
@@ -185,7 +210,12 @@ describe.runIf(needs('DATABASE_URL'))('the idle bound of lock-scoped work', () =
             const result = await nested(() =>
               fencedTransaction(joined ? db : tx, holders[s.who], async (ftx) => {
                 claimed(s.who);
-                await exec(ftx, s.body, joined);
+                fenced++;
+                try {
+                  await exec(ftx, s.body, joined);
+                } finally {
+                  fenced--;
+                }
               }),
             );
             expect(result.status).toBe('applied');
@@ -219,6 +249,7 @@ describe.runIf(needs('DATABASE_URL'))('the idle bound of lock-scoped work', () =
         const result = await nested(() =>
           fencedTransaction(db, holders[w], async (tx) => {
             claimed(w);
+            fenced++;
             await exec(tx, program.body, true);
           }),
         );
