@@ -16,7 +16,9 @@ import { type Database, execute } from '../../src/driver.js';
 import { LeaseLostError } from '../../src/errors.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
+import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { registerKey } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { everyTransactionDriver, postgresDatabase, type TestDatabase } from '../support/databases.js';
@@ -89,6 +91,25 @@ describe.each(everyTransactionDriver)('a holder whose TTL ran out, on $name', ({
       return { result, claimed, after };
     });
     expect(inside).toEqual({ result: stale, claimed: stale, after: { one: 1 } });
+  });
+
+  it('a fenced transaction of such a lease is refused before any query, and its function never runs', async () => {
+    const lock = lockNamed('fenced');
+    let ran = false;
+    const id = ++row;
+    await expect(
+      fencedTransaction(db, ranOut(lock, 41n), async (tx) => {
+        ran = true;
+        await execute(tx, sql`update resource set value = 'late' where id = ${id}`);
+      }),
+    ).rejects.toThrow(/TTL ran out before the transaction/);
+    expect([ran, await valueAt(id)]).toEqual([false, 'initial']);
+    // Nothing was claimed: the lock has no register row.
+    const [register] = await execute(
+      db,
+      sql`select count(*)::int as n from palisade.lock_registers where lock_key = ${registerKey(lock)}::uuid`,
+    );
+    expect(register?.n).toBe(0);
   });
 
   it('fails with LeaseLostError where no higher fence claimed the lock, writes nothing, and the connection goes on', async () => {
