@@ -2,7 +2,6 @@
  * Fenced transactions: several writes to any fenced tables under one or
  * more leases, all or nothing (README, "Fenced transactions").
  */
-import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
 import { assertSupportedDriver, asThrown, callerCode, type Database, int8, transaction } from '../driver.js';
 import {
@@ -17,7 +16,7 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLockBounded, idleBoundSql, noteBounded } from './lock-scope.js';
+import { claimLockBounded, idleBoundSql, noteBounded, ttlLeft } from './lock-scope.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
 import { registerKey, registerTag } from './register-key.js';
 import type { FenceHolder } from './repository-api.js';
@@ -240,7 +239,7 @@ function idleTimeout(list: Checked[], options: FencedTransactionOptions): number
     if (typeof holder.expiresAt !== 'number' || Number.isNaN(holder.expiresAt)) {
       throw new InvalidArgumentError('lease expiresAt must be a number');
     }
-    const left = Math.floor(holder.expiresAt - performance.now());
+    const left = ttlLeft(holder) as number;
     if (left < 1)
       throw new LeaseLostError(holder.lock?.name ?? '(lease)', fence, 'its TTL ran out before the transaction');
     ms = Math.min(ms, left);

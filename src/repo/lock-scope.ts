@@ -120,8 +120,8 @@ export function noteClaim(lock: LockIdentity, fence: Fence, registered: bigint):
 export const claimOf = (scope: LockScope | undefined, fence: Fence): Claim | undefined =>
   scope && { lock: scope.lock, shared: claimedAt.get(scope.lock) === fence };
 
-// `holder`'s remaining TTL in whole ms by its expiry estimate; undefined without one.
-function ttlLeft(holder: { readonly expiresAt?: unknown }): number | undefined {
+/** @internal `holder`'s remaining TTL in whole ms by its expiry estimate; undefined without one. */
+export function ttlLeft(holder: { readonly expiresAt?: unknown }): number | undefined {
   const at = holder.expiresAt;
   return typeof at !== 'number' || Number.isNaN(at) ? undefined : Math.floor(at - performance.now());
 }

@@ -118,15 +118,25 @@ export function fencedRepository<T extends FencedTable>(
         .count(w.write.values)
         .then((n) => (n > 0 ? appliedAt(NO_ROW, w, fence) : refusalPath(on, w, fence, scope)));
     };
-    // In a transaction not yet bounded for this lock, the claim would hold the register row unbounded.
     const bounded =
       scope !== undefined && (onTransaction || on !== db) && needsIdleBound(on, scope)
-        ? () =>
-            scope.ranOut()
-              ? afterRanOut(on, scope.lock, fence).then((registered) => lockRefusal(w.key, fence, registered))
-              : boundIdle(on, scope, fence).then(attempt)
+        ? () => boundFirst(on, w, fence, scope, attempt)
         : attempt;
     return observeWrite(info.label, w.method, 'UPDATE', fence, bounded);
+  }
+
+  // In a transaction not yet bounded for this lock, the claim would hold the register row unbounded: the
+  // bound goes first. A holder whose TTL ran out bounds nothing and reads the register (afterRanOut).
+  async function boundFirst(
+    on: Database,
+    w: FencedWrite,
+    fence: Fence,
+    scope: LockScope,
+    attempt: () => Promise<WriteResult<RowOf<T>>>,
+  ): Promise<WriteResult<RowOf<T>>> {
+    if (scope.ranOut()) return lockRefusal(w.key, fence, await afterRanOut(on, scope.lock, fence));
+    await boundIdle(on, scope, fence);
+    return attempt();
   }
 
   // Off the success path: the refusal statement tries the write again and explains. Lock scope: it
