@@ -34,14 +34,21 @@ export const SOURCE_ID_SQL = 'select palisade.fence_source_id() as id';
 
 /**
  * @internal The id that {@link SOURCE_ID_SQL}, run by `read`, returned.
- * @throws {FenceSourceError} when the migrations have not run (no
- * `palisade` schema, no function: SQLSTATE 3F000, 42883) or left no id; the
- * statement's other errors as palisade's (translateError).
+ * @throws {FenceSourceError} as {@link readingSourceId} and {@link sourceIdOf}.
  */
 export async function sourceIdFrom(read: Promise<readonly RawRow[]>): Promise<string> {
-  let rows: readonly RawRow[];
+  return sourceIdOf((await readingSourceId(read))[0]);
+}
+
+/**
+ * @internal `read`, a statement that calls `palisade.fence_source_id()`.
+ * @throws {FenceSourceError} when the migrations have not run (no
+ * `palisade` schema, no function: SQLSTATE 3F000, 42883); the statement's
+ * other errors as palisade's (translateError).
+ */
+export async function readingSourceId<R>(read: Promise<R>): Promise<R> {
   try {
-    rows = await read;
+    return await read;
   } catch (err) {
     const state = sqlStateOf(err);
     if (state === '3F000' || state === '42883') {
@@ -49,7 +56,14 @@ export async function sourceIdFrom(read: Promise<readonly RawRow[]>): Promise<st
     }
     throw translateError(err);
   }
-  const id = rows[0]?.id;
+}
+
+/**
+ * @internal The fence source id in `row`'s `column`.
+ * @throws {FenceSourceError} when it is missing or empty.
+ */
+export function sourceIdOf(row: RawRow | undefined, column = 'id'): string {
+  const id = row?.[column];
   if (typeof id !== 'string' || id.length === 0) {
     throw new FenceSourceError('palisade.fence_sources holds no id: run palisade migration 0005_lock_registers again');
   }

@@ -5,12 +5,14 @@
  */
 import { sql } from 'drizzle-orm';
 import { drizzle } from 'drizzle-orm/postgres-js';
+import { Redis } from 'ioredis';
 import postgres from 'postgres';
-import { afterEach, describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it, onTestFinished } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { FenceSourceError } from '../../src/errors.js';
 import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import { databaseSourceId } from '../../src/fencing/source.js';
 import { migrate } from '../../src/migrate.js';
 import { pgliteDatabase, type TestDatabase } from '../support/databases.js';
@@ -56,18 +58,22 @@ describe.runIf(needs('DATABASE_URL'))(
   'a lock manager on a database that lost the function',
   { timeout: 60_000 },
   () => {
-    // A database migrated before 0005 has the fence sequence and no fence_source_id(): both managers
-    // that claim at grant read the id first, and say which migration is missing.
-    it('fails its first acquire with FenceSourceError, on the lease and the advisory backend', async () => {
+    // A database migrated before 0005 has the fence sequences and no fence_source_id(): the managers that
+    // claim at grant read the id first, a Redis manager with its first epoch, and say which migration is missing.
+    it('fails its first acquire with FenceSourceError, on the lease, advisory and Redis backends', async () => {
       const scratch = await createScratchDatabase(services.postgres.url as string);
       const client = postgres(scratch.url, { max: 4, onnotice: () => {} });
       const db = drizzle(client) as unknown as Database;
       try {
         await migrate(db);
         await execute(db, sql`alter function palisade.fence_source_id() rename to fence_source_id_gone`);
+        const redis = services.redis.url ? new Redis(services.redis.url) : undefined;
+        onTestFinished(() => redis?.disconnect());
         const managers = [
           postgresLockManager({ client: db, namespace: uniqueNamespace('source'), listen: false }),
           advisoryLockManager({ client, namespace: uniqueNamespace('source') }),
+          // The Redis manager reads it with its first epoch, from the same database.
+          ...(redis ? [redisLockManager({ client: redis, namespace: uniqueNamespace('source'), epochs: db })] : []),
         ];
         try {
           for (const manager of managers) {

@@ -26,6 +26,7 @@ import { execute, int8 } from '../../../driver.js';
 import { FenceSourceError } from '../../../errors.js';
 import { recordFenceSource } from '../../../telemetry/otel.js';
 import { fenceSequenceQuery, judgeFenceSequence } from '../../sequence.js';
+import { readingSourceId, sourceIdOf } from '../../source.js';
 import type { Bounded } from './command-deadline.js';
 import { REDIS_MAX_EPOCH, type RedisKeyNames } from './keys.js';
 import type { CheckedRedisOptions } from './options.js';
@@ -89,15 +90,10 @@ export function epochRecovery(
       throw new FenceSourceError(`unexpected reply to the epoch install: ${String(installed)}`);
     }
     // The database's id with the epoch, in one statement: the epoch's fences are filed under it.
-    const [next] = await postgres('nextval', nextEpochSql());
+    const [next] = await readingSourceId(postgres('nextval', nextEpochSql()));
     const epoch = int8(next?.epoch);
     if (epoch === null || epoch < 1n) throw new FenceSourceError('nextval of palisade.epoch_seq returned nothing');
-    const source = next?.source;
-    if (typeof source !== 'string' || source.length === 0) {
-      throw new FenceSourceError(
-        'palisade.fence_sources holds no id: run palisade migration 0005_lock_registers again',
-      );
-    }
+    const source = sourceIdOf(next, 'source');
     if (epoch > REDIS_MAX_EPOCH) {
       throw new FenceSourceError(`palisade.epoch_seq passed ${REDIS_MAX_EPOCH}: Redis fences have no epochs left`);
     }
