@@ -63,7 +63,7 @@ export {
   type TransactionLease,
 } from './repo/fenced-transaction.js';
 export type { Refusal } from './repo/joined.js';
-export { claimLockRegister } from './repo/lock-scope.js';
+export { claimLockRegister } from './repo/register-claim.js';
 export { fencedRepository } from './repo/repository.js';
 export type {
   FencedRepository,

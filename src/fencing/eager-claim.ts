@@ -5,7 +5,7 @@
  */
 import { assertSupportedDriver, type Database, isTransaction } from '../driver.js';
 import { FenceSourceError, InvalidArgumentError } from '../errors.js';
-import { claimLockWithin } from '../repo/lock-scope.js';
+import { claimLockWithin } from '../repo/register-claim.js';
 import { inStep } from './attempt.js';
 import { forwardTo, type Grant, type LockBackend } from './backend.js';
 import { withinMs } from './call-deadline.js';

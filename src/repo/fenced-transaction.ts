@@ -16,8 +16,9 @@ import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
-import { claimLockBounded, idleBoundSql, noteBounded, ttlLeft } from './lock-scope.js';
+import { noteBounded } from './lock-scope.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
+import { claimLockBounded, DEFAULT_IDLE_MS, idleBoundSql, ttlLeft } from './register-claim.js';
 import { registerKey, registerTag } from './register-key.js';
 import type { FenceHolder } from './repository-api.js';
 
@@ -47,8 +48,6 @@ export interface FencedTransactionOptions {
 export type FencedTransactionResult<R> =
   | { readonly status: 'applied'; readonly value: R }
   | { readonly status: 'stale' | 'duplicate'; readonly refusal: Refusal };
-
-const DEFAULT_IDLE_MS = 60_000;
 
 /**
  * Runs `fn(tx)` in one transaction bound to `leases`: first, in one

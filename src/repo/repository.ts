@@ -23,19 +23,18 @@ import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
 import { joining, on } from './joined.js';
 import {
-  afterRanOut,
   boundIdle,
   claimOf,
   inClaim,
   type LockScope,
   leasedRepository,
   needsIdleBound,
-  noteClaim,
   returningOf,
   type WriteCore,
 } from './lock-scope.js';
 import { PURGE_ATTEMPTS, purgeStatement } from './purge.js';
 import { refusals } from './refusals.js';
+import { afterRanOut, noteClaim } from './register-claim.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
 
 export type {

@@ -29,7 +29,7 @@ import { type Database, execute } from '../../src/driver.js';
 import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
-import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';

@@ -22,7 +22,7 @@ import { type Database, execute } from '../../src/driver.js';
 import { InvalidArgumentError } from '../../src/errors.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
-import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';

@@ -214,7 +214,7 @@ describe.runIf(needs('DATABASE_URL'))(
       const fence = c.r + BigInt(spec.fence);
       const [tag1, tag2] = registerTag(lock, fence);
       const claim = sharesRow(c, spec);
-      // The tag and the claim as palisade sends them (lock-scope.ts).
+      // The tag and the claim as palisade sends them (register-claim.ts).
       const tagText = 'select pg_try_advisory_xact_lock_shared($1::int4, $2::int4) as tagged';
       const claimText =
         'select palisade.claim_lock($1::text, $2::text, $3::text, $4::text, $5::int8)::text as registered';

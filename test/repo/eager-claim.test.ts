@@ -22,7 +22,7 @@ import { redisLockManager } from '../../src/fencing/backends/redis/manager.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
-import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase } from '../support/databases.js';

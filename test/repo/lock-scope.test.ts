@@ -18,7 +18,7 @@ import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
-import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { registerTag } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';

@@ -17,7 +17,7 @@ import { LeaseLostError } from '../../src/errors.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
-import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { registerKey } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';

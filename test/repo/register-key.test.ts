@@ -18,7 +18,7 @@ import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../../src/fencing/lock-identity.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
-import { claimLockRegister } from '../../src/repo/lock-scope.js';
+import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { registerKey, registerTag } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
