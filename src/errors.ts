@@ -159,8 +159,9 @@ export class LeaseLostError extends PalisadeError {
     readonly lockName: string,
     readonly fence: bigint,
     why: string,
+    options?: { cause?: unknown },
   ) {
-    super('lease_lost', `lease (fence ${fence}) lost: ${why}`);
+    super('lease_lost', `lease (fence ${fence}) lost: ${why}`, options);
   }
 }
 

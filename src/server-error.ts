@@ -77,6 +77,28 @@ const CONDITIONS: Record<string, string> = {
 
 /** Error codes (not SQLSTATEs) of a connection that failed: their messages name the server, not data. */
 const CONNECTION_CODES = /^(E[A-Z]+|CONNECT_TIMEOUT|CONNECTION_[A-Z]+)$/;
+// node-postgres's errors for a connection that ended carry no code: told by their fixed texts, which name
+// no data. Kept in the message, with the code postgres.js gives the same failure.
+const PG_CONNECTION_ENDED =
+  /^(Connection terminated( unexpectedly)?|Client has encountered a connection error and is not queryable|Client was closed and is not queryable)$/;
+// SQLSTATEs of a session the server ended: the idle timeout (25P03), a terminated backend (57P01–57P03), a
+// link that failed (class 08).
+const ENDED_STATES = /^(25P03|08...|57P0[1-3])$/;
+
+/**
+ * Whether `err` (a driver's error, palisade's `DatabaseError` of one, either under a wrapper) says its
+ * session or connection ended — not that a statement failed.
+ */
+export function sessionEnded(err: unknown): boolean {
+  const state = sqlStateOf(err);
+  if (state !== undefined) return ENDED_STATES.test(state);
+  for (let e: unknown = originalError(err), depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
+    const { code, message } = e as { code?: unknown; message?: unknown };
+    if (typeof code === 'string' && /^(CONNECTION_[A-Z]+|ECONNRESET|EPIPE)$/.test(code)) return true;
+    if (code === undefined && typeof message === 'string' && PG_CONNECTION_ENDED.test(message)) return true;
+  }
+  return false;
+}
 
 export interface SafeFields {
   schema?: string;
@@ -130,7 +152,8 @@ export function describeServerError(
   ].filter((x) => x !== undefined);
   if (on.length > 0) parts.push(on.join(', '));
   const text = original instanceof Error ? original.message : undefined;
-  const code = (err as { code?: unknown }).code;
+  const pgEnded = !sqlState && text !== undefined && PG_CONNECTION_ENDED.test(text);
+  const code = pgEnded ? 'CONNECTION_ENDED' : (err as { code?: unknown }).code;
   if (text && sqlState && SERVER_TEXT_CLASSES.has(sqlState.slice(0, 2))) parts.push(text);
   else if (text && !sqlState && typeof code === 'string' && CONNECTION_CODES.test(code)) parts.push(text);
   else if (!sqlState) parts.push(`${original instanceof Error ? original.name : typeof original} from the driver`);

@@ -6,6 +6,7 @@
 import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
+import { translateError } from '../src/driver.js';
 import {
   CliError,
   CommandTimeoutError,
@@ -32,6 +33,7 @@ import {
   StaleFenceError,
   UnsupportedDatabaseError,
 } from '../src/errors.js';
+import { sessionEnded } from '../src/server-error.js';
 
 /** One instance per code; the type makes a new code without a sample fail to compile. */
 const samples: { readonly [K in PalisadeErrorCode]: PalisadeError } = {
@@ -116,3 +118,37 @@ const ALLOWED_PLAIN_ERRORS = new Set([
   join('src', 'testing', 'contract-checks.ts'),
   join('src', 'testing', 'contract-process.ts'),
 ]);
+
+describe('a session that ended, as the drivers report it', () => {
+  const coded = (message: string, code: string) => Object.assign(new Error(message), { code });
+  it('is told from a statement that failed, in the driver error and in palisade’s DatabaseError of it', () => {
+    const ended = [
+      coded('terminating connection due to idle-in-transaction timeout', '25P03'),
+      coded('terminating connection due to administrator command', '57P01'),
+      coded('write CONNECTION_CLOSED 127.0.0.1:5432', 'CONNECTION_CLOSED'),
+      new Error('Connection terminated unexpectedly'),
+      new Error('Client has encountered a connection error and is not queryable'),
+      DatabaseError.connectionClosed(),
+    ];
+    const failed = [
+      coded('duplicate key value violates unique constraint', '23505'),
+      coded('deadlock detected', '40P01'),
+      DatabaseError.commitRolledBack(),
+      new Error('Connection terminated unexpectedly, and more'),
+      new TypeError('a bug in the caller’s function'),
+      new LeaseLostError('L', 1n, 'released'),
+    ];
+    for (const err of ended) {
+      expect([err.message, sessionEnded(err)]).toEqual([err.message, true]);
+      expect([err.message, sessionEnded(translateError(err))]).toEqual([err.message, true]);
+    }
+    for (const err of failed) expect([err.message, sessionEnded(err)]).toEqual([err.message, false]);
+  });
+
+  it("keeps node-postgres's fixed text of a closed connection, which names no data, with postgres.js's code for it", () => {
+    const err = new DatabaseError(undefined, new Error('Connection terminated unexpectedly'));
+    expect(err.message).toBe('database error: Connection terminated unexpectedly');
+    expect((err.cause as { code?: unknown }).code).toBe('CONNECTION_ENDED');
+    expect(new DatabaseError(undefined, new Error('secret 42')).message).toBe('database error: Error from the driver');
+  });
+});

@@ -18,7 +18,14 @@ import { prepared } from '../prepared.js';
 import { joining, on, type Refusal } from './joined.js';
 import { noteBounded } from './lock-scope.js';
 import { lostError, type SessionOf, sessionColumnsSql, sessionOf, stopOnAbort } from './lost-lease.js';
-import { claimLockBounded, DEFAULT_IDLE_MS, idleBoundSql, ttlLeft } from './register-claim.js';
+import {
+  claimLockBounded,
+  DEFAULT_IDLE_MS,
+  endedByIdleBound,
+  idleBoundSql,
+  ranOut,
+  ttlLeft,
+} from './register-claim.js';
 import { registerKey, registerTag } from './register-key.js';
 import type { FenceHolder } from './repository-api.js';
 
@@ -72,7 +79,9 @@ export type FencedTransactionResult<R> =
  * A statement of `fn` that failed aborts the transaction even when its
  * error was caught or never awaited: the call then rejects with that error
  * and nothing is written (README, "Fenced transactions", for the drivers'
- * details). Does not: retry — a deadlock
+ * details) — unless a lease's TTL ran out meanwhile and the idle bound
+ * ended the session: then with `LeaseLostError`, that failure its cause.
+ * Does not: retry — a deadlock
  * between tables (40P01) or a serialization failure rejects with
  * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
  *
@@ -134,7 +143,10 @@ export async function fencedTransaction<R>(
     // failed after (the idle timeout may end the session before the lease's local expiry fires).
     const stopped = stopper?.disarm() ?? false;
     const lost = stopped || asThrown(err) === err ? lostOf(list) : undefined;
-    throw lost ?? asThrown(err);
+    // A lease whose TTL ran out meanwhile, and the session ended: the idle bound of its TTL left ended it
+    // (the function's own statement may be what heard it).
+    const outlived = list.find((l) => ranOut(l.holder));
+    throw lost ?? (outlived && endedByIdleBound(err, outlived.lock.name, outlived.fence)) ?? asThrown(err);
   }
 }
 

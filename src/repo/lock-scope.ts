@@ -13,6 +13,7 @@ import { lostError, stopOnAbort } from './lost-lease.js';
 import {
   afterRanOut,
   claimLockBounded,
+  endedByIdleBound,
   idleBound,
   idleBoundSql,
   ranOut,
@@ -91,7 +92,9 @@ export const claimOf = (scope: LockScope | undefined, fence: Fence): Claim | und
  * code (a `modify`'s function), so a transaction of its own — not a
  * savepoint, not PGlite — is stopped if the holder's signal aborts while it
  * runs (lost-lease.ts), and the call rejects with `LeaseLostError`. A holder
- * whose TTL ran out opens no transaction: {@link afterRanOut}.
+ * whose TTL ran out opens no transaction: {@link afterRanOut}; one whose TTL
+ * runs out inside it and whose session the idle bound ended rejects with
+ * `LeaseLostError` ({@link endedByIdleBound}).
  */
 export async function inClaim<R>(
   on: Database,
@@ -101,10 +104,10 @@ export async function inClaim<R>(
   refused: (registered: Fence, tx: Database) => R | Promise<R>,
   callerRuns = false,
 ): Promise<R> {
-  if (scope.ranOut()) return refused(await afterRanOut(on, scope.lock, fence), on);
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
   const lost = () => lostError(scope.signal, fence);
   try {
+    if (scope.ranOut()) return await refused(await afterRanOut(on, scope.lock, fence), on);
     return await transaction(on, async (tx) => {
       const { registered, session } = await claimLockBounded(tx, scope.lock, fence, scope.idleMs());
       noteBounded(tx, scope.lock);
@@ -121,8 +124,10 @@ export async function inClaim<R>(
       return value;
     });
   } catch (err) {
-    // Stopped because the lease was lost: that is what the caller needs to hear.
-    throw stopper?.disarm() ? lost() : err;
+    // Stopped because the lease was lost, or its session ended by the bound of a TTL that ran out meanwhile:
+    // that is what the caller needs to hear.
+    if (stopper?.disarm()) throw lost();
+    throw (scope.ranOut() && endedByIdleBound(err, scope.lock.name, fence)) || err;
   }
 }
 

@@ -7,12 +7,12 @@
  */
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
-import { assertSupportedDriver, type Database, int8, isTransaction } from '../driver.js';
+import { assertSupportedDriver, asThrown, type Database, int8, isTransaction, translateError } from '../driver.js';
 import { FenceNotIssuedError, LeaseLostError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
-import { sqlStateOf } from '../server-error.js';
+import { sessionEnded, sqlStateOf } from '../server-error.js';
 import { on } from './joined.js';
 import { type SessionOf, sessionColumnsSql, sessionOf } from './lost-lease.js';
 import { registerKey, registerTag } from './register-key.js';
@@ -77,6 +77,21 @@ export function idleBound(holder: { readonly expiresAt?: unknown }): number {
 
 /** @internal Whether `holder`'s TTL ran out by its expiry estimate. */
 export const ranOut = (holder: { readonly expiresAt?: unknown }): boolean => (ttlLeft(holder) ?? 1) < 1;
+
+/**
+ * @internal `LeaseLostError` (with the failure as its cause) in place of a failure that says the session
+ * ended, for a call whose transaction was bounded to the TTL left of a holder whose TTL has run out by
+ * now: the bound ended that session (a process slower than the TTL left between two statements, or a
+ * function of the caller's that ran longer). `undefined` for any other failure, which stays as it is.
+ * Nothing the transaction wrote is kept: the idle timeout ends only an idle transaction, never one in its
+ * COMMIT (a connection lost otherwise during a COMMIT leaves the outcome unknown, as it always does).
+ */
+export function endedByIdleBound(err: unknown, lockName: string, fence: Fence): LeaseLostError | undefined {
+  const failure = asThrown(err);
+  if (!sessionEnded(failure)) return undefined;
+  const why = 'its TTL ran out during the transaction, whose idle bound ended the session';
+  return new LeaseLostError(lockName, fence, why, { cause: translateError(failure) });
+}
 
 const registerFenceSql = () =>
   sql`select fence::text as registered from palisade.lock_registers where lock_key = ${p('lkey')}::uuid`;

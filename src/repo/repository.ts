@@ -34,7 +34,7 @@ import {
 } from './lock-scope.js';
 import { PURGE_ATTEMPTS, purgeStatement } from './purge.js';
 import { refusals } from './refusals.js';
-import { afterRanOut, noteClaim } from './register-claim.js';
+import { afterRanOut, endedByIdleBound, noteClaim } from './register-claim.js';
 import type { FencedRepository, RepositoryOptions } from './repository-api.js';
 
 export type {
@@ -125,7 +125,8 @@ export function fencedRepository<T extends FencedTable>(
   }
 
   // In a transaction not yet bounded for this lock, the claim would hold the register row unbounded: the
-  // bound goes first. A holder whose TTL ran out bounds nothing and reads the register (afterRanOut).
+  // bound goes first. A holder whose TTL ran out bounds nothing and reads the register (afterRanOut); one
+  // whose TTL runs out after the bound, and whose session the bound ended, hears LeaseLostError.
   async function boundFirst(
     on: Database,
     w: FencedWrite,
@@ -133,9 +134,13 @@ export function fencedRepository<T extends FencedTable>(
     scope: LockScope,
     attempt: () => Promise<WriteResult<RowOf<T>>>,
   ): Promise<WriteResult<RowOf<T>>> {
-    if (scope.ranOut()) return lockRefusal(w.key, fence, await afterRanOut(on, scope.lock, fence));
-    await boundIdle(on, scope, fence);
-    return attempt();
+    try {
+      if (scope.ranOut()) return lockRefusal(w.key, fence, await afterRanOut(on, scope.lock, fence));
+      await boundIdle(on, scope, fence);
+      return await attempt();
+    } catch (err) {
+      throw (scope.ranOut() && endedByIdleBound(err, scope.lock.name, fence)) || err;
+    }
   }
 
   // Off the success path: the refusal statement tries the write again and explains. Lock scope: it
