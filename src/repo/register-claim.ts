@@ -93,8 +93,10 @@ export function endedByIdleBound(err: unknown, lockName: string, fence: Fence): 
   return new LeaseLostError(lockName, fence, why, { cause: translateError(failure) });
 }
 
+// The register's fence, and whether this database's grants claim it (as claim_lock tells, migration 0009).
 const registerFenceSql = () =>
-  sql`select fence::text as registered from palisade.lock_registers where lock_key = ${p('lkey')}::uuid`;
+  sql`select (select r.fence from palisade.lock_registers r where r.lock_key = ${p('lkey')}::uuid)::text as registered,
+    ${p('kind')}::text in ('postgres', 'advisory') and ${p('source')}::text = (select s.source_id from palisade.fence_sources s) as granted_here`;
 
 /**
  * @internal What a lock-scoped write of a holder whose TTL ran out by its
@@ -103,12 +105,19 @@ const registerFenceSql = () =>
  * process resumed after a pause writes before its timers abort the signal):
  * returns the register's fence when a higher fence claimed the lock (read
  * without a lock: the write is `stale`), and otherwise throws
- * `LeaseLostError`. Nothing is written either way.
+ * `LeaseLostError` — or, as a claim would, {@link FenceNotIssuedError} for a
+ * fence above the latest grant of a lock whose grants claim on this
+ * database. Nothing is written either way.
  */
 export async function afterRanOut(on: Database, lock: LockIdentity, fence: Fence): Promise<Fence> {
-  const [row] = await prepared(on, 'palisade.register_fence', registerFenceSql).rows({ lkey: registerKey(lock) });
+  const [row] = await prepared(on, 'palisade.register_fence', registerFenceSql).rows({
+    lkey: registerKey(lock),
+    kind: lock.kind,
+    source: lock.source,
+  });
   const registered = int8(row?.registered) ?? 0n;
   if (registered > fence) return registered as Fence;
+  if (registered < fence && row?.granted_here === true) throw new FenceNotIssuedError(registered, fence);
   throw new LeaseLostError(lock.name, fence, 'its TTL ran out before the write');
 }
 

@@ -13,8 +13,9 @@ import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
-import { LeaseLostError } from '../../src/errors.js';
+import { FenceNotIssuedError, LeaseLostError } from '../../src/errors.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
+import type { LockIdentity } from '../../src/fencing/lock-identity.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { claimLockRegister } from '../../src/repo/register-claim.js';
@@ -29,7 +30,7 @@ const resource = pgTable('resource', { id: integer('id').primaryKey(), value: te
 
 const lockNamed = (name: string) =>
   Object.freeze({ kind: 'test', source: 'ran-out', namespace: uniqueNamespace(), name });
-type Lock = ReturnType<typeof lockNamed>;
+type Lock = LockIdentity;
 // A holder of `fence` whose estimate ran out a moment ago; its signal never aborts (its timers did not run).
 const ranOut = (lock: Lock, fence: bigint) => ({
   fence: toFence(fence) as Fence,
@@ -132,6 +133,29 @@ describe.each(everyTransactionDriver)('a holder whose TTL ran out, on $name', ({
     ).toMatchObject({
       status: 'applied',
     });
+  });
+
+  it("a fence above the latest grant of a lock this database grants is FenceNotIssuedError, as a claim's would be", async () => {
+    // A lock of this database's own Postgres leases, granted at 50 (the grant claims its register).
+    const [{ id: source } = {}] = await execute(db, sql`select palisade.fence_source_id() as id`);
+    const lock = Object.freeze({ kind: 'postgres', source: String(source), namespace: uniqueNamespace(), name: 'L' });
+    await execute(db, sql`select palisade.register_grant('postgres', ${lock.namespace}, 'L', 50)`);
+    const repo = fencedRepository(db, resource);
+    const id = ++row;
+    const forged = ranOut(lock, 51n);
+    await expect(repo.with(forged).upsert({ id, value: 'forged' })).rejects.toMatchObject({
+      code: 'fence_not_issued',
+      registeredFence: 50n,
+      attemptedFence: 51n,
+    });
+    await expect(repo.with(forged).modify({ id }, () => ({ value: 'forged' }))).rejects.toThrow(FenceNotIssuedError);
+    // The latest grant's own holder, run out: LeaseLostError; an earlier one: stale.
+    await expect(repo.with(ranOut(lock, 50n)).upsert({ id, value: 'late' })).rejects.toThrow(LeaseLostError);
+    expect(await repo.with(ranOut(lock, 49n)).upsert({ id, value: 'late' })).toEqual({
+      status: 'stale',
+      currentFence: 50n,
+    });
+    expect(await valueAt(id)).toBe('initial');
   });
 });
 
