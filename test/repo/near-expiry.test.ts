@@ -26,6 +26,7 @@ import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
@@ -57,7 +58,7 @@ function expectOutlived(outcome: { ok: unknown } | { err: unknown }): void {
   expect(err).not.toBeInstanceOf(DatabaseError);
 }
 
-describe.each(everyTransactionDriver.filter((d) => d.real))(
+describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => d.real))(
   'a holder whose TTL runs out inside its transaction, on $name',
   ({ open }) => {
     // A database per call: a single Client's connection does not come back once its session was ended.
