@@ -90,14 +90,14 @@ const ENDED_STATES = /^(25P03|08...|57P0[1-3])$/;
  * session or connection ended — not that a statement failed.
  */
 export function sessionEnded(err: unknown): boolean {
-  const state = sqlStateOf(err);
-  if (state !== undefined) return ENDED_STATES.test(state);
+  // The codes of a closed connection first: EPIPE has a SQLSTATE's shape.
   for (let e: unknown = originalError(err), depth = 0; e && depth < 5; e = (e as { cause?: unknown }).cause, depth++) {
     const { code, message } = e as { code?: unknown; message?: unknown };
     if (typeof code === 'string' && /^(CONNECTION_[A-Z]+|ECONNRESET|EPIPE)$/.test(code)) return true;
     if (code === undefined && typeof message === 'string' && PG_CONNECTION_ENDED.test(message)) return true;
   }
-  return false;
+  const state = sqlStateOf(err);
+  return state !== undefined && ENDED_STATES.test(state);
 }
 
 export interface SafeFields {

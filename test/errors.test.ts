@@ -126,6 +126,8 @@ describe('a session that ended, as the drivers report it', () => {
       coded('terminating connection due to idle-in-transaction timeout', '25P03'),
       coded('terminating connection due to administrator command', '57P01'),
       coded('write CONNECTION_CLOSED 127.0.0.1:5432', 'CONNECTION_CLOSED'),
+      // Of a SQLSTATE's shape, but a socket's code.
+      coded('write EPIPE', 'EPIPE'),
       new Error('Connection terminated unexpectedly'),
       new Error('Client has encountered a connection error and is not queryable'),
       DatabaseError.connectionClosed(),

@@ -103,6 +103,8 @@ export async function fencedTransaction<R>(
   const idleMs = idleTimeout(list, options);
   let refusal: Refusal | undefined;
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
+  // Set once the function is done and the driver's COMMIT is what remains.
+  let committing = false;
   const parent = on(db);
   const signals = list.map((l) => l.holder.signal);
   const refuse = (r: Refusal): never => {
@@ -134,6 +136,7 @@ export async function fencedTransaction<R>(
       if (refused) refuse(refused);
       const lost = lostOf(list);
       if (lost) throw lost;
+      committing = true;
       return { status: 'applied' as const, value };
     });
   } catch (err) {
@@ -143,9 +146,10 @@ export async function fencedTransaction<R>(
     // failed after (the idle timeout may end the session before the lease's local expiry fires).
     const stopped = stopper?.disarm() ?? false;
     const lost = stopped || asThrown(err) === err ? lostOf(list) : undefined;
-    // A lease whose TTL ran out meanwhile, and the session ended: the idle bound of its TTL left ended it
-    // (the function's own statement may be what heard it).
-    const outlived = list.find((l) => ranOut(l.holder));
+    // A lease whose TTL ran out meanwhile, and the session ended before the COMMIT went out: the idle bound
+    // of its TTL left ended it (a call of palisade's in the function may be what heard it). At the COMMIT the
+    // outcome is unknown, and the driver's failure says so.
+    const outlived = committing ? undefined : list.find((l) => ranOut(l.holder));
     throw lost ?? (outlived && endedByIdleBound(err, outlived.lock.name, outlived.fence)) ?? asThrown(err);
   }
 }

@@ -106,12 +106,18 @@ export async function inClaim<R>(
 ): Promise<R> {
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
   const lost = () => lostError(scope.signal, fence);
+  // Set once the function is done and the driver's COMMIT (or savepoint release) is what remains.
+  let committing = false;
   try {
     if (scope.ranOut()) return await refused(await afterRanOut(on, scope.lock, fence), on);
     return await transaction(on, async (tx) => {
       const { registered, session } = await claimLockBounded(tx, scope.lock, fence, scope.idleMs());
       noteBounded(tx, scope.lock);
-      if (registered !== fence) return refused(registered, tx);
+      if (registered !== fence) {
+        const refusal = await refused(registered, tx);
+        committing = true;
+        return refusal;
+      }
       if (callerRuns) stopper = stopOnAbort(on, tx, session, [scope.signal], lost);
       let value: R;
       try {
@@ -121,13 +127,15 @@ export async function inClaim<R>(
       }
       // Stopped after `run`'s last statement: what it wrote was rolled back, whatever it returned.
       if (stopper?.disarm()) throw lost();
+      committing = true;
       return value;
     });
   } catch (err) {
-    // Stopped because the lease was lost, or its session ended by the bound of a TTL that ran out meanwhile:
-    // that is what the caller needs to hear.
+    // Stopped because the lease was lost: that is what the caller needs to hear. So is a session the bound of
+    // a TTL that ran out meanwhile ended before the COMMIT went out (nothing kept); at the COMMIT the outcome
+    // is unknown, and the driver's failure says so.
     if (stopper?.disarm()) throw lost();
-    throw (scope.ranOut() && endedByIdleBound(err, scope.lock.name, fence)) || err;
+    throw (!committing && scope.ranOut() && endedByIdleBound(err, scope.lock.name, fence)) || err;
   }
 }
 

@@ -8,7 +8,7 @@
 import { performance } from 'node:perf_hooks';
 import { sql } from 'drizzle-orm';
 import { assertSupportedDriver, asThrown, type Database, int8, isTransaction, translateError } from '../driver.js';
-import { FenceNotIssuedError, LeaseLostError, LockScopeError } from '../errors.js';
+import { DatabaseError, FenceNotIssuedError, LeaseLostError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
 import { checkLockIdentity, type LockIdentity } from '../fencing/lock-identity.js';
 import { prepared } from '../prepared.js';
@@ -82,12 +82,16 @@ export const ranOut = (holder: { readonly expiresAt?: unknown }): boolean => (tt
  * @internal `LeaseLostError` (with the failure as its cause) in place of a failure that says the session
  * ended, for a call whose transaction was bounded to the TTL left of a holder whose TTL has run out by
  * now: the bound ended that session (a process slower than the TTL left between two statements, or a
- * function of the caller's that ran longer). `undefined` for any other failure, which stays as it is.
- * Nothing the transaction wrote is kept: the idle timeout ends only an idle transaction, never one in its
- * COMMIT (a connection lost otherwise during a COMMIT leaves the outcome unknown, as it always does).
+ * function of the caller's that ran longer). `undefined` for any other failure, which stays as it is —
+ * the caller's function's own error too, unless it is palisade's report of the ended session. Only for a
+ * failure before the transaction's COMMIT went out: then nothing it wrote is kept. (At the COMMIT the
+ * outcome is unknown whatever ended the session: the caller keeps the driver's failure.)
  */
 export function endedByIdleBound(err: unknown, lockName: string, fence: Fence): LeaseLostError | undefined {
   const failure = asThrown(err);
+  // What the caller's function threw comes out as thrown — a driver's or another library's error is its
+  // own — unless it is palisade's report that the session ended (a call of palisade's in it heard it).
+  if (failure !== err && !(failure instanceof DatabaseError)) return undefined;
   if (!sessionEnded(failure)) return undefined;
   const why = 'its TTL ran out during the transaction, whose idle bound ended the session';
   return new LeaseLostError(lockName, fence, why, { cause: translateError(failure) });

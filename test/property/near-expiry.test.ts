@@ -7,8 +7,9 @@
  * claimed the lock first. Whether the idle bound of the TTL left ends the
  * session is up to the timing; whatever it does, the outcome is the
  * write's status (`applied`, its row changed; `stale`, unchanged, and only
- * where a higher fence claimed) or `LeaseLostError` with the row unchanged —
- * never another error. On postgres.js and a node-postgres pool, a pool of
+ * where a higher fence claimed), `LeaseLostError` with the row unchanged, or
+ * — heard at the COMMIT, outcome unknown — a `DatabaseError` that says the
+ * session ended; never another error. On postgres.js and a node-postgres pool, a pool of
  * its own per run: a postgres.js pool may hand a session the server ended to
  * one more query, which then fails (README, "When the connection closes
  * inside a transaction"), and that query would be the next run's. A single
@@ -24,13 +25,14 @@ import pg from 'pg';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
-import { LeaseLostError } from '../../src/errors.js';
+import { DatabaseError, LeaseLostError } from '../../src/errors.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { sessionEnded } from '../../src/server-error.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
@@ -150,8 +152,14 @@ describe.runIf(needs('DATABASE_URL')).each(drivers)('a holder with a few ms left
       const after = await valueAt(id);
       const unchanged = after?.value === 'initial' && after?.deleted === false;
       if ('err' in outcome) {
-        expect(outcome.err).toBeInstanceOf(LeaseLostError);
-        expect(unchanged).toBe(true);
+        if (outcome.err instanceof LeaseLostError) {
+          expect(unchanged).toBe(true);
+          return;
+        }
+        // Heard at the COMMIT: the outcome is unknown, and the error says the session ended.
+        expect(outcome.err).toBeInstanceOf(DatabaseError);
+        expect(sessionEnded(outcome.err)).toBe(true);
+        expect(c.kind === 'delete' ? true : unchanged || after?.value === 'late').toBe(true);
         return;
       }
       // The status: a fenced transaction's, or that of the write it ran.

@@ -3,18 +3,24 @@
  * milliseconds of TTL left (README, "Two scopes of fencing"): palisade
  * bounds the transaction's idle time to them, and when the process is
  * slower than that — a function that runs longer, a busy event loop — the
- * server ends the session. The call then rejects with `LeaseLostError` (the
- * driver's failure as its cause), never a bare `DatabaseError`, and nothing
- * it wrote is visible. On every driver with a server: postgres.js, a
+ * server ends the session. Heard before the COMMIT went out, the call
+ * rejects with `LeaseLostError` (the driver's failure as its cause) and
+ * nothing it wrote is visible; heard at the COMMIT, the outcome is unknown
+ * and the call rejects with the driver's `DatabaseError` (a repro: a link
+ * lost while the COMMIT's answer is on its way, the row committed). An
+ * error the caller's function throws comes out as thrown. On every driver with a server: postgres.js, a
  * node-postgres pool and a single node-postgres `Client` (whose connection
  * is gone afterwards; README, "Installing"). Rows are read back through a
  * connection of their own: a postgres.js pool may hand the ended session to
  * the next query once more (README, "When the connection closes inside a
  * transaction").
  */
+import net from 'node:net';
 import { sql } from 'drizzle-orm';
+import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/postgres-js';
+import pg from 'pg';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
@@ -24,6 +30,7 @@ import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { sessionEnded } from '../../src/server-error.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
@@ -51,6 +58,25 @@ async function settled<T>(call: () => Promise<T>): Promise<{ ok: T } | { err: un
   }
 }
 
+// A client of the driver under test on `url`, its own.
+const clients: Record<string, (url: string) => Promise<{ db: Database; end: () => void }>> = {
+  'postgres.js': async (url) => {
+    const client = postgres(url, { max: 1, onnotice: () => {} });
+    return { db: drizzle(client) as unknown as Database, end: () => void client.end({ timeout: 1 }) };
+  },
+  'node-postgres': async (url) => {
+    const pool = new pg.Pool({ connectionString: url, max: 1 });
+    pool.on('error', () => {});
+    return { db: drizzleNodePostgres(pool) as unknown as Database, end: () => void pool.end() };
+  },
+  'a single node-postgres Client': async (url) => {
+    const client = new pg.Client({ connectionString: url });
+    client.on('error', () => {});
+    await client.connect();
+    return { db: drizzleNodePostgres(client) as unknown as Database, end: () => void client.end() };
+  },
+};
+
 function expectOutlived(outcome: { ok: unknown } | { err: unknown }): void {
   expect(outcome).toHaveProperty('err');
   const { err } = outcome as { err: unknown };
@@ -60,7 +86,8 @@ function expectOutlived(outcome: { ok: unknown } | { err: unknown }): void {
 
 describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => d.real))(
   'a holder whose TTL runs out inside its transaction, on $name',
-  ({ open }) => {
+  ({ name, open }) => {
+    const connect = clients[name] as (typeof clients)[string];
     // A database per call: a single Client's connection does not come back once its session was ended.
     const opened: TestDatabase[] = [];
     let reader: postgres.Sql | undefined;
@@ -72,7 +99,7 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
       await reader?.end({ timeout: 1 });
       await Promise.all(opened.map((t) => t.close()));
     });
-    async function fresh(): Promise<{ db: Database; valueAt: (id: number) => Promise<unknown> }> {
+    async function fresh(): Promise<{ db: Database; url: string; valueAt: (id: number) => Promise<unknown> }> {
       const t = await open({ migrated: true });
       opened.push(t);
       await migrate(t.db);
@@ -87,6 +114,7 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
       reader = own;
       return {
         db: t.db,
+        url: t.url as string,
         valueAt: async (id) => (await execute(read, sql`select value from resource where id = ${id}`))[0]?.value,
       };
     }
@@ -152,7 +180,80 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
       expect([await valueAt(a), await valueAt(b), await valueAt(c)]).toEqual(['initial', 'initial', 'initial']);
     });
 
-    it('with the event loop busy in 3 ms slices and 4 ms left, every write is applied or LeaseLostError, never a DatabaseError', async () => {
+    it("an error the caller's function throws comes out as thrown, its TTL run out or not, however it reads", async () => {
+      const { db, valueAt } = await fresh();
+      const thrown = [
+        Object.assign(new Error('an HTTP call failed'), { code: 'ECONNRESET' }),
+        Object.assign(new Error('another database went away'), { code: '57P01' }),
+        new Error('Connection terminated unexpectedly'),
+      ];
+      for (const err of thrown) {
+        const id = ++row;
+        // The session stays busy (not idle) past the TTL: the bound does not end it.
+        const outlast = async (tx: Database) => {
+          await execute(tx, sql`select pg_sleep(0.15)`);
+          throw err;
+        };
+        const repo = fencedRepository(db, resource).with(holder(TTL_LEFT_MS));
+        expect((await settled(() => repo.modify({ id }, async (_row, tx) => outlast(tx)))) as object).toEqual({ err });
+        expect((await settled(() => fencedTransaction(db, holder(TTL_LEFT_MS), outlast))) as object).toEqual({ err });
+        expect(await valueAt(id)).toBe('initial');
+      }
+    });
+
+    it("a session lost while the COMMIT's answer is on its way: a DatabaseError (outcome unknown), not LeaseLostError — here it committed", async () => {
+      const { url, valueAt } = await fresh();
+      // A loopback proxy: once armed, it forwards a COMMIT, withholds the server's answer 200 ms, then drops
+      // the link; the holder's TTL runs out meanwhile.
+      let armed = false;
+      const proxy = net.createServer((client) => {
+        const server = net.connect(new URL(url).port ? Number(new URL(url).port) : 5432, new URL(url).hostname);
+        let committed = false;
+        client.on('error', () => {});
+        server.on('error', () => {});
+        client.on('data', (d) => {
+          if (armed && /commit\0/i.test(d.toString('latin1'))) committed = true;
+          server.write(d);
+        });
+        server.on('data', (d) => {
+          if (!committed) client.write(d);
+          else setTimeout(() => client.destroy(), 200);
+        });
+        client.on('close', () => server.destroy());
+        server.on('close', () => client.destroy());
+      });
+      await new Promise<void>((resolve) => proxy.listen(0, '127.0.0.1', resolve));
+      const proxied = new URL(url);
+      proxied.host = `127.0.0.1:${(proxy.address() as net.AddressInfo).port}`;
+      try {
+        for (const write of ['modify', 'upsert', 'fenced'] as const) {
+          const own = await connect(proxied.toString());
+          const id = ++row;
+          await execute(own.db, sql`select 1`);
+          const lease = holder(80);
+          const repo = fencedRepository(own.db, resource).with(lease);
+          armed = true;
+          const outcome = await settled(
+            (): Promise<unknown> =>
+              write === 'modify'
+                ? repo.modify({ id }, () => ({ value: 'written' }))
+                : write === 'upsert'
+                  ? repo.upsert({ id, value: 'written' })
+                  : fencedTransaction(own.db, lease, () => repo.update({ id }, { value: 'written' })),
+          );
+          armed = false;
+          expect([write, await valueAt(id)]).toEqual([write, 'written']);
+          expect(outcome).toHaveProperty('err');
+          expect((outcome as { err: unknown }).err).toBeInstanceOf(DatabaseError);
+          own.end();
+        }
+      } finally {
+        armed = false;
+        proxy.close();
+      }
+    });
+
+    it('with the event loop busy in 3 ms slices and 4 ms left: applied, LeaseLostError with nothing written, or a closed session at the COMMIT', async () => {
       type Call = (db: Database, id: number) => Promise<unknown>;
       const calls: Call[] = [
         (db, id) =>
@@ -184,10 +285,15 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
         if ('ok' in outcome) {
           outcomes.push('applied');
           expect(value).toBe('late');
-        } else {
-          outcomes.push((outcome.err as Error).name);
-          expect(outcome.err).toBeInstanceOf(LeaseLostError);
+        } else if (outcome.err instanceof LeaseLostError) {
+          outcomes.push('LeaseLostError');
           expect(value).toBe('initial');
+        } else {
+          // Heard at the COMMIT: the outcome is unknown, and the error says the session ended.
+          outcomes.push('unknown');
+          expect(outcome.err).toBeInstanceOf(DatabaseError);
+          expect(sessionEnded(outcome.err)).toBe(true);
+          expect(['initial', 'late']).toContain(value);
         }
       }
       expect(outcomes).toHaveLength(6);
