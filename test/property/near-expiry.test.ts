@@ -19,7 +19,6 @@
 import { fc, test } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
 import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
-import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import pg from 'pg';
 import postgres from 'postgres';
@@ -31,14 +30,12 @@ import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { sessionEnded } from '../../src/server-error.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
-import { uniqueNamespace } from '../support/scenario.js';
+import { createResource, resource, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
-const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 const FENCE = toFence(7n) as Fence;
 
 type Kind = 'update' | 'delete' | 'upsert' | 'modify' | 'updateWhere' | 'fenced';
@@ -89,11 +86,7 @@ describe.runIf(needs('DATABASE_URL')).each(drivers)('a holder with a few ms left
     test_ = await open({ migrated: true });
     db = test_.db;
     await migrate(db);
-    await execute(
-      db,
-      sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
-    );
-    await execute(db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, 2000) g`);
+    await createResource(db, 2000);
     // Rows are read back on a connection of their own (see the header of test/repo/near-expiry.test.ts).
     reader = postgres(test_.url as string, { max: 1, onnotice: () => {} });
     read = drizzle(reader) as unknown as Database;

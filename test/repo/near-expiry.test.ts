@@ -18,7 +18,6 @@
 import net from 'node:net';
 import { sql } from 'drizzle-orm';
 import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
-import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import pg from 'pg';
 import postgres from 'postgres';
@@ -29,14 +28,11 @@ import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { sessionEnded } from '../../src/server-error.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
-import { uniqueNamespace } from '../support/scenario.js';
+import { createResource, resource, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
-
-const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
 // A holder of a lock no other test uses, with `ms` of TTL left by its estimate; its signal never aborts.
 const holder = (ms: number) => ({
@@ -103,11 +99,7 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
       const t = await open({ migrated: true });
       opened.push(t);
       await migrate(t.db);
-      await execute(
-        t.db,
-        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
-      );
-      await execute(t.db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, 20) g`);
+      await createResource(t.db, 20);
       const own = postgres(t.url as string, { max: 1, onnotice: () => {} });
       const read = drizzle(own) as unknown as Database;
       await reader?.end({ timeout: 1 });

@@ -23,7 +23,7 @@ import { registerKey } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { everyTransactionDriver, postgresDatabase, type TestDatabase } from '../support/databases.js';
-import { uniqueNamespace } from '../support/scenario.js';
+import { createResource, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
@@ -55,11 +55,7 @@ describe.each(everyTransactionDriver.filter((d) => !d.real || needs('DATABASE_UR
       test = await open({ migrated: true });
       db = test.db;
       await migrate(db);
-      await execute(
-        db,
-        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
-      );
-      await execute(db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, 40) g`);
+      await createResource(db, 40);
     }, 120_000);
     afterAll(async () => test?.close());
     beforeEach(() => {

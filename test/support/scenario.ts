@@ -2,7 +2,7 @@ import { randomBytes } from 'node:crypto';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { expect } from 'vitest';
-import { execute } from '../../src/driver.js';
+import { type Database, execute } from '../../src/driver.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
@@ -30,6 +30,15 @@ export const resource = pgTable('resource', {
   value: text('value'),
   ...fenceColumns(),
 });
+
+/** Creates {@link resource} on `db`, rows 1…`rows` at 'initial' and fence 0. */
+export async function createResource(db: Database, rows: number): Promise<void> {
+  await execute(
+    db,
+    sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+  );
+  await execute(db, sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${rows}) g`);
+}
 
 /**
  * `resource` rows a suite inserts for its own tests (ids from 100, beside the workers' row 1), each at
