@@ -80,7 +80,9 @@ export type FencedTransactionResult<R> =
  * error was caught or never awaited: the call then rejects with that error
  * and nothing is written (README, "Fenced transactions", for the drivers'
  * details) — unless a lease's TTL ran out meanwhile and the idle bound
- * ended the session: then with `LeaseLostError`, that failure its cause.
+ * ended the session before the COMMIT went out: then with `LeaseLostError`,
+ * that failure its cause (at the COMMIT the outcome is unknown, and the
+ * driver's `DatabaseError` says so).
  * Does not: retry — a deadlock
  * between tables (40P01) or a serialization failure rejects with
  * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
