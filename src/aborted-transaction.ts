@@ -17,7 +17,7 @@
  * palisade did not see it. The success path sends nothing more.
  */
 import { DatabaseError, InvalidArgumentError } from './errors.js';
-import { sqlStateOf } from './server-error.js';
+import { endingState, sqlStateOf } from './server-error.js';
 
 /**
  * @internal The failures seen in one transaction: the last one that could
@@ -46,12 +46,11 @@ export class Failures {
   }
 
   /**
-   * Whether the last failure says the session is ending, or may be (class 08, 57P01–57P03): a
+   * Whether the last failure says the session is ending, or may be ({@link endingState}): a
    * statement sent to ask the server could go out on a closed connection.
    */
   get ending(): boolean {
-    const state = sqlStateOf(this.#cause);
-    return state !== undefined && (state.startsWith('08') || /^57P0[1-3]$/.test(state));
+    return endingState(sqlStateOf(this.#cause));
   }
 
   /** The last failure that was not a 25P02, if any. */

@@ -81,9 +81,12 @@ const CONNECTION_CODES = /^(E[A-Z]+|CONNECT_TIMEOUT|CONNECTION_[A-Z]+)$/;
 // no data. Kept in the message, with the code postgres.js gives the same failure.
 const PG_CONNECTION_ENDED =
   /^(Connection terminated( unexpectedly)?|Client has encountered a connection error and is not queryable|Client was closed and is not queryable)$/;
-// SQLSTATEs of a session the server ended: the idle timeout (25P03), a terminated backend (57P01–57P03), a
-// link that failed (class 08).
-const ENDED_STATES = /^(25P03|08...|57P0[1-3])$/;
+/**
+ * Whether `state` is a SQLSTATE of a session the server ends, or may have: the idle timeout (25P03), a
+ * terminated backend (57P01–57P03), a link that failed (class 08).
+ */
+export const endingState = (state: string | undefined): boolean =>
+  state !== undefined && /^(25P03|08...|57P0[1-3])$/.test(state);
 
 /**
  * Whether `err` (a driver's error, palisade's `DatabaseError` of one, either under a wrapper) says its
@@ -96,8 +99,7 @@ export function sessionEnded(err: unknown): boolean {
     if (typeof code === 'string' && /^(CONNECTION_[A-Z]+|ECONNRESET|EPIPE)$/.test(code)) return true;
     if (code === undefined && typeof message === 'string' && PG_CONNECTION_ENDED.test(message)) return true;
   }
-  const state = sqlStateOf(err);
-  return state !== undefined && ENDED_STATES.test(state);
+  return endingState(sqlStateOf(err));
 }
 
 export interface SafeFields {

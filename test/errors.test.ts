@@ -33,7 +33,7 @@ import {
   StaleFenceError,
   UnsupportedDatabaseError,
 } from '../src/errors.js';
-import { sessionEnded } from '../src/server-error.js';
+import { endingState, sessionEnded } from '../src/server-error.js';
 
 /** One instance per code; the type makes a new code without a sample fail to compile. */
 const samples: { readonly [K in PalisadeErrorCode]: PalisadeError } = {
@@ -145,6 +145,11 @@ describe('a session that ended, as the drivers report it', () => {
       expect([err.message, sessionEnded(translateError(err))]).toEqual([err.message, true]);
     }
     for (const err of failed) expect([err.message, sessionEnded(err)]).toEqual([err.message, false]);
+  });
+
+  it('the SQLSTATEs of a session that ends are one list, which a fenced transaction also reads before it asks the server', () => {
+    expect(['25P03', '57P01', '57P02', '57P03', '08006', '08003'].map(endingState)).toEqual(Array(6).fill(true));
+    expect(['57014', '25P02', '40001', '23505', undefined].map(endingState)).toEqual(Array(5).fill(false));
   });
 
   it("keeps node-postgres's fixed text of a closed connection, which names no data, with postgres.js's code for it", () => {
