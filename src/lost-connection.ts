@@ -50,6 +50,14 @@ interface Connection {
   rollback?: () => void;
   /** postgres.js: the statements sent through the guarded clients, watched for a failure (aborted-transaction.ts). */
   statements?: Statements;
+  /** postgres.js: the statements sent through the guarded clients that have not settled yet. */
+  unsettled?: Set<DriverQuery>;
+}
+
+/** The part of a postgres.js query palisade settles itself once its connection is lost. */
+interface DriverQuery {
+  executed: boolean;
+  reject(err: unknown): void;
 }
 
 /** The part of a postgres.js transaction's (or savepoint's) `sql` that drizzle and palisade call. */
@@ -91,7 +99,9 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
     // `ROLLBACK TO` (even a success, when a statement in it failed): so the function never settles, and
     // the call rejects here instead.
     const fn = args.pop() as (sql: ScopedSql) => Promise<unknown>;
-    return new Promise((resolve, reject) => {
+    let rejectCall: (err: unknown) => void = () => {};
+    const call = new Promise((resolve, reject) => {
+      rejectCall = reject;
       const run = async (sql: ScopedSql) => {
         const value = await unlessLost(() => fn(guarded(sql, connection)), connection);
         if (value !== LOST) return value;
@@ -100,6 +110,9 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
       };
       client.savepoint(...args, run).then(resolve, reject);
     });
+    // Its SAVEPOINT statement, which postgres.js sends itself, may wait in the transaction's queue too.
+    track(connection, call, { executed: true, reject: rejectCall });
+    return call;
   };
   const proxy = new Proxy(client, {
     get: (target, key) => (key === 'unsafe' ? unsafe : key === 'savepoint' ? savepoint : Reflect.get(target, key)),
@@ -113,8 +126,37 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
   return proxy;
 }
 
-const sent = <S>(connection: Connection, statement: S): S =>
-  connection.statements ? connection.statements.sent(statement) : statement;
+function sent<S>(connection: Connection, statement: S): S {
+  connection.statements?.sent(statement);
+  const query = statement as unknown as DriverQuery;
+  if (typeof query?.reject === 'function') track(connection, statement, query);
+  return statement;
+}
+
+// Until `settles` settles, `query` is rejected should the connection be lost.
+function track(connection: Connection, settles: unknown, query: DriverQuery): void {
+  const { unsettled } = connection;
+  if (!unsettled) return;
+  unsettled.add(query);
+  const settled = () => unsettled.delete(query);
+  // Promise's own `then`: a postgres.js query's would send it.
+  Promise.prototype.then.call(settles, settled, settled);
+}
+
+/**
+ * The connection is lost: every statement sent on it that has not settled is rejected now. postgres.js
+ * answers the ones on the connection itself, but not one that waits in the transaction's own queue for
+ * the connection to be free (behind a statement in flight, or one postgres.js has described first):
+ * that one would never settle, nor would the palisade call or function that awaits it.
+ */
+function rejectUnsettled(connection: Connection): void {
+  for (const query of connection.unsettled ?? []) {
+    // Marked as sent, so that awaiting it later does not send it on the closed connection.
+    query.executed = true;
+    query.reject(DatabaseError.connectionClosed());
+  }
+  connection.unsettled?.clear();
+}
 
 // In place of a transaction's or savepoint's outcome once the connection is lost.
 const LOST = Symbol('the connection was lost');
@@ -148,7 +190,7 @@ export function guardedTransaction<Tx, T>(
   // A savepoint of a transaction palisade began: the driver opens it through the guarded client's
   // `savepoint`, which guards the savepoint's client and ends it safely.
   if (connections.has(parent as object)) return begin(fn);
-  const connection: Connection = { lost: false, statements: new Statements() };
+  const connection: Connection = { lost: false, statements: new Statements(), unsettled: new Set() };
   let pending = false;
   const run = begin(async (tx) => {
     pending = true;
@@ -185,7 +227,9 @@ export function guardedTransaction<Tx, T>(
   // postgres.js races the outermost transaction's function with its connection's close: settled
   // while the function still runs, it was the close.
   run.then(undefined, () => {
-    if (pending) connection.lost = true;
+    if (!pending) return;
+    connection.lost = true;
+    rejectUnsettled(connection);
   });
   return run;
 }

@@ -332,6 +332,48 @@ for (const { name, open, seen } of drivers) {
       });
     }
 
+    for (const queuedCall of ['write', 'fencedTransaction'] as const)
+      it(`a palisade ${queuedCall} queued behind a statement in flight when the connection is killed rejects too, and does not wait for good`, async () => {
+        const { db, lease, repo } = await fresh();
+        await execute(
+          db,
+          sql.raw(`create function slow() returns trigger language plpgsql as $$
+          begin if new.id = 2 then perform pg_sleep(30); end if; return new; end $$;
+          create trigger slow before update on resource for each row execute function slow()`),
+        );
+        const leased = repo.with(lease);
+        let pid = 0;
+        let first: unknown;
+        let queued: unknown;
+        const call = fencedTransaction(db, lease, async (tx) => {
+          pid = await backendPid(tx);
+          // The first run of a statement on this connection: postgres.js has it described before it binds
+          // it, and takes no other statement of the transaction until it is done — the next one waits in
+          // the driver's own queue of the transaction, not on the connection.
+          const inFlight = settled(leased.update({ id: 2 }, { value: 'slow' })).then((o) => {
+            first = o;
+          });
+          await sleep(0);
+          const next =
+            queuedCall === 'write'
+              ? leased.update({ id: 3 }, { value: 'behind' })
+              : fencedTransaction(db, lease, () => leased.update({ id: 3 }, { value: 'behind' }));
+          const behind = settled(next).then((o) => {
+            queued = o;
+          });
+          await Promise.all([inFlight, behind]);
+          return 'done';
+        });
+        const outcome = settled(call);
+        await untilWaiting(db, () => pid, 'PgSleep');
+        await terminate(db, pid);
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+        await until(() => queued !== undefined);
+        expect(first).toBeInstanceOf(DatabaseError);
+        expect(queued).toBeInstanceOf(DatabaseError);
+        expect(await values(db)).toEqual(untouched);
+      });
+
     it('fencedTransaction: the idle timeout closes a transaction left idle, and the holder process lives on', async () => {
       const { db, lease, repo } = await fresh();
       const at = closeAtGate(seen);
