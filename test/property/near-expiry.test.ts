@@ -3,13 +3,17 @@
  * fencing"), searched on a REAL Postgres: every kind of lock-scoped write
  * and a fenced transaction, by a holder with 1–8 ms left, the event loop
  * busy in slices of 0–5 ms, the holder's function (a modify's, a fenced
- * transaction's) busy for 0–10 ms, and sometimes a higher fence that
- * claimed the lock first. Whether the idle bound of the TTL left ends the
+ * transaction's) busy for 0–10 ms, sometimes a higher fence that
+ * claimed the lock first, and sometimes one that claims it 0–12 ms into
+ * the call, in a transaction of its own. Whether the idle bound of the TTL left ends the
  * session is up to the timing; whatever it does, the outcome is the
  * write's status (`applied`, its row changed; `stale`, unchanged, and only
  * where a higher fence claimed), `LeaseLostError` with the row unchanged, or
  * — heard at the COMMIT, outcome unknown — a `DatabaseError` that says the
- * session ended; never another error. On postgres.js and a node-postgres pool, a pool of
+ * session ended; never another error. And a write that applied committed
+ * before the concurrent higher fence's claim did: each transaction notes
+ * its commit in a sequence, from a deferred trigger (at its COMMIT, with
+ * its locks still held). On postgres.js and a node-postgres pool, a pool of
  * its own per run: a postgres.js pool may hand a session the server ended to
  * one more query, which then fails (README, "When the connection closes
  * inside a transaction"), and that query would be the next run's. A single
@@ -48,6 +52,10 @@ interface Case {
   readonly fnMs: number;
   /** A higher fence claimed the lock first. */
   readonly rival: boolean;
+  /** A higher fence claims the lock this many ms into the call, in a transaction of its own (null: none). */
+  readonly rivalAtMs: number | null;
+  /** The holder's pool has its connection open before the call. */
+  readonly warm: boolean;
 }
 const cases = fc.record<Case>({
   kind: fc.constantFrom<Kind>('update', 'delete', 'upsert', 'modify', 'updateWhere', 'fenced'),
@@ -55,6 +63,8 @@ const cases = fc.record<Case>({
   sliceMs: fc.constantFrom(0, 1, 2, 3, 5),
   fnMs: fc.constantFrom(0, 2, 5, 10),
   rival: fc.boolean(),
+  rivalAtMs: fc.option(fc.integer({ min: 0, max: 12 }), { freq: 2 }),
+  warm: fc.boolean(),
 });
 
 const spin = (ms: number) => {
@@ -87,6 +97,19 @@ describe.runIf(needs('DATABASE_URL')).each(drivers)('a holder with a few ms left
     db = test_.db;
     await migrate(db);
     await createResource(db, 2000);
+    // Each transaction that writes a row of `resource` (the holder) or of `marks` (the concurrent rival)
+    // notes it in `commits` at its COMMIT: the order of `seq` is the order in which they committed.
+    await execute(
+      db,
+      sql.raw(`create table marks (id int primary key);
+        create table commits (seq bigserial primary key, who text not null, id int not null);
+        create function note_commit() returns trigger language plpgsql as $$
+          begin insert into commits (who, id) values (TG_ARGV[0], coalesce(new.id, old.id)); return null; end $$;
+        create constraint trigger holder_commit after insert or update or delete on resource
+          deferrable initially deferred for each row execute function note_commit('holder');
+        create constraint trigger rival_commit after insert on marks
+          deferrable initially deferred for each row execute function note_commit('rival')`),
+    );
     // Rows are read back on a connection of their own (see the header of test/repo/near-expiry.test.ts).
     reader = postgres(test_.url as string, { max: 1, onnotice: () => {} });
     read = drizzle(reader) as unknown as Database;
@@ -95,6 +118,8 @@ describe.runIf(needs('DATABASE_URL')).each(drivers)('a holder with a few ms left
     await reader?.end({ timeout: 1 });
     await test_?.close();
   });
+  const commitOf = async (who: string, id: number) =>
+    (await execute(read, sql`select seq::int8::text as seq from commits where who = ${who} and id = ${id}`))[0]?.seq;
   const valueAt = async (id: number) =>
     (await execute(read, sql`select value, deleted_at is not null as deleted from resource where id = ${id}`))[0];
 
@@ -107,13 +132,15 @@ describe.runIf(needs('DATABASE_URL')).each(drivers)('a holder with a few ms left
         const higher = { fence: toFence(9n) as Fence, lock, signal: new AbortController().signal };
         await claimLockRegister(db, higher);
       }
+      const own = pools[name as keyof typeof pools](test_.url as string);
+      // A connection already open, or one the call opens (its TTL left then often runs out meanwhile).
+      if (c.warm) await execute(own.db, sql`select 1`);
       const holder = {
         fence: FENCE,
         lock,
         expiresAt: performance.now() + c.ttlLeftMs,
         signal: new AbortController().signal,
       };
-      const own = pools[name as keyof typeof pools](test_.url as string);
       const repo = fencedRepository(own.db, resource);
       const calls: Record<Kind, () => Promise<unknown>> = {
         update: () => repo.with(holder).update({ id }, { value: 'late' }),
@@ -132,12 +159,24 @@ describe.runIf(needs('DATABASE_URL')).each(drivers)('a holder with a few ms left
           }),
       };
       const busy = c.sliceMs > 0 ? setInterval(() => spin(c.sliceMs), 1) : undefined;
+      // The concurrent rival: claims the lock at a higher fence, then marks its commit.
+      const rival = new Promise<unknown>((resolve) => {
+        if (c.rivalAtMs === null) return resolve(undefined);
+        const higher = { fence: toFence(11n) as Fence, lock, signal: new AbortController().signal };
+        setTimeout(() => {
+          fencedTransaction(db, higher, (tx) => execute(tx, sql`insert into marks (id) values (${id})`)).then(
+            resolve,
+            resolve,
+          );
+        }, c.rivalAtMs);
+      });
       let outcome: { ok: unknown } | { err: unknown };
       try {
         outcome = { ok: await calls[c.kind]() };
       } catch (err) {
         outcome = { err };
       } finally {
+        await rival;
         clearInterval(busy);
         // Not waited for: postgres.js takes up to its timeout over a connection the server closed.
         own.end().catch(() => {});
@@ -160,11 +199,17 @@ describe.runIf(needs('DATABASE_URL')).each(drivers)('a holder with a few ms left
       const status = c.kind === 'fenced' && result.status === 'applied' ? result.value?.status : result.status;
       const applied =
         c.kind === 'updateWhere' ? (result as unknown as { applied: number }).applied === 1 : status === 'applied';
+      const rivalCommit = await commitOf('rival', id);
       if (applied) {
         expect(c.rival).toBe(false);
         expect(c.kind === 'delete' ? after?.deleted : after?.value === 'late').toBe(true);
+        // Before the concurrent higher fence's claim committed, if it did.
+        const holderCommit = await commitOf('holder', id);
+        expect(holderCommit).toBeDefined();
+        if (rivalCommit !== undefined) expect(BigInt(String(holderCommit)) < BigInt(String(rivalCommit))).toBe(true);
       } else {
-        expect(c.rival).toBe(true);
+        // Stale: a higher fence claimed first — before the call, or concurrently, and committed.
+        expect(c.rival || rivalCommit !== undefined).toBe(true);
         expect(unchanged).toBe(true);
       }
     },
