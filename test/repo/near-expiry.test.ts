@@ -28,6 +28,7 @@ import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
+import type { LeasedRepository } from '../../src/repo/repository-api.js';
 import { sessionEnded } from '../../src/server-error.js';
 import { everyTransactionDriver, type TestDatabase } from '../support/databases.js';
 import { createResource, resource, uniqueNamespace } from '../support/scenario.js';
@@ -99,7 +100,7 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
       const t = await open({ migrated: true });
       opened.push(t);
       await migrate(t.db);
-      await createResource(t.db, 20);
+      await createResource(t.db, 200);
       const own = postgres(t.url as string, { max: 1, onnotice: () => {} });
       const read = drizzle(own) as unknown as Database;
       await reader?.end({ timeout: 1 });
@@ -143,46 +144,55 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
       expect([await valueAt(a), await valueAt(b)]).toEqual(['initial', 'initial']);
     });
 
-    it('in a transaction opened for something else: the write after the bound ended the session is LeaseLostError', async () => {
-      const { db, valueAt } = await fresh();
-      // On a machine busy enough for the TTL left to run out before the first write, that write is refused
-      // before it bounds anything: the scenario is tried again, with new rows, at most 5 times.
-      for (let attempt = 1; ; attempt++) {
-        const [a, b, c] = [++row, ++row, ++row];
-        const lease = holder(TTL_LEFT_MS);
-        let first: { ok: unknown } | { err: unknown } = { ok: 'not reached' };
-        let second: { ok: unknown } | { err: unknown } = { ok: 'not reached' };
-        let fnDone = () => {};
-        const done = new Promise<void>((resolve) => {
-          fnDone = resolve;
-        });
-        // A row-scoped modify's transaction: palisade's, whose connection closing the process survives on every
-        // driver ("When the connection closes inside a transaction"; one of your own on postgres.js would end it).
-        const outer = await settled(() =>
-          fencedRepository(db, resource).modify({ id: c }, toFence(1n) as Fence, async (_row, tx) => {
-            try {
-              const repo = fencedRepository(tx, resource).with(lease);
-              // Bounds the transaction to the TTL left, then writes.
-              first = await settled(() => repo.update({ id: a }, { value: 'early' }));
-              if ('err' in first) return { value: 'outer' };
-              await sleep(OUTLAST_MS);
-              second = await settled(() => repo.update({ id: b }, { value: 'late' }));
-              return { value: 'outer' };
-            } finally {
-              fnDone();
-            }
-          }),
-        );
-        // On postgres.js the outer call rejects as soon as the close is seen, while the function still sleeps.
-        await done;
-        if ('err' in first && attempt < 5) continue;
-        expect(first).toHaveProperty('ok');
-        expectOutlived(second);
-        expect(outer).toHaveProperty('err');
-        expect([await valueAt(a), await valueAt(b), await valueAt(c)]).toEqual(['initial', 'initial', 'initial']);
-        return;
-      }
-    });
+    // The second write: a statement of its own (update), or one that opens a claim of its own first (inClaim,
+    // which reads the register instead once the TTL ran out — here on the session the bound ended).
+    const afterBound: Record<string, (repo: LeasedRepository<typeof resource>, id: number) => Promise<unknown>> = {
+      update: (repo, id) => repo.update({ id }, { value: 'late' }),
+      upsert: (repo, id) => repo.upsert({ id, value: 'late' }),
+      modify: (repo, id) => repo.modify({ id }, () => ({ value: 'late' })),
+      updateWhere: (repo, id) => repo.updateWhere(sql`id = ${id}`, { value: 'late' }),
+    };
+    for (const [kind, secondWrite] of Object.entries(afterBound))
+      it(`in a transaction opened for something else: the ${kind} after the bound ended the session is LeaseLostError`, async () => {
+        const { db, valueAt } = await fresh();
+        // On a machine busy enough for the TTL left to run out before the first write, that write is refused
+        // before it bounds anything: the scenario is tried again, with new rows, at most 5 times.
+        for (let attempt = 1; ; attempt++) {
+          const [a, b, c] = [++row, ++row, ++row];
+          const lease = holder(TTL_LEFT_MS);
+          let first: { ok: unknown } | { err: unknown } = { ok: 'not reached' };
+          let second: { ok: unknown } | { err: unknown } = { ok: 'not reached' };
+          let fnDone = () => {};
+          const done = new Promise<void>((resolve) => {
+            fnDone = resolve;
+          });
+          // A row-scoped modify's transaction: palisade's, whose connection closing the process survives on every
+          // driver ("When the connection closes inside a transaction"; one of your own on postgres.js would end it).
+          const outer = await settled(() =>
+            fencedRepository(db, resource).modify({ id: c }, toFence(1n) as Fence, async (_row, tx) => {
+              try {
+                const repo = fencedRepository(tx, resource).with(lease);
+                // Bounds the transaction to the TTL left, then writes.
+                first = await settled(() => repo.update({ id: a }, { value: 'early' }));
+                if ('err' in first) return { value: 'outer' };
+                await sleep(OUTLAST_MS);
+                second = await settled(() => secondWrite(repo, b));
+                return { value: 'outer' };
+              } finally {
+                fnDone();
+              }
+            }),
+          );
+          // On postgres.js the outer call rejects as soon as the close is seen, while the function still sleeps.
+          await done;
+          if ('err' in first && attempt < 5) continue;
+          expect(first).toHaveProperty('ok');
+          expectOutlived(second);
+          expect(outer).toHaveProperty('err');
+          expect([await valueAt(a), await valueAt(b), await valueAt(c)]).toEqual(['initial', 'initial', 'initial']);
+          return;
+        }
+      });
 
     it("an error the caller's function throws comes out as thrown, its TTL run out or not, however it reads", async () => {
       const { db, valueAt } = await fresh();
