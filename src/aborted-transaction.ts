@@ -116,7 +116,7 @@ export class Statements {
   readonly failures = new Failures();
   #unlooked: Statement[] = [];
   #lookAt = LOOK_EVERY;
-  #running = 0;
+  #running = new Set<Statement>();
   #idle: (() => void)[] = [];
   #ended = false;
 
@@ -155,9 +155,10 @@ export class Statements {
   }
 
   #watch(s: Statement): void {
-    this.#running++;
+    this.#running.add(s);
     const done = () => {
-      if (--this.#running === 0) for (const idle of this.#idle.splice(0)) idle();
+      this.#running.delete(s);
+      if (this.#running.size === 0) for (const idle of this.#idle.splice(0)) idle();
     };
     s.then(done, (err: unknown) => {
       this.failures.note(err);
@@ -173,7 +174,7 @@ export class Statements {
     let unawaited = 0;
     for (;;) {
       this.#look();
-      if (this.#running > 0) await this.#whenIdle();
+      if (this.#running.size > 0) await this.#whenIdle();
       else if (this.#unlooked.length > unawaited) {
         // Sent and not awaited yet: drizzle awaits its query a few microtasks on. One turn for them.
         unawaited = this.#unlooked.length;
@@ -187,8 +188,16 @@ export class Statements {
   /** The failures of the statements that ran so far, once those still running have settled. */
   async seen(): Promise<Failures> {
     this.#look();
-    while (this.#running > 0) await this.#whenIdle();
+    while (this.#running.size > 0) await this.#whenIdle();
     return this.failures;
+  }
+
+  /**
+   * The statements that may not have settled: those running, and those not looked at yet (settled, running,
+   * or not sent — a postgres.js query nobody awaited yet).
+   */
+  unsettled(): Statement[] {
+    return [...this.#running, ...this.#unlooked];
   }
 
   #whenIdle(): Promise<void> {

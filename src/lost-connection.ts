@@ -50,8 +50,8 @@ interface Connection {
   rollback?: () => void;
   /** postgres.js: the statements sent through the guarded clients, watched for a failure (aborted-transaction.ts). */
   statements?: Statements;
-  /** postgres.js: the statements sent through the guarded clients that have not settled yet. */
-  unsettled?: Set<DriverQuery>;
+  /** postgres.js: the savepoints opened through the guarded clients that have not settled yet. */
+  savepoints?: Set<DriverQuery>;
 }
 
 /** The part of a postgres.js query palisade settles itself once its connection is lost. */
@@ -111,7 +111,13 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
       client.savepoint(...args, run).then(resolve, reject);
     });
     // Its SAVEPOINT statement, which postgres.js sends itself, may wait in the transaction's queue too.
-    track(connection, call, { executed: true, reject: rejectCall });
+    const { savepoints } = connection;
+    if (savepoints) {
+      const pending = { executed: true, reject: rejectCall };
+      savepoints.add(pending);
+      const settled = () => savepoints.delete(pending);
+      call.then(settled, settled);
+    }
     return call;
   };
   const proxy = new Proxy(client, {
@@ -127,20 +133,31 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
 }
 
 function sent<S>(connection: Connection, statement: S): S {
-  connection.statements?.sent(statement);
-  const query = statement as unknown as DriverQuery;
-  if (typeof query?.reject === 'function') track(connection, statement, query);
+  if (!connection.statements) return statement;
+  connection.statements.sent(statement);
+  // The first failure that says the session ended is how the close is heard first: before the reaction of
+  // whoever awaits the statement (registered after this one), which may send another — postgres.js would
+  // send that one on the closed connection, and end the process. Promise's own `then`: a postgres.js
+  // query's would send the statement.
+  Promise.prototype.then.call(statement, undefined, (err: unknown) => {
+    if (!connection.lost && closedBy(err)) lose(connection);
+  });
   return statement;
 }
 
-// Until `settles` settles, `query` is rejected should the connection be lost.
-function track(connection: Connection, settles: unknown, query: DriverQuery): void {
-  const { unsettled } = connection;
-  if (!unsettled) return;
-  unsettled.add(query);
-  const settled = () => unsettled.delete(query);
-  // Promise's own `then`: a postgres.js query's would send it.
-  Promise.prototype.then.call(settles, settled, settled);
+// Whether a statement failed because its connection closed: postgres.js's own code for that or a socket's
+// (no severity: not from the server), or the server's FATAL, with which it ends the session — not a SQLSTATE
+// of class 08 or 57 raised as a plain ERROR on a live session (a remote link's, say).
+function closedBy(err: unknown): boolean {
+  const { code, severity } = (err ?? {}) as { code?: unknown; severity?: unknown };
+  if (severity === 'FATAL' || severity === 'PANIC') return true;
+  return severity === undefined && typeof code === 'string' && /^(CONNECTION_[A-Z]+|E[A-Z]+)$/.test(code);
+}
+
+/** The connection is lost: nothing more is sent on it, and what waits on it is rejected. */
+function lose(connection: Connection): void {
+  connection.lost = true;
+  rejectUnsettled(connection);
 }
 
 /**
@@ -150,12 +167,13 @@ function track(connection: Connection, settles: unknown, query: DriverQuery): vo
  * that one would never settle, nor would the palisade call or function that awaits it.
  */
 function rejectUnsettled(connection: Connection): void {
-  for (const query of connection.unsettled ?? []) {
+  const queries = [...(connection.statements?.unsettled() ?? []), ...(connection.savepoints ?? [])];
+  for (const query of queries as unknown as Partial<DriverQuery>[]) {
+    if (typeof query.reject !== 'function') continue;
     // Marked as sent, so that awaiting it later does not send it on the closed connection.
     query.executed = true;
     query.reject(DatabaseError.connectionClosed());
   }
-  connection.unsettled?.clear();
 }
 
 // In place of a transaction's or savepoint's outcome once the connection is lost.
@@ -190,7 +208,7 @@ export function guardedTransaction<Tx, T>(
   // A savepoint of a transaction palisade began: the driver opens it through the guarded client's
   // `savepoint`, which guards the savepoint's client and ends it safely.
   if (connections.has(parent as object)) return begin(fn);
-  const connection: Connection = { lost: false, statements: new Statements(), unsettled: new Set() };
+  const connection: Connection = { lost: false, statements: new Statements(), savepoints: new Set() };
   let pending = false;
   const run = begin(async (tx) => {
     pending = true;
@@ -227,9 +245,7 @@ export function guardedTransaction<Tx, T>(
   // postgres.js races the outermost transaction's function with its connection's close: settled
   // while the function still runs, it was the close.
   run.then(undefined, () => {
-    if (!pending) return;
-    connection.lost = true;
-    rejectUnsettled(connection);
+    if (pending && !connection.lost) lose(connection);
   });
   return run;
 }

@@ -173,6 +173,11 @@ async function values(db: Database): Promise<string[]> {
 }
 const untouched = Array.from({ length: ROWS }, () => 'initial');
 
+// Row 2's writes wait in a trigger, so a write of it is in flight when the kill comes.
+const SLOW_ROW_2 = `create function slow() returns trigger language plpgsql as $$
+  begin if new.id = 2 then perform pg_sleep(30); end if; return new; end $$;
+  create trigger slow before update on resource for each row execute function slow()`;
+
 // What the function does once its connection is gone, and what that must come to.
 const afterClose: Record<
   string,
@@ -373,6 +378,68 @@ for (const { name, open, seen } of drivers) {
         expect(queued).toBeInstanceOf(DatabaseError);
         expect(await values(db)).toEqual(untouched);
       });
+
+    for (const next of ['write', 'fencedTransaction', 'modify'] as const)
+      it(`a palisade ${next} sent at once from the catch of a write the kill failed rejects, and the process lives`, async () => {
+        const { db, lease, repo } = await fresh();
+        await execute(db, sql.raw(SLOW_ROW_2));
+        const leased = repo.with(lease);
+        let pid = 0;
+        let late: unknown;
+        const call = fencedTransaction(db, lease, async (tx) => {
+          pid = await backendPid(tx);
+          try {
+            await leased.update({ id: 2 }, { value: 'slow' });
+          } catch {
+            // In the same turn as the driver's news of the close: before the transaction's call has rejected.
+            const again =
+              next === 'write'
+                ? leased.update({ id: 3 }, { value: 'again' })
+                : next === 'fencedTransaction'
+                  ? fencedTransaction(tx, lease, () => leased.update({ id: 3 }, { value: 'again' }))
+                  : repo.modify({ id: 3 }, lease.fence, async () => ({ value: 'again' }));
+            late = await settled(again);
+          }
+          return 'done';
+        });
+        const outcome = settled(call);
+        await untilWaiting(db, () => pid, 'PgSleep');
+        await terminate(db, pid);
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+        await until(() => late !== undefined);
+        expect(late).toBeInstanceOf(PalisadeError);
+        await turns();
+        expect(await values(db)).toEqual(untouched);
+      });
+
+    it('writes the function left running when it threw reject once the connection is killed, and do not wait for good', async () => {
+      const { db, lease, repo } = await fresh();
+      await execute(db, sql.raw(SLOW_ROW_2));
+      const leased = repo.with(lease);
+      let pid = 0;
+      const left: Record<string, unknown> = {};
+      const leave = (name: string, write: Promise<unknown>) =>
+        settled(write).then((o) => {
+          left[name] = o;
+        });
+      const call = fencedTransaction(db, lease, async (tx) => {
+        pid = await backendPid(tx);
+        // A write in flight, one queued behind it, then the function gives up without awaiting them
+        // (as a Promise.all that failed fast does): the driver's ROLLBACK waits behind them.
+        void leave('inFlight', leased.update({ id: 2 }, { value: 'slow' }));
+        await sleep(0);
+        void leave('behind', leased.update({ id: 3 }, { value: 'behind' }));
+        throw new Error('the function gave up');
+      });
+      const outcome = settled(call);
+      await untilWaiting(db, () => pid, 'PgSleep');
+      await terminate(db, pid);
+      expect(await outcome).toBeInstanceOf(Error);
+      await until(() => left.inFlight !== undefined && left.behind !== undefined);
+      expect(left.inFlight).toBeInstanceOf(DatabaseError);
+      expect(left.behind).toBeInstanceOf(DatabaseError);
+      expect(await values(db)).toEqual(untouched);
+    });
 
     it('fencedTransaction: the idle timeout closes a transaction left idle, and the holder process lives on', async () => {
       const { db, lease, repo } = await fresh();
