@@ -79,6 +79,18 @@ export function unwatch(client: object): void {
 }
 
 /**
+ * @internal `callback(tx)`, where a statement refused with 25P02 (the transaction is aborted) rejects with
+ * the error that aborted it ({@link causeOf}): that is the news.
+ */
+export async function withCause<Tx, T>(tx: Tx, callback: (tx: Tx) => Promise<T>): Promise<T> {
+  try {
+    return await callback(tx);
+  } catch (err) {
+    throw await causeOf((tx as { session: { client: unknown } }).session.client, err);
+  }
+}
+
+/**
  * @internal `err`, or — when it is a 25P02 ("current transaction is
  * aborted") out of a transaction on `client` whose failures palisade saw —
  * the error of the statement that aborted it: what the caller can act on

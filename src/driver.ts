@@ -17,7 +17,7 @@ import {
   type PgSession,
   PgTransaction,
 } from 'drizzle-orm/pg-core';
-import { causeOf, watchedPgliteTransaction } from './aborted-transaction.js';
+import { causeOf, watchedPgliteTransaction, withCause } from './aborted-transaction.js';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import {
   abandonTransaction,
@@ -27,6 +27,7 @@ import {
   refuseStatements as refuseOn,
 } from './lost-connection.js';
 import { assertMaySend, opening } from './overlap.js';
+import { heardCheckout } from './pool-checkout.js';
 import { describeServerError, originalError, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
@@ -150,16 +151,12 @@ async function inTransaction<T>(db: Database, fn: (tx: Database) => Promise<T>):
   try {
     // A connection the server closes inside the transaction must not end the process: see lost-connection.ts.
     const sessionOf = (d: Database) => internals(d).session as unknown as { client: unknown };
-    // A statement refused with 25P02 (the transaction is aborted): the error that aborted it is the news.
-    const begin = (callback: (tx: Database) => Promise<T>) =>
-      db.transaction(async (tx) => {
-        try {
-          return await callback(tx as unknown as Database);
-        } catch (err) {
-          throw await causeOf(sessionOf(tx as unknown as Database).client, err);
-        }
-      });
     const driver = driverOf(db);
+    // node-postgres: a pool's client is heard from its checkout on (pool-checkout.ts).
+    const begin = (callback: (tx: Database) => Promise<T>) =>
+      driver === 'node-postgres' && !isTransaction(db)
+        ? heardCheckout(internals(db).session as never, (tx: Database) => withCause(tx, callback))
+        : db.transaction((tx) => withCause(tx as unknown as Database, callback));
     if (driver === 'postgres-js') return await guardedTransaction(sessionOf(db).client, begin, sessionOf, fn);
     if (driver === 'node-postgres')
       return await heardTransaction(begin, sessionOf, fn, sessionOf(db), isTransaction(db));
