@@ -23,8 +23,8 @@
  * - every write of the highest fence applies; exactly the applied writes
  *   are in the audit;
  * - no call fails, but a lock-scoped write below a later claim whose session
- *   that claim's raise ended (57P01 or a closed connection: a stale sharer
- *   caught mid-statement).
+ *   that claim's raise ended (57P01, a closed connection or one the server
+ *   reset: a stale sharer caught mid-statement).
  */
 import { randomBytes } from 'node:crypto';
 import { fc, test } from '@fast-check/vitest';
@@ -184,7 +184,8 @@ function check(o: Awaited<ReturnType<typeof play>>): void {
     const cause = error instanceof DatabaseError ? (error.cause as { code?: unknown } | undefined) : undefined;
     const ended =
       error instanceof DatabaseError &&
-      (error.sqlState === '57P01' || ['CONNECTION_CLOSED', 'CONNECTION_ENDED'].includes(String(cause?.code)));
+      (error.sqlState === '57P01' ||
+        ['CONNECTION_CLOSED', 'CONNECTION_ENDED', 'ECONNRESET'].includes(String(cause?.code)));
     expect(
       ended && a.op.scope === 'lock' && claimedAbove(a.fence),
       `${a.tag}: ${String(error)} (SQLSTATE ${error instanceof DatabaseError ? error.sqlState : 'none'})\n${describe()}`,
