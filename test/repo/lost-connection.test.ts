@@ -484,6 +484,46 @@ for (const { name, open, seen } of drivers) {
       }
     });
 
+    it.runIf(name === 'node-postgres')(
+      'sessions of a pool ended again and again while transactions check them out: every call settles, the process lives',
+      async () => {
+        const { db, url, lease } = await fresh();
+        const application = `palisade_checkout_${process.pid}`;
+        const pool = new pg.Pool({ connectionString: url as string, max: 1, application_name: application });
+        pool.on('error', () => {});
+        const own = drizzleNodePostgres(pool) as unknown as Database;
+        let stop = false;
+        // Ends the pool's session every 0–3 ms: sometimes the server's FATAL comes in the same read as the
+        // answer before it, and the client emits it as the pool lends it.
+        const killer = (async () => {
+          for (let i = 0; !stop && i < 20_000; i++) {
+            await execute(
+              db,
+              sql`select pg_terminate_backend(pid) from pg_stat_activity where application_name = ${application}`,
+            );
+            if (i % 3 === 0) await sleep(Math.random() * 3);
+          }
+        })();
+        const outcomes = { applied: 0, failed: 0 };
+        try {
+          for (let i = 0; i < 150; i++) {
+            const outcome = await settled(fencedTransaction(own, lease, (tx) => execute(tx, sql`select 1`)));
+            if (outcome === 'resolved') outcomes.applied++;
+            else {
+              expect(outcome).toBeInstanceOf(PalisadeError);
+              outcomes.failed++;
+            }
+          }
+        } finally {
+          stop = true;
+          await killer;
+        }
+        expect(outcomes.applied + outcomes.failed).toBe(150);
+        expect(await execute(own, sql`select 1 as one`)).toEqual([{ one: 1 }]);
+        await pool.end();
+      },
+    );
+
     it('fencedTransaction: the idle timeout closes a transaction left idle, and the holder process lives on', async () => {
       const { db, lease, repo } = await fresh();
       const at = closeAtGate(seen);
