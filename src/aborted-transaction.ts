@@ -47,10 +47,13 @@ export class Failures {
 
   /**
    * Whether the last failure says the session is ending, or may be ({@link endingState}): a
-   * statement sent to ask the server could go out on a closed connection.
+   * statement sent to ask the server could go out on a closed connection. Not when the server said it as
+   * a plain `ERROR` (postgres.js reads that word unlocalised): a live session raised it — a remote link's
+   * class 08, say — and asking it is safe.
    */
   get ending(): boolean {
-    return endingState(sqlStateOf(this.#cause));
+    const severity = (this.#cause as { severity?: unknown } | undefined)?.severity;
+    return severity !== 'ERROR' && endingState(sqlStateOf(this.#cause));
   }
 
   /** The last failure that was not a 25P02, if any. */

@@ -197,6 +197,23 @@ for (const { name, open, real } of drivers) {
       }
     });
 
+    it('a class 08 or 57P01 ERROR a live session raised, caught in a nested fenced transaction that rolled back: the outer one commits', async () => {
+      for (const state of ['08006', '57P01']) {
+        const raised = sql.raw(`do $$ begin raise exception 'link down' using errcode = '${state}'; end $$`);
+        const { db, locks, repo, values } = await fresh();
+        const lease = await locks.acquire('L', { ttlMs: 30_000 });
+        const outcome = await fencedTransaction(db, lease, async () => {
+          // Nested: a savepoint of the outer transaction, rolled back to when its function failed.
+          const inner = fencedTransaction(db, lease, async (tx) => execute(tx, raised));
+          expect(await inner.catch((err: unknown) => err)).toBeInstanceOf(DatabaseError);
+          return repo.with(lease).update({ id: 1 }, { value: 'written' });
+        }).catch((err: unknown) => err);
+        expect(outcome, state).toMatchObject({ status: 'applied' });
+        expect(await values()).toEqual(['written']);
+        await lease.release();
+      }
+    });
+
     it('a modify and a nested fencedTransaction whose function caught a 40001 reject as retryable', async () => {
       const { db, locks, repo, values } = await fresh();
       const lease = await locks.acquire('L', { ttlMs: 60_000 });
