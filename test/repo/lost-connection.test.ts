@@ -414,34 +414,36 @@ for (const { name, open, seen } of drivers) {
         expect(await values(db)).toEqual(untouched);
       });
 
-    it('writes the function left running when it threw reject once the connection is killed, and do not wait for good', async () => {
-      const { db, lease, repo } = await fresh();
-      await execute(db, sql.raw(SLOW_ROW_2));
-      const leased = repo.with(lease);
-      let pid = 0;
-      const left: Record<string, unknown> = {};
-      const leave = (name: string, write: Promise<unknown>) =>
-        settled(write).then((o) => {
-          left[name] = o;
+    for (const ends of ['threw', 'returned'] as const)
+      it(`writes the function left running when it ${ends} reject once the connection is killed, and do not wait for good`, async () => {
+        const { db, lease, repo } = await fresh();
+        await execute(db, sql.raw(SLOW_ROW_2));
+        const leased = repo.with(lease);
+        let pid = 0;
+        const left: Record<string, unknown> = {};
+        const leave = (name: string, write: Promise<unknown>) =>
+          settled(write).then((o) => {
+            left[name] = o;
+          });
+        const call = fencedTransaction(db, lease, async (tx) => {
+          pid = await backendPid(tx);
+          // A write in flight, one queued behind it, then the function gives up without awaiting them
+          // (as a Promise.all that failed fast does): the driver's ROLLBACK waits behind them.
+          void leave('inFlight', leased.update({ id: 2 }, { value: 'slow' }));
+          await sleep(0);
+          void leave('behind', leased.update({ id: 3 }, { value: 'behind' }));
+          if (ends === 'threw') throw new Error('the function gave up');
+          return 'done';
         });
-      const call = fencedTransaction(db, lease, async (tx) => {
-        pid = await backendPid(tx);
-        // A write in flight, one queued behind it, then the function gives up without awaiting them
-        // (as a Promise.all that failed fast does): the driver's ROLLBACK waits behind them.
-        void leave('inFlight', leased.update({ id: 2 }, { value: 'slow' }));
-        await sleep(0);
-        void leave('behind', leased.update({ id: 3 }, { value: 'behind' }));
-        throw new Error('the function gave up');
+        const outcome = settled(call);
+        await untilWaiting(db, () => pid, 'PgSleep');
+        await terminate(db, pid);
+        expect(await outcome).toBeInstanceOf(Error);
+        await until(() => left.inFlight !== undefined && left.behind !== undefined);
+        expect(left.inFlight).toBeInstanceOf(DatabaseError);
+        expect(left.behind).toBeInstanceOf(DatabaseError);
+        expect(await values(db)).toEqual(untouched);
       });
-      const outcome = settled(call);
-      await untilWaiting(db, () => pid, 'PgSleep');
-      await terminate(db, pid);
-      expect(await outcome).toBeInstanceOf(Error);
-      await until(() => left.inFlight !== undefined && left.behind !== undefined);
-      expect(left.inFlight).toBeInstanceOf(DatabaseError);
-      expect(left.behind).toBeInstanceOf(DatabaseError);
-      expect(await values(db)).toEqual(untouched);
-    });
 
     it('a pooled session ended just before a transaction checks it out: the call settles, the process lives, the pool lends again', async () => {
       const { db, url, lease } = await fresh();
