@@ -296,7 +296,9 @@ describe.runIf(needs('REDIS_URL') && needs('DATABASE_URL'))('redis lock manager'
     const stalled = open({ epochs: gate.db, commandTimeoutMs: 3_000 });
     const stalledAcquire = stalled.acquire('a', { ttlMs: 5_000 }).catch((e: unknown) => e);
     const abandoned = await gate.reached;
-    const lease = await manager.acquire('b', { ttlMs: 5_000, waitMs: 100 });
+    // A wait far shorter than the placeholder's 6 s, and long enough for the round trips around the install on a
+    // busy machine (with 100 ms, the grant's first answer once missed it: the wait counts everything but the install).
+    const lease = await manager.acquire('b', { ttlMs: 5_000, waitMs: 1_000 });
     expect(splitRedisFence(lease.fence).epoch).toBeGreaterThan(abandoned);
     expect(await stalledAcquire).toBeInstanceOf(CommandTimeoutError);
     gate.open();
