@@ -108,7 +108,14 @@ function guarded(client: ScopedSql, connection: Connection): ScopedSql {
         reject(DatabaseError.connectionClosed());
         return never();
       };
-      client.savepoint(...args, run).then(resolve, reject);
+      // The SAVEPOINT statement is postgres.js's own, not one `sent` sees: its failure, when it says the
+      // session ended, is how the close is heard — before the caller's reaction, whose failure would
+      // otherwise make postgres.js send ROLLBACK on the dying connection (its bytes then stay in the
+      // connection's buffer and go out ahead of the next connect's startup, which then never completes).
+      client.savepoint(...args, run).then(resolve, (err: unknown) => {
+        if (!connection.lost && closedBy(err)) lose(connection);
+        reject(err);
+      });
     });
     // Its SAVEPOINT statement, which postgres.js sends itself, may wait in the transaction's queue too.
     const { savepoints } = connection;

@@ -35,6 +35,7 @@ import { nodePostgresDatabase, postgresDatabase, type TestDatabase } from '../su
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
+import { withholdingProxy } from '../support/withholding-proxy.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 const ROWS = 8;
@@ -627,6 +628,50 @@ for (const { name, open, seen } of drivers) {
     });
   });
 }
+
+describe.runIf(needs('DATABASE_URL'))('postgres.js: a savepoint whose own SAVEPOINT statement the close fails', () => {
+  const fresh = testDatabases(postgresDatabase);
+
+  // The SAVEPOINT is postgres.js's own statement. Unheard, its failure (ECONNRESET: the connection reset while it
+  // was in flight) made the function throw and postgres.js send ROLLBACK on the dying connection; those bytes
+  // stayed in the connection's buffer and went out ahead of the startup of its next connect, which the server
+  // then never completed: on a pool of one, every later call waited for good (found by
+  // test/property/killed-connections.test.ts, where a kill left unread bytes behind and the server reset).
+  it('the call rejects, and the pool of one connection serves the next call', async () => {
+    const { db: admin, url, lease } = await fresh();
+    const proxy = withholdingProxy(url as string);
+    const client = postgres(await proxy.url(), { max: 1, fetch_types: false, onnotice: () => {} });
+    try {
+      const db = drizzle(client) as unknown as Database;
+      const leased = fencedRepository(db, resource).with(lease);
+      let pid = 0;
+      const outcome = settled(
+        fencedTransaction(db, lease, async (tx) => {
+          await leased.update({ id: 1 }, { value: 'written' });
+          pid = await backendPid(tx);
+          // The SAVEPOINT's Parse reaches the server, the rest waits: the session waits for its client.
+          proxy.state.splitAfterParse = true;
+          await tx.transaction((inner) => inner.execute(sql`update resource set value = 'inner' where id = 2`));
+        }),
+      );
+      await untilWaiting(admin, () => pid, 'ClientRead');
+      proxy.reset();
+      expect(await outcome).toBeInstanceOf(DatabaseError);
+      proxy.release();
+      // The pool reconnects for the next call (whose first statement may get the killed session's 57P01:
+      // README, "When the connection closes inside a transaction"; a retry goes through).
+      const next = () =>
+        Promise.race([settled(fencedTransaction(db, lease, (tx) => execute(tx, sql`select 1`))), sleep(10_000)]);
+      let second = await next();
+      if (second instanceof DatabaseError && second.sqlState === '57P01') second = await next();
+      expect(second).toBe('resolved');
+      expect(await values(admin)).toEqual(untouched);
+    } finally {
+      await client.end({ timeout: 0.1 });
+      proxy.close();
+    }
+  });
+});
 
 describe.runIf(needs('DATABASE_URL'))(
   "node-postgres: the lock manager's LISTEN connection, closed by the server",

@@ -90,6 +90,10 @@ export function withholdingProxy(url: string) {
       for (const deliver of toClient.splice(0)) deliver();
       for (const outbound of outbounds) outbound.resume();
     },
+    /** Resets every client's connection (a TCP RST, as a network or a dying peer sends): the client reads ECONNRESET. */
+    reset() {
+      for (const socket of sockets) if (!outbounds.has(socket)) socket.resetAndDestroy();
+    },
     close() {
       for (const socket of sockets) socket.destroy();
       server.close();

@@ -1,0 +1,283 @@
+/**
+ * Connections killed at random moments among fenced transactions that run at
+ * once (README, "When the connection closes inside a transaction"), searched
+ * on a REAL Postgres with both drivers. Where test/repo/lost-connection.test.ts
+ * closes one connection at a gate it chose, here `pg_terminate_backend` comes
+ * when it comes, as an operator's or a failover's does. Each run draws:
+ *
+ * - one to three fenced transactions at once, each on rows of its own, whose
+ *   functions write through palisade (`with(lease)`), through drizzle
+ *   itself, in a drizzle savepoint, through a nested palisade `modify`, or
+ *   several palisade writes at once (`Promise.all`);
+ * - one to three kills, each 0–40 ms after the calls start, of one of the
+ *   pool's sessions or of all of them;
+ * - the pool's size (1 to 4 connections).
+ *
+ * The checks: every call settles, within 20 s; one that resolved applied and
+ * all it wrote is visible; one that rejected did so with an `Error` of the
+ * driver's or palisade's (never a `TypeError`), and what it wrote is
+ * visible either not at all or — the kill came while its `COMMIT` was under
+ * way, whose outcome no database can tell — all of it: never a part; once
+ * every call settled, no session of the pool stays in a transaction; and
+ * the process lives on (an uncaught error fails the run).
+ */
+import { fc, test } from '@fast-check/vitest';
+import { sql } from 'drizzle-orm';
+import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
+import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
+import pg from 'pg';
+import postgres from 'postgres';
+import { afterAll, beforeAll, describe, expect } from 'vitest';
+import { type Database, execute } from '../../src/driver.js';
+import { DatabaseError } from '../../src/errors.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { migrate } from '../../src/migrate.js';
+import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
+import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
+
+const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
+// Rows 1…ROWS are the first call's, ROWS+1…2·ROWS the second's, and so on.
+const ROWS = 4;
+const MAX_CALLS = 3;
+const SETTLE_MS = 20_000;
+
+type Step =
+  | { readonly t: 'write' | 'plain' | 'savepoint' | 'modify'; readonly row: number }
+  | { readonly t: 'all'; readonly rows: readonly number[] };
+interface Kill {
+  readonly afterMs: number;
+  readonly all: boolean;
+}
+interface Program {
+  readonly calls: readonly (readonly Step[])[];
+  readonly kills: readonly Kill[];
+  readonly pool: number;
+}
+
+const row = fc.integer({ min: 1, max: ROWS });
+const stepArb: fc.Arbitrary<Step> = fc.oneof(
+  fc.record({ t: fc.constantFrom('write' as const, 'plain' as const, 'savepoint' as const, 'modify' as const), row }),
+  fc.record({ t: fc.constant('all' as const), rows: fc.uniqueArray(row, { minLength: 2, maxLength: ROWS }) }),
+);
+const programArb: fc.Arbitrary<Program> = fc.record({
+  calls: fc.array(fc.array(stepArb, { minLength: 1, maxLength: 5 }), { minLength: 1, maxLength: MAX_CALLS }),
+  kills: fc.array(fc.record({ afterMs: fc.integer({ min: 0, max: 40 }), all: fc.boolean() }), {
+    minLength: 1,
+    maxLength: 3,
+  }),
+  pool: fc.integer({ min: 1, max: 4 }),
+});
+
+const rowsOf = (steps: readonly Step[], call: number): Set<number> =>
+  new Set(steps.flatMap((s) => (s.t === 'all' ? s.rows : [s.row])).map((r) => call * ROWS + r));
+
+interface Pool {
+  readonly db: Database;
+  end(): Promise<void>;
+}
+
+// A pool whose sessions carry `application`, so that the kills find them and only them.
+const pools = {
+  'postgres.js'(url: string, max: number, application: string): Pool {
+    // fetch_types off, as the README advises: postgres.js leaves the rejection of a type fetch killed at connect unhandled.
+    const client = postgres(url, {
+      max,
+      onnotice: () => {},
+      fetch_types: false,
+      connection: { application_name: application },
+    });
+    // A connection killed inside a transaction stays busy for postgres.js, whose end() waits out its timeout (README).
+    return { db: drizzlePostgres(client) as unknown as Database, end: () => client.end({ timeout: 0.1 }) };
+  },
+  'node-postgres'(url: string, max: number, application: string): Pool {
+    const pool = new pg.Pool({ connectionString: url, max, application_name: application });
+    pool.on('error', () => {}); // an idle client's connection killed: the pool replaces it
+    return { db: drizzleNodePostgres(pool) as unknown as Database, end: () => pool.end() };
+  },
+};
+
+/** Whether `err` says the statement's connection closed under it (not that the server refused it). */
+function closedUnder(err: unknown): boolean {
+  if (!(err instanceof DatabaseError)) return false;
+  const code = (err.cause as { code?: unknown } | undefined)?.code;
+  return (
+    err.sqlState === '57P01' ||
+    (err.sqlState === undefined && typeof code === 'string' && /^(E[A-Z]+|CONNECTION_[A-Z]+)$/.test(code))
+  );
+}
+
+/** The call's outcome within `ms`, or 'unsettled'. */
+async function within(call: Promise<unknown>, ms: number): Promise<unknown> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise((resolve) => {
+    timer = setTimeout(() => resolve('unsettled'), ms);
+  });
+  try {
+    return await Promise.race([
+      call.then(
+        (value) => ({ value }),
+        (err: unknown) => ({ err }),
+      ),
+      late,
+    ]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+for (const driver of ['postgres.js', 'node-postgres'] as const) {
+  describe.runIf(needs('DATABASE_URL'))(`${driver}: sessions killed among fenced transactions at once`, () => {
+    let base: TestDatabase | undefined;
+    let url = '';
+    let locks: LockManager;
+    let run = 0;
+    const reached = { applied: 0, rejected: 0, committedInDoubt: 0, retriedAfterReconnect: 0, slowestMs: 0 };
+
+    beforeAll(async () => {
+      base = await postgresDatabase({ max: 4 });
+      url = base.url as string;
+      await migrate(base.db);
+      await execute(
+        base.db,
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await execute(
+        base.db,
+        sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${ROWS * MAX_CALLS}) g`,
+      );
+      // The lock manager on the test's own pool, which no kill touches.
+      locks = postgresLockManager({ client: base.db, namespace: 'killprop' });
+    }, 120_000);
+    afterAll(async () => {
+      await locks?.close();
+      await base?.close();
+    });
+
+    test.prop([programArb], propertyParams({ numRuns: propertyRuns(120) }))(
+      'every call settles; applied: all it wrote is visible; rejected: none or (a COMMIT in doubt) all, never a part; no session left in a transaction',
+      async (program) => {
+        run++;
+        const admin = base?.db as Database;
+        const application = `palisade_kill_${process.pid}_${run}`;
+        const pool = pools[driver](url, program.pool, application);
+        // A lease per run: its fence is above every row's, whatever earlier runs committed.
+        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        const repo = fencedRepository(pool.db, resource, { sameFence: 'allow' });
+        const leased = repo.with(lease);
+        try {
+          const calls = program.calls.map((steps, call) => {
+            const value = `r${run}c${call}`;
+            const id = (r: number) => call * ROWS + r;
+            return fencedTransaction(pool.db, lease, async (tx) => {
+              for (const s of steps) {
+                if (s.t === 'all') await Promise.all(s.rows.map((r) => leased.update({ id: id(r) }, { value })));
+                else if (s.t === 'write') await leased.update({ id: id(s.row) }, { value });
+                else if (s.t === 'plain')
+                  await tx.execute(sql`update resource set value = ${value} where id = ${id(s.row)}`);
+                else if (s.t === 'savepoint')
+                  await tx.transaction((inner) =>
+                    inner.execute(sql`update resource set value = ${value} where id = ${id(s.row)}`),
+                  );
+                else await repo.modify({ id: id(s.row) }, lease.fence, async () => ({ value }));
+              }
+            });
+          });
+          const kills = (async () => {
+            const started = performance.now();
+            for (const kill of [...program.kills].sort((a, b) => a.afterMs - b.afterMs)) {
+              await sleep(Math.max(0, kill.afterMs - (performance.now() - started)));
+              await execute(
+                admin,
+                kill.all
+                  ? sql`select pg_terminate_backend(pid) from pg_stat_activity where application_name = ${application}`
+                  : sql`select pg_terminate_backend(pid) from pg_stat_activity where application_name = ${application}
+                      order by random() limit 1`,
+              );
+            }
+          })();
+          const started = performance.now();
+          const outcomes = await Promise.all(
+            calls.map((call) =>
+              within(call, SETTLE_MS).finally(() => {
+                reached.slowestMs = Math.max(reached.slowestMs, Math.round(performance.now() - started));
+              }),
+            ),
+          );
+          await kills;
+          const rows = await execute(admin, sql`select id, value from resource order by id`);
+          const valueAt = new Map(rows.map((r) => [Number(r.id), String(r.value)]));
+          for (const [call, outcome] of outcomes.entries()) {
+            const context = `call ${call} of ${JSON.stringify(program)}: ${String((outcome as { err?: unknown }).err ?? JSON.stringify(outcome))}`;
+            expect(outcome, context).not.toBe('unsettled');
+            const written = [...rowsOf(program.calls[call] as Step[], call)];
+            const visible = written.filter((r) => valueAt.get(r) === `r${run}c${call}`).length;
+            if ('value' in (outcome as object)) {
+              expect((outcome as { value: { status: string } }).value.status, context).toBe('applied');
+              expect(visible, context).toBe(written.length);
+              reached.applied++;
+            } else {
+              const { err } = outcome as { err: unknown };
+              expect(err, context).toBeInstanceOf(Error);
+              expect(err, context).not.toBeInstanceOf(TypeError);
+              expect([0, written.length], context).toContain(visible);
+              reached.rejected++;
+              if (visible > 0) {
+                // Its COMMIT was under way when the kill came: the error says the connection closed, never
+                // that the transaction rolled back.
+                expect(err, context).toBeInstanceOf(DatabaseError);
+                expect((err as DatabaseError).sqlState, context).not.toBe('25P02');
+                reached.committedInDoubt++;
+              }
+            }
+          }
+          // Every call settled: no session of the pool is left in a transaction (the driver's own rollback
+          // may still be on its way: bounded wait).
+          let open = -1;
+          for (let i = 0; i < 100 && open !== 0; i++) {
+            if (i > 0) await sleep(20);
+            const [count] = await execute(
+              admin,
+              sql`select count(*)::int as n from pg_stat_activity
+                where application_name = ${application} and state like 'idle in transaction%'`,
+            );
+            open = Number(count?.n);
+          }
+          expect(open, `a session left in a transaction: ${JSON.stringify(program)}`).toBe(0);
+          // The pool serves the next transaction: no connection it lent stays taken for good. A kill that
+          // came after the calls may still be on its way to the driver (the next statement meets the closing
+          // socket), and postgres.js hands the killed session's 57P01 to the first statement after a
+          // reconnect (README, "When the connection closes inside a transaction"): retried, it goes through.
+          const nextCall = () =>
+            within(
+              fencedTransaction(pool.db, lease, (tx) => execute(tx, sql`select 1`)),
+              SETTLE_MS,
+            );
+          let next = await nextCall();
+          for (let retry = 0; retry < 3 && closedUnder((next as { err?: unknown }).err); retry++) {
+            reached.retriedAfterReconnect++;
+            next = await nextCall();
+          }
+          expect(next, `the next transaction on the pool: ${JSON.stringify(program)}`).toMatchObject({
+            value: { status: 'applied' },
+          });
+        } finally {
+          await lease.release().catch(() => {});
+          await pool.end().catch(() => {});
+        }
+      },
+      propertyTimeout(4_000_000),
+    );
+
+    afterAll(() => {
+      // Not a check of the search's reach (kills land where they land); what it covered, for the log.
+      console.log(`${driver}: killed connections, ${run} runs: ${JSON.stringify(reached)}`);
+    });
+  });
+}
