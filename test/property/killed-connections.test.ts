@@ -9,8 +9,10 @@
  *   functions write through palisade (`with(lease)`), through drizzle
  *   itself, in a drizzle savepoint, through a nested palisade `modify`, or
  *   several palisade writes at once (`Promise.all`);
- * - one to three kills, each 0–40 ms after the calls start, of one of the
- *   pool's sessions or of all of them;
+ * - one to three faults, each 0–40 ms after the calls start: a kill of one
+ *   of the pool's sessions or of all of them (`pg_terminate_backend`), or a
+ *   reset of every connection on the way to the server (a TCP RST, as a
+ *   network or a load balancer sends; the pool connects through a proxy);
  * - the pool's size (1 to 4 connections).
  *
  * The checks: every call settles, within 20 s; one that resolved applied and
@@ -40,6 +42,7 @@ import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
+import { withholdingProxy } from '../support/withholding-proxy.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
@@ -53,7 +56,7 @@ type Step =
   | { readonly t: 'all'; readonly rows: readonly number[] };
 interface Kill {
   readonly afterMs: number;
-  readonly all: boolean;
+  readonly how: 'one' | 'all' | 'reset';
 }
 interface Program {
   readonly calls: readonly (readonly Step[])[];
@@ -68,10 +71,13 @@ const stepArb: fc.Arbitrary<Step> = fc.oneof(
 );
 const programArb: fc.Arbitrary<Program> = fc.record({
   calls: fc.array(fc.array(stepArb, { minLength: 1, maxLength: 5 }), { minLength: 1, maxLength: MAX_CALLS }),
-  kills: fc.array(fc.record({ afterMs: fc.integer({ min: 0, max: 40 }), all: fc.boolean() }), {
-    minLength: 1,
-    maxLength: 3,
-  }),
+  kills: fc.array(
+    fc.record({ afterMs: fc.integer({ min: 0, max: 40 }), how: fc.constantFrom('one', 'all', 'reset') }),
+    {
+      minLength: 1,
+      maxLength: 3,
+    },
+  ),
   pool: fc.integer({ min: 1, max: 4 }),
 });
 
@@ -166,7 +172,8 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
         run++;
         const admin = base?.db as Database;
         const application = `palisade_kill_${process.pid}_${run}`;
-        const pool = pools[driver](url, program.pool, application);
+        const proxy = withholdingProxy(url);
+        const pool = pools[driver](await proxy.url(), program.pool, application);
         // A lease per run: its fence is above every row's, whatever earlier runs committed.
         const lease = await locks.acquire('L', { ttlMs: 60_000 });
         const repo = fencedRepository(pool.db, resource, { sameFence: 'allow' });
@@ -193,13 +200,15 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
             const started = performance.now();
             for (const kill of [...program.kills].sort((a, b) => a.afterMs - b.afterMs)) {
               await sleep(Math.max(0, kill.afterMs - (performance.now() - started)));
-              await execute(
-                admin,
-                kill.all
-                  ? sql`select pg_terminate_backend(pid) from pg_stat_activity where application_name = ${application}`
-                  : sql`select pg_terminate_backend(pid) from pg_stat_activity where application_name = ${application}
+              if (kill.how === 'reset') proxy.reset();
+              else
+                await execute(
+                  admin,
+                  kill.how === 'all'
+                    ? sql`select pg_terminate_backend(pid) from pg_stat_activity where application_name = ${application}`
+                    : sql`select pg_terminate_backend(pid) from pg_stat_activity where application_name = ${application}
                       order by random() limit 1`,
-              );
+                );
             }
           })();
           const started = performance.now();
@@ -270,6 +279,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
         } finally {
           await lease.release().catch(() => {});
           await pool.end().catch(() => {});
+          proxy.close();
         }
       },
       propertyTimeout(4_000_000),
