@@ -26,7 +26,6 @@
 import { fc, test } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
 import { drizzle as drizzleNodePostgres } from 'drizzle-orm/node-postgres';
-import { integer, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle as drizzlePostgres } from 'drizzle-orm/postgres-js';
 import pg from 'pg';
 import postgres from 'postgres';
@@ -38,14 +37,13 @@ import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { createResource, resource } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
 import { withholdingProxy } from '../support/withholding-proxy.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
-const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 // Rows 1…ROWS are the first call's, ROWS+1…2·ROWS the second's, and so on.
 const ROWS = 4;
 const MAX_CALLS = 3;
@@ -150,14 +148,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
       base = await postgresDatabase({ max: 4 });
       url = base.url as string;
       await migrate(base.db);
-      await execute(
-        base.db,
-        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
-      );
-      await execute(
-        base.db,
-        sql`insert into resource (id, value) select g, 'initial' from generate_series(1, ${ROWS * MAX_CALLS}) g`,
-      );
+      await createResource(base.db, ROWS * MAX_CALLS);
       // The lock manager on the test's own pool, which no kill touches.
       locks = postgresLockManager({ client: base.db, namespace: 'killprop' });
     }, 120_000);
