@@ -193,7 +193,7 @@ export class Statements {
       else if (this.#unlooked.length > unawaited) {
         // Sent and not awaited yet: drizzle awaits its query a few microtasks on. One turn for them.
         unawaited = this.#unlooked.length;
-        await new Promise((resolve) => setImmediate(resolve));
+        await nextTurn();
       } else break;
     }
     this.#ended = true;
@@ -233,6 +233,17 @@ export async function assertNotAborted(failures: Failures, probe: () => PromiseL
     throw sqlStateOf(err) === '25P02' ? failures.error() : err;
   }
 }
+
+/**
+ * @internal Resolves in a later turn of the event loop, in its timers phase. By then the loop has passed
+ * the phase where a socket that failed in this turn reports its close (a reset's `close` comes after
+ * the turn's `setImmediate`s), so a close is heard before palisade decides what to send; and a statement
+ * the driver sends from there is flushed in the same turn, before any close that follows. postgres.js
+ * flushes its write buffer from a `setImmediate`: bytes buffered in the check phase of the turn a reset
+ * came in stayed in that buffer when the close came, and went out ahead of the next connect's startup,
+ * which then never completed.
+ */
+export const nextTurn = (): Promise<void> => new Promise((resolve) => setTimeout(resolve, 0));
 
 /** @internal A promise rejected with `error`, for whoever awaits it. */
 export const rejected = (error: Error): Promise<never> => {

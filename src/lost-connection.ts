@@ -31,6 +31,7 @@
 import {
   assertNotAborted,
   commitAnswer,
+  nextTurn,
   rejected,
   Statements,
   sentAfterEnd,
@@ -192,8 +193,8 @@ async function unlessLost<T>(run: () => Promise<T>, connection: Connection): Pro
     const value = await run();
     return connection.lost ? LOST : value;
   } catch (err) {
-    // The close may be what made `run` throw, its news still in this turn's queue: wait one turn.
-    if (!connection.lost) await new Promise((resolve) => setImmediate(resolve));
+    // The close may be what made `run` throw (or came beside it), its news not heard yet: wait a turn.
+    if (!connection.lost) await nextTurn();
     if (connection.lost) return LOST;
     throw err;
   }
@@ -239,7 +240,7 @@ export function guardedTransaction<Tx, T>(
         // A session the server is ending (57P01…) or a link's failure (08): asked, the probe could go out on
         // a closed connection. Taken as aborted instead (a savepoint rolled back after one is rolled back too).
         if (failures.ending) throw failures.error();
-        await new Promise((resolve) => setImmediate(resolve));
+        await nextTurn();
         if (!connection.lost) await assertNotAborted(failures, () => send('select 1'));
         return value;
       }, connection);

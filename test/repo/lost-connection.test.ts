@@ -629,49 +629,116 @@ for (const { name, open, seen } of drivers) {
   });
 }
 
-describe.runIf(needs('DATABASE_URL'))('postgres.js: a savepoint whose own SAVEPOINT statement the close fails', () => {
-  const fresh = testDatabases(postgresDatabase);
+// postgres.js flushes what it writes from a `setImmediate`, and keeps what it had not flushed when the socket
+// closed: those bytes go out ahead of the startup of the connection's next connect, which the server then
+// never completes — on a pool of one, every later call waits for good. So nothing may be sent on a
+// transaction's connection between a reset and the moment palisade hears it.
+describe.runIf(needs('DATABASE_URL'))(
+  'postgres.js: a connection reset, and the pool of one connection after it',
+  () => {
+    const fresh = testDatabases(postgresDatabase);
 
-  // The SAVEPOINT is postgres.js's own statement. Unheard, its failure (ECONNRESET: the connection reset while it
-  // was in flight) made the function throw and postgres.js send ROLLBACK on the dying connection; those bytes
-  // stayed in the connection's buffer and went out ahead of the startup of its next connect, which the server
-  // then never completed: on a pool of one, every later call waited for good (found by
-  // test/property/killed-connections.test.ts, where a kill left unread bytes behind and the server reset).
-  it('the call rejects, and the pool of one connection serves the next call', async () => {
-    const { db: admin, url, lease } = await fresh();
-    const proxy = withholdingProxy(url as string);
-    const client = postgres(await proxy.url(), { max: 1, fetch_types: false, onnotice: () => {} });
-    try {
-      const db = drizzle(client) as unknown as Database;
-      const leased = fencedRepository(db, resource).with(lease);
-      let pid = 0;
-      const outcome = settled(
-        fencedTransaction(db, lease, async (tx) => {
-          await leased.update({ id: 1 }, { value: 'written' });
-          pid = await backendPid(tx);
-          // The SAVEPOINT's Parse reaches the server, the rest waits: the session waits for its client.
-          proxy.state.splitAfterParse = true;
-          await tx.transaction((inner) => inner.execute(sql`update resource set value = 'inner' where id = 2`));
-        }),
-      );
-      await untilWaiting(admin, () => pid, 'ClientRead');
-      proxy.reset();
-      expect(await outcome).toBeInstanceOf(DatabaseError);
-      proxy.release();
-      // The pool reconnects for the next call (whose first statement may get the killed session's 57P01:
-      // README, "When the connection closes inside a transaction"; a retry goes through).
-      const next = () =>
-        Promise.race([settled(fencedTransaction(db, lease, (tx) => execute(tx, sql`select 1`))), sleep(10_000)]);
-      let second = await next();
-      if (second instanceof DatabaseError && second.sqlState === '57P01') second = await next();
-      expect(second).toBe('resolved');
-      expect(await values(admin)).toEqual(untouched);
-    } finally {
-      await client.end({ timeout: 0.1 });
-      proxy.close();
+    /** `run` on a pool of one connection through a proxy that can reset it; then that pool must serve a call. */
+    async function throughProxy(
+      run: (o: {
+        db: Database;
+        admin: Database;
+        lease: Lease;
+        proxy: ReturnType<typeof withholdingProxy>;
+      }) => Promise<void>,
+    ) {
+      const { db: admin, url, lease } = await fresh();
+      const proxy = withholdingProxy(url as string);
+      const client = postgres(await proxy.url(), { max: 1, fetch_types: false, onnotice: () => {} });
+      try {
+        const db = drizzle(client) as unknown as Database;
+        await run({ db, admin, lease, proxy });
+        proxy.release();
+        // The pool reconnects for the next call (whose first statement may get the killed session's error:
+        // README, "When the connection closes inside a transaction"; a retry goes through).
+        const next = () =>
+          Promise.race([settled(fencedTransaction(db, lease, (tx) => execute(tx, sql`select 1`))), sleep(10_000)]);
+        let second = await next();
+        if (second instanceof DatabaseError) second = await next();
+        expect(second).toBe('resolved');
+        expect(await values(admin)).toEqual(untouched);
+      } finally {
+        await client.end({ timeout: 0.1 });
+        proxy.close();
+      }
     }
-  });
-});
+
+    // The SAVEPOINT is postgres.js's own statement. Unheard, its failure made the function throw and postgres.js
+    // send ROLLBACK on the dying connection (found by test/property/killed-connections.test.ts).
+    it("reset while a savepoint's own SAVEPOINT statement is in flight: the call rejects; the pool serves the next call", async () => {
+      await throughProxy(async ({ db, admin, lease, proxy }) => {
+        const leased = fencedRepository(db, resource).with(lease);
+        let pid = 0;
+        const outcome = settled(
+          fencedTransaction(db, lease, async (tx) => {
+            await leased.update({ id: 1 }, { value: 'written' });
+            pid = await backendPid(tx);
+            // The SAVEPOINT's Parse reaches the server, the rest waits: the session waits for its client.
+            proxy.state.splitAfterParse = true;
+            await tx.transaction((inner) => inner.execute(sql`update resource set value = 'inner' where id = 2`));
+          }),
+        );
+        await untilWaiting(admin, () => pid, 'ClientRead');
+        proxy.reset();
+        expect(await outcome).toBeInstanceOf(DatabaseError);
+      });
+    });
+
+    // The reset of an idle connection reports its close only after the turn's `setImmediate`s: palisade waited
+    // one of those to hear it, found nothing, and let postgres.js send ROLLBACK (or ROLLBACK TO, or palisade's
+    // probe) in the very phase whose bytes the close then stranded.
+    const idleShapes: Record<
+      string,
+      (o: { tx: Database; db: Database; lease: Lease; at: () => Promise<void> }) => Promise<unknown>
+    > = {
+      'the function throws': async ({ at }) => {
+        await at();
+        throw new Error('the caller gave up');
+      },
+      "a drizzle savepoint's function throws": ({ tx, at }) =>
+        tx.transaction(async (inner) => {
+          await inner.execute(sql`update resource set value = 'inner' where id = 2`);
+          await at();
+          throw new Error('the caller gave up');
+        }),
+      "a nested modify's function throws": ({ db, lease, at }) =>
+        fencedRepository(db, resource).modify({ id: 2 }, lease.fence, async () => {
+          await at();
+          throw new Error('the caller gave up');
+        }),
+      'a caught failure, then the function returns (palisade asks the server before COMMIT)': async ({ tx, at }) => {
+        await tx.execute(sql`insert into resource (id, value) values (1, 'duplicate')`).catch(() => {});
+        await at();
+      },
+    };
+    for (const [shape, act] of Object.entries(idleShapes)) {
+      it(`reset while the transaction is idle, and ${shape} in the same turn: the call rejects; the pool serves the next call`, async () => {
+        await throughProxy(async ({ db, lease, proxy }) => {
+          const leased = fencedRepository(db, resource).with(lease);
+          // The reset's timer first, then the function's, of the same delay: both fire in one timers phase.
+          const delay = 100;
+          const at = async () => {
+            await new Promise((resolve) => setTimeout(resolve, delay - (performance.now() - started)));
+          };
+          const started = performance.now();
+          setTimeout(() => proxy.reset(), delay);
+          const outcome = await settled(
+            fencedTransaction(db, lease, async (tx) => {
+              await leased.update({ id: 1 }, { value: 'written' });
+              await act({ tx, db, lease, at });
+            }),
+          );
+          expect(outcome).toBeInstanceOf(Error);
+        });
+      });
+    }
+  },
+);
 
 describe.runIf(needs('DATABASE_URL'))(
   "node-postgres: the lock manager's LISTEN connection, closed by the server",
