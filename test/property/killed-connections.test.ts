@@ -8,7 +8,8 @@
  * - one to three fenced transactions at once, each on rows of its own, whose
  *   functions write through palisade (`with(lease)`), through drizzle
  *   itself, in a drizzle savepoint, through a nested palisade `modify`, or
- *   several palisade writes at once (`Promise.all`);
+ *   several palisade writes at once (`Promise.all`), sit idle on a timer,
+ *   or give up (throw);
  * - one to three faults, each 0–40 ms after the calls start: a kill of one
  *   of the pool's sessions or of all of them (`pg_terminate_backend`), or a
  *   reset of every connection on the way to the server (a TCP RST, as a
@@ -19,7 +20,8 @@
  * all it wrote is visible; one that rejected did so with an `Error` of the
  * driver's or palisade's (never a `TypeError`), and what it wrote is
  * visible either not at all or — the kill came while its `COMMIT` was under
- * way, whose outcome no database can tell — all of it: never a part; once
+ * way, whose outcome no database can tell — all of it: never a part (and
+ * not at all when its function threw); once
  * every call settled, no session of the pool stays in a transaction; and
  * the process lives on (an uncaught error fails the run).
  */
@@ -51,7 +53,9 @@ const SETTLE_MS = 20_000;
 
 type Step =
   | { readonly t: 'write' | 'plain' | 'savepoint' | 'modify'; readonly row: number }
-  | { readonly t: 'all'; readonly rows: readonly number[] };
+  | { readonly t: 'all'; readonly rows: readonly number[] }
+  | { readonly t: 'wait'; readonly ms: number }
+  | { readonly t: 'throw' };
 interface Kill {
   readonly afterMs: number;
   readonly how: 'one' | 'all' | 'reset';
@@ -64,8 +68,23 @@ interface Program {
 
 const row = fc.integer({ min: 1, max: ROWS });
 const stepArb: fc.Arbitrary<Step> = fc.oneof(
-  fc.record({ t: fc.constantFrom('write' as const, 'plain' as const, 'savepoint' as const, 'modify' as const), row }),
-  fc.record({ t: fc.constant('all' as const), rows: fc.uniqueArray(row, { minLength: 2, maxLength: ROWS }) }),
+  {
+    weight: 4,
+    arbitrary: fc.record({
+      t: fc.constantFrom('write' as const, 'plain' as const, 'savepoint' as const, 'modify' as const),
+      row,
+    }),
+  },
+  {
+    weight: 2,
+    arbitrary: fc.record({
+      t: fc.constant('all' as const),
+      rows: fc.uniqueArray(row, { minLength: 2, maxLength: ROWS }),
+    }),
+  },
+  // The function idle on a timer (a reset of its idle connection may come then), or giving up.
+  { weight: 2, arbitrary: fc.record({ t: fc.constant('wait' as const), ms: fc.integer({ min: 0, max: 8 }) }) },
+  { weight: 1, arbitrary: fc.record({ t: fc.constant('throw' as const) }) },
 );
 const programArb: fc.Arbitrary<Program> = fc.record({
   calls: fc.array(fc.array(stepArb, { minLength: 1, maxLength: 5 }), { minLength: 1, maxLength: MAX_CALLS }),
@@ -79,8 +98,19 @@ const programArb: fc.Arbitrary<Program> = fc.record({
   pool: fc.integer({ min: 1, max: 4 }),
 });
 
-const rowsOf = (steps: readonly Step[], call: number): Set<number> =>
-  new Set(steps.flatMap((s) => (s.t === 'all' ? s.rows : [s.row])).map((r) => call * ROWS + r));
+// The rows a call's steps write, up to a step that throws.
+const rowsOf = (steps: readonly Step[], call: number): Set<number> => {
+  const upTo = steps.findIndex((s) => s.t === 'throw');
+  return new Set(
+    steps
+      .slice(0, upTo < 0 ? steps.length : upTo)
+      .flatMap((s) => (s.t === 'all' ? s.rows : 'row' in s ? [s.row] : []))
+      .map((r) => call * ROWS + r),
+  );
+};
+const throws = (steps: readonly Step[]) => steps.some((s) => s.t === 'throw');
+
+class GaveUp extends Error {}
 
 interface Pool {
   readonly db: Database;
@@ -175,7 +205,9 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
             const id = (r: number) => call * ROWS + r;
             return fencedTransaction(pool.db, lease, async (tx) => {
               for (const s of steps) {
-                if (s.t === 'all') await Promise.all(s.rows.map((r) => leased.update({ id: id(r) }, { value })));
+                if (s.t === 'wait') await sleep(s.ms);
+                else if (s.t === 'throw') throw new GaveUp('the function gave up');
+                else if (s.t === 'all') await Promise.all(s.rows.map((r) => leased.update({ id: id(r) }, { value })));
                 else if (s.t === 'write') await leased.update({ id: id(s.row) }, { value });
                 else if (s.t === 'plain')
                   await tx.execute(sql`update resource set value = ${value} where id = ${id(s.row)}`);
@@ -218,7 +250,9 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
             expect(outcome, context).not.toBe('unsettled');
             const written = [...rowsOf(program.calls[call] as Step[], call)];
             const visible = written.filter((r) => valueAt.get(r) === `r${run}c${call}`).length;
+            const gaveUp = throws(program.calls[call] as Step[]);
             if ('value' in (outcome as object)) {
+              expect(gaveUp, context).toBe(false);
               expect((outcome as { value: { status: string } }).value.status, context).toBe('applied');
               expect(visible, context).toBe(written.length);
               reached.applied++;
@@ -227,6 +261,8 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
               expect(err, context).toBeInstanceOf(Error);
               expect(err, context).not.toBeInstanceOf(TypeError);
               expect([0, written.length], context).toContain(visible);
+              // A function that threw never reached COMMIT: nothing of it is visible.
+              if (gaveUp) expect(visible, context).toBe(0);
               reached.rejected++;
               if (visible > 0) {
                 // Its COMMIT was under way when the kill came: the error says the connection closed, never
