@@ -386,7 +386,9 @@ export function refuseStatements(client: unknown, reason: Error): boolean {
   if (connection === undefined) return false;
   if (connection.refused === undefined) {
     connection.refused = reason;
-    connection.rollback?.();
+    // Not on a connection found closed: sent there, postgres.js would end the process, or keep the bytes
+    // for its next connect (nextTurn, aborted-transaction.ts).
+    if (!connection.lost) connection.rollback?.();
   }
   return true;
 }
