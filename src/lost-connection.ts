@@ -40,6 +40,7 @@ import {
 } from './aborted-transaction.js';
 import { DatabaseError } from './errors.js';
 import { type PgClientState, refusedStatement, whenIdle } from './node-postgres-client.js';
+import { closedBy } from './server-error.js';
 
 interface Connection {
   lost: boolean;
@@ -153,15 +154,6 @@ function sent<S>(connection: Connection, statement: S): S {
   return statement;
 }
 
-// Whether a statement failed because its connection closed: postgres.js's own code for that or a socket's
-// (no severity: not from the server), or the server's FATAL, with which it ends the session — not a SQLSTATE
-// of class 08 or 57 raised as a plain ERROR on a live session (a remote link's, say).
-function closedBy(err: unknown): boolean {
-  const { code, severity } = (err ?? {}) as { code?: unknown; severity?: unknown };
-  if (severity === 'FATAL' || severity === 'PANIC') return true;
-  return severity === undefined && typeof code === 'string' && /^(CONNECTION_[A-Z]+|E[A-Z]+)$/.test(code);
-}
-
 /** The connection is lost: nothing more is sent on it, and what waits on it is rejected. */
 function lose(connection: Connection): void {
   connection.lost = true;
@@ -224,7 +216,9 @@ export function guardedTransaction<Tx, T>(
     const client = session.client as ScopedSql;
     // A postgres.js query runs once it is awaited.
     const send = (text: string) => client.unsafe(text) as PromiseLike<unknown>;
-    connection.rollback = () => send(ROLLBACK_AND_CHAIN).then(undefined, () => {});
+    // A turn later: a lease lost to a reset of its own connection (advisory) may come before this one's.
+    connection.rollback = () =>
+      nextTurn().then(() => pending && !connection.lost && send(ROLLBACK_AND_CHAIN).then(undefined, () => {}));
     session.client = guarded(client, connection);
     try {
       const value = await unlessLost(async () => {
@@ -250,12 +244,14 @@ export function guardedTransaction<Tx, T>(
       pending = false;
     }
   });
-  // postgres.js races the outermost transaction's function with its connection's close: settled
-  // while the function still runs, it was the close.
-  run.then(undefined, () => {
+  // postgres.js races the outermost transaction's function with its connection's close: settled while the
+  // function still runs, it was the close. The call then rejects a turn later (nextTurn), once every connection
+  // reset in the same turn is heard closed: a caller that retries at once gets one that reconnects.
+  return run.catch(async (err: unknown) => {
     if (pending && !connection.lost) lose(connection);
+    if (connection.lost) await nextTurn();
+    throw err;
   });
-  return run;
 }
 
 /** The part of a node-postgres client that emits its connection's errors. */
@@ -376,9 +372,10 @@ export function abandonTransaction(tx: unknown): void {
 /**
  * @internal Refuses, from now on, every statement sent on the transaction
  * whose drizzle session client is `client` (its savepoints' too), before it
- * is sent: each rejects with `reason`. And rolls it back now, after the
- * statement it runs, if any (`ROLLBACK AND CHAIN`: the driver's own
- * rollback still goes out, and ends the empty transaction that follows).
+ * is sent: each rejects with `reason`. And rolls it back at once (postgres.js:
+ * a turn later), after the statement it runs, if any (`ROLLBACK AND CHAIN`:
+ * the driver's own rollback still goes out, and ends the empty transaction
+ * that follows); not where the connection was found closed.
  * False when `client` is not one palisade began a transaction on.
  */
 export function refuseStatements(client: unknown, reason: Error): boolean {
@@ -386,8 +383,6 @@ export function refuseStatements(client: unknown, reason: Error): boolean {
   if (connection === undefined) return false;
   if (connection.refused === undefined) {
     connection.refused = reason;
-    // Not on a connection found closed: sent there, postgres.js would end the process, or keep the bytes
-    // for its next connect (nextTurn, aborted-transaction.ts).
     if (!connection.lost) connection.rollback?.();
   }
   return true;

@@ -89,6 +89,17 @@ export const endingState = (state: string | undefined): boolean =>
   state !== undefined && /^(25P03|08...|57P0[1-3])$/.test(state);
 
 /**
+ * Whether a postgres.js statement failed because its connection closed: postgres.js's own code for that or a
+ * socket's (no severity: not from the server), or the server's FATAL, with which it ends the session — not a
+ * SQLSTATE of class 08 or 57 raised as a plain ERROR on a live session (a remote link's, say).
+ */
+export function closedBy(err: unknown): boolean {
+  const { code, severity } = (err ?? {}) as { code?: unknown; severity?: unknown };
+  if (severity === 'FATAL' || severity === 'PANIC') return true;
+  return severity === undefined && typeof code === 'string' && /^(CONNECTION_[A-Z]+|E[A-Z]+)$/.test(code);
+}
+
+/**
  * Whether `err` (a driver's error, palisade's `DatabaseError` of one, either under a wrapper) says its
  * session or connection ended — not that a statement failed.
  */

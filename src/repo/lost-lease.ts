@@ -17,6 +17,7 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import { sql } from 'drizzle-orm';
+import { nextTurn } from '../aborted-transaction.js';
 import { type Database, driverOf, isTransaction, refuseStatements } from '../driver.js';
 import { LeaseLostError, PalisadeError } from '../errors.js';
 import type { Fence } from '../fencing/fence.js';
@@ -100,6 +101,9 @@ export function stopOnAbort(
   let armed = true;
   let fired = false;
   const look = async () => {
+    // A turn later (nextTurn): the abort may come in the turn a reset of the pool's connections comes in,
+    // and a statement sent on one before its close is heard would strand it.
+    await nextTurn();
     for (let i = 0; i < MAX_LOOKS && armed; i++) {
       // A pool with no other connection free runs this once the transaction gave its back: it finds it gone.
       const found = await cancelStatement(db, session).catch(() => 'idle' as const);

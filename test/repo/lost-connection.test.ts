@@ -22,7 +22,7 @@ import pg from 'pg';
 import postgres from 'postgres';
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
-import { DatabaseError, PalisadeError } from '../../src/errors.js';
+import { DatabaseError, LeaseLostError, PalisadeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
@@ -646,10 +646,11 @@ describe.runIf(needs('DATABASE_URL'))(
         lease: Lease;
         proxy: ReturnType<typeof withholdingProxy>;
       }) => Promise<void>,
+      max = 1,
     ) {
       const { db: admin, url, lease } = await fresh();
       const proxy = withholdingProxy(url as string);
-      const client = postgres(await proxy.url(), { max: 1, fetch_types: false, onnotice: () => {} });
+      const client = postgres(await proxy.url(), { max, fetch_types: false, onnotice: () => {} });
       try {
         const db = drizzle(client) as unknown as Database;
         await run({ db, admin, lease, proxy });
@@ -737,6 +738,46 @@ describe.runIf(needs('DATABASE_URL'))(
         });
       });
     }
+
+    // Its lease's signal aborted in the turn of the reset (an advisory lease's own session reset with it does
+    // that): palisade's ROLLBACK AND CHAIN, and the look for a statement to cancel, went out at once.
+    it('reset while the transaction is idle, and its lease lost in the same turn: LeaseLostError; the pool serves the next call', async () => {
+      await throughProxy(async ({ db, lease, proxy }) => {
+        const lost = new AbortController();
+        const holder = { fence: lease.fence, lock: lease.lock, signal: lost.signal };
+        setTimeout(() => {
+          proxy.reset();
+          setImmediate(() => lost.abort(new LeaseLostError('L', lease.fence, 'its connection dropped')));
+        }, 100);
+        const outcome = await settled(
+          fencedTransaction(db, holder, async () => {
+            await fencedRepository(db, resource).with(holder).update({ id: 1 }, { value: 'written' });
+            await sleep(600);
+          }),
+        );
+        expect(outcome).toBeInstanceOf(LeaseLostError);
+      });
+    });
+
+    // The call rejected as the close was heard, in the turn of the reset, when the pool's other connection,
+    // reset too, was not heard closed yet: a statement the caller sent at once went to it, and stranded it.
+    it('reset of a pool of two while a transaction is idle: a caller that sends its next statement at once gets an answer', async () => {
+      await throughProxy(async ({ db, lease, proxy }) => {
+        // Both connections open.
+        await Promise.all([execute(db, sql`select pg_sleep(0.05)`), execute(db, sql`select pg_sleep(0.05)`)]);
+        setTimeout(() => proxy.reset(), 100);
+        const outcome = await settled(
+          fencedTransaction(db, lease, async () => {
+            await fencedRepository(db, resource).with(lease).update({ id: 1 }, { value: 'written' });
+            await sleep(600);
+          }),
+        );
+        const next = () => Promise.race([settled(execute(db, sql`select 1`)), sleep(10_000)]);
+        const [first, second] = await Promise.all([next(), next()]);
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        for (const answer of [first, second]) expect(answer === 'resolved' || answer instanceof Error).toBe(true);
+      }, 2);
+    });
   },
 );
 
