@@ -81,6 +81,14 @@ export interface LeaseInit {
 }
 
 /** @internal */
+// The errors of leases lost because their backend's connection dropped: their signal aborts from that
+// connection's close (../repo/lost-lease.ts waits a turn before it sends anything then).
+const dropped = new WeakSet<object>();
+
+/** @internal Whether `reason` (a signal's) is the error of a lease lost because its backend's connection dropped. */
+export const lostToDroppedConnection = (reason: unknown): boolean =>
+  typeof reason === 'object' && reason !== null && dropped.has(reason);
+
 export class ActiveLease implements Lease {
   readonly name: string;
   readonly token: string;
@@ -260,6 +268,11 @@ export class ActiveLease implements Lease {
     if (this.#aborted) return;
     recordLost(this.#init.backend.kind, this.name, this.fence, code);
     this.#stopTimers();
+    // Marked before the signal aborts: its listeners look.
+    if (code === 'connection_dropped') {
+      this.#reason = reason;
+      dropped.add(this.#lostError());
+    }
     this.#abort(reason);
     this.#init.events.emit('lost', { name: this.name, fence: this.fence, reason });
   }

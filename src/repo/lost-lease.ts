@@ -21,6 +21,7 @@ import { nextTurn } from '../aborted-transaction.js';
 import { type Database, driverOf, isTransaction, refuseStatements } from '../driver.js';
 import { LeaseLostError, PalisadeError } from '../errors.js';
 import type { Fence } from '../fencing/fence.js';
+import { lostToDroppedConnection } from '../fencing/lease.js';
 import { prepared } from '../prepared.js';
 
 /**
@@ -100,10 +101,11 @@ export function stopOnAbort(
   if (session === undefined || isTransaction(db) || driverOf(db) === 'pglite') return NOT_ARMED;
   let armed = true;
   let fired = false;
-  const look = async () => {
-    // A turn later (nextTurn): the abort may come in the turn a reset of the pool's connections comes in,
-    // and a statement sent on one before its close is heard would strand it.
-    await nextTurn();
+  const look = async (dropped: boolean) => {
+    // A lease lost to a dropped connection aborts from its close, in the turn that may have reset the pool's
+    // other connections too, not heard closed yet: a statement sent on one now would strand it (nextTurn).
+    // Otherwise at once, ahead of what the caller sends next (a grant of the same lock, on a small pool).
+    if (dropped) await nextTurn();
     for (let i = 0; i < MAX_LOOKS && armed; i++) {
       // A pool with no other connection free runs this once the transaction gave its back: it finds it gone.
       const found = await cancelStatement(db, session).catch(() => 'idle' as const);
@@ -117,7 +119,7 @@ export function stopOnAbort(
     // look would run inside the transaction and cancel itself): nothing is done here.
     if (!refuseStatements(tx, reason())) return;
     fired = true;
-    void look();
+    void look(signals.some((s) => s.aborted && lostToDroppedConnection(s.reason)));
   };
   const unwatch = signals.map((signal) => watch(signal, onAbort));
   // Aborted before the listeners were there (between the claim and now).

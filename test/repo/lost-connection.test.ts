@@ -23,6 +23,7 @@ import postgres from 'postgres';
 import { afterAll, afterEach, describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError, LeaseLostError, PalisadeError } from '../../src/errors.js';
+import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { toFence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
@@ -757,6 +758,38 @@ describe.runIf(needs('DATABASE_URL'))(
         );
         expect(outcome).toBeInstanceOf(LeaseLostError);
       });
+    });
+
+    // An advisory lease's session on the same pool, reset with the transaction's connection, aborts the lease
+    // from its close: palisade's look for a statement to cancel went out on the pool at once, to a connection
+    // reset too and not heard closed yet, and stranded it.
+    it('reset of a pool that holds an advisory lease and its transaction: LeaseLostError; both connections serve again', async () => {
+      const { url } = await fresh();
+      const proxy = withholdingProxy(url as string);
+      const client = postgres(await proxy.url(), { max: 2, fetch_types: false, onnotice: () => {} });
+      const locks = advisoryLockManager({ client, namespace: uniqueNamespace('reset') });
+      try {
+        const db = drizzle(client) as unknown as Database;
+        // Both connections open before the lease reserves a session.
+        await Promise.all([execute(db, sql`select pg_sleep(0.05)`), execute(db, sql`select pg_sleep(0.05)`)]);
+        const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        setTimeout(() => proxy.reset(), 150);
+        const outcome = await settled(
+          fencedTransaction(db, lease, async () => {
+            await fencedRepository(db, resource).with(lease).update({ id: 1 }, { value: 'written' });
+            await sleep(600);
+          }),
+        );
+        expect(outcome).toBeInstanceOf(LeaseLostError);
+        const next = () => Promise.race([settled(execute(db, sql`select 1`)), sleep(10_000)]);
+        // Two at once, twice: each settles (the first after a reconnect may get the killed session's error).
+        const answers = [...(await Promise.all([next(), next()])), ...(await Promise.all([next(), next()]))];
+        for (const answer of answers) expect(answer === 'resolved' || answer instanceof Error).toBe(true);
+      } finally {
+        await locks.close();
+        await client.end({ timeout: 0.1 });
+        proxy.close();
+      }
     });
 
     // The call rejected as the close was heard, in the turn of the reset, when the pool's other connection,
