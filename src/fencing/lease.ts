@@ -80,7 +80,6 @@ export interface LeaseInit {
   readonly confirm?: { readonly withinMs: number; readonly run: () => Promise<boolean> };
 }
 
-/** @internal */
 // The errors of leases lost because their backend's connection dropped: their signal aborts from that
 // connection's close (../repo/lost-lease.ts waits a turn before it sends anything then).
 const dropped = new WeakSet<object>();
@@ -89,6 +88,7 @@ const dropped = new WeakSet<object>();
 export const lostToDroppedConnection = (reason: unknown): boolean =>
   typeof reason === 'object' && reason !== null && dropped.has(reason);
 
+/** @internal */
 export class ActiveLease implements Lease {
   readonly name: string;
   readonly token: string;
