@@ -29,7 +29,6 @@ const LONG_FILES = [
   'test/fencing/redis.test.ts', // 42
   'test/property/fenced-table.commands.test.ts', // 39
   'test/property/interleavings.test.ts', // 38
-  'test/chaos/chaos.test.ts', // 35
   'test/fencing/postgres-frozen.test.ts', // 26
   'test/readme.test.ts', // 26
   'test/fencing/redis-reset.test.ts', // 25
