@@ -116,13 +116,25 @@ async function play(s: fc.Scheduler, scenario: Scenario) {
   const run = randomBytes(5).toString('hex');
   const keys = [0, 1, 2].map((i) => `${run}-${i}`);
   for (const t of ['scope_a', 'scope_b']) {
-    await execute(
-      db,
-      sql`insert into ${sql.identifier(t)} (id, v) values ${sql.join(
-        keys.map((k) => sql`(${k}, 'initial')`),
-        sql`, `,
-      )}`,
-    );
+    const insert = () =>
+      execute(
+        db,
+        sql`insert into ${sql.identifier(t)} (id, v) values ${sql.join(
+          keys.map((k) => sql`(${k}, 'initial')`),
+          sql`, `,
+        )}`,
+      );
+    // A pooled session an earlier run's raise ended (a stale sharer's) may hand its close to this first
+    // statement on it (README, "When the connection closes inside a transaction"): once more, on a new one.
+    await insert().catch((err: unknown) => {
+      if (
+        !(err instanceof DatabaseError) ||
+        (!/^(ECONNRESET|EPIPE|CONNECTION_[A-Z]+)$/.test(String((err.cause as { code?: unknown })?.code)) &&
+          err.sqlState !== '57P01')
+      )
+        throw err;
+      return insert();
+    });
   }
   const lock = { kind: 'model', source: `prop-${run}`, namespace: 'p', name: 'L' };
   const repos = {
