@@ -268,21 +268,18 @@ export class ActiveLease implements Lease {
     if (this.#aborted) return;
     recordLost(this.#init.backend.kind, this.name, this.fence, code);
     this.#stopTimers();
-    // Marked before the signal aborts: its listeners look.
-    if (code === 'connection_dropped') {
-      this.#reason = reason;
-      dropped.add(this.#lostError());
-    }
-    this.#abort(reason);
+    this.#abort(reason, code === 'connection_dropped');
     this.#init.events.emit('lost', { name: this.name, fence: this.fence, reason });
   }
 
-  #abort(reason: string): void {
+  #abort(reason: string, connectionDropped = false): void {
     if (this.#aborted) return;
     this.#aborted = true;
     this.#reason = reason;
     // A loss keeps the stack of where it was found; a release builds its error only if someone looks.
     if (reason !== 'released') this.#lostError();
+    // Marked before the signal aborts: its listeners ask.
+    if (connectionDropped) dropped.add(this.#lostError());
     this.#controller?.abort(this.#lostError());
   }
 

@@ -39,6 +39,7 @@ import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
+import { sessionEnded } from '../../src/server-error.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { createResource, resource } from '../support/scenario.js';
 import { needs } from '../support/services.js';
@@ -136,16 +137,6 @@ const pools = {
     return { db: drizzleNodePostgres(pool) as unknown as Database, end: () => pool.end() };
   },
 };
-
-/** Whether `err` says the statement's connection closed under it (not that the server refused it). */
-function closedUnder(err: unknown): boolean {
-  if (!(err instanceof DatabaseError)) return false;
-  const code = (err.cause as { code?: unknown } | undefined)?.code;
-  return (
-    err.sqlState === '57P01' ||
-    (err.sqlState === undefined && typeof code === 'string' && /^(E[A-Z]+|CONNECTION_[A-Z]+)$/.test(code))
-  );
-}
 
 /** The call's outcome within `ms`, or 'unsettled'. */
 async function within(call: Promise<unknown>, ms: number): Promise<unknown> {
@@ -296,7 +287,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
               SETTLE_MS,
             );
           let next = await nextCall();
-          for (let retry = 0; retry < 3 && closedUnder((next as { err?: unknown }).err); retry++) {
+          for (let retry = 0; retry < 3 && sessionEnded((next as { err?: unknown }).err); retry++) {
             reached.retriedAfterReconnect++;
             next = await nextCall();
           }

@@ -38,6 +38,7 @@ import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { WriteResult } from '../../src/repo/result.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { sessionEnded } from '../../src/server-error.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
@@ -127,12 +128,7 @@ async function play(s: fc.Scheduler, scenario: Scenario) {
     // A pooled session an earlier run's raise ended (a stale sharer's) may hand its close to this first
     // statement on it (README, "When the connection closes inside a transaction"): once more, on a new one.
     await insert().catch((err: unknown) => {
-      if (
-        !(err instanceof DatabaseError) ||
-        (!/^(ECONNRESET|EPIPE|CONNECTION_[A-Z]+)$/.test(String((err.cause as { code?: unknown })?.code)) &&
-          err.sqlState !== '57P01')
-      )
-        throw err;
+      if (!sessionEnded(err)) throw err;
       return insert();
     });
   }
