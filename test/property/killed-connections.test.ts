@@ -11,9 +11,12 @@
  *   several palisade writes at once (`Promise.all`), sit idle on a timer,
  *   or give up (throw);
  * - one to three faults, each 0–40 ms after the calls start: a kill of one
- *   of the pool's sessions or of all of them (`pg_terminate_backend`), or a
+ *   of the pool's sessions or of all of them (`pg_terminate_backend`), a
  *   reset of every connection on the way to the server (a TCP RST, as a
- *   network or a load balancer sends; the pool connects through a proxy);
+ *   network or a load balancer sends; the pool connects through a proxy),
+ *   the calls' lease lost (its signal aborted), or both in one turn (the
+ *   reset, then the loss from the turn's check phase: an advisory lease
+ *   whose own session the reset took is lost that way);
  * - the pool's size (1 to 4 connections).
  *
  * The checks: every call settles, within 20 s; one that resolved applied and
@@ -33,7 +36,7 @@ import pg from 'pg';
 import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
-import { DatabaseError } from '../../src/errors.js';
+import { DatabaseError, LeaseLostError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
@@ -59,7 +62,7 @@ type Step =
   | { readonly t: 'throw' };
 interface Kill {
   readonly afterMs: number;
-  readonly how: 'one' | 'all' | 'reset';
+  readonly how: 'one' | 'all' | 'reset' | 'lose' | 'reset-lose';
 }
 interface Program {
   readonly calls: readonly (readonly Step[])[];
@@ -90,7 +93,10 @@ const stepArb: fc.Arbitrary<Step> = fc.oneof(
 const programArb: fc.Arbitrary<Program> = fc.record({
   calls: fc.array(fc.array(stepArb, { minLength: 1, maxLength: 5 }), { minLength: 1, maxLength: MAX_CALLS }),
   kills: fc.array(
-    fc.record({ afterMs: fc.integer({ min: 0, max: 40 }), how: fc.constantFrom('one', 'all', 'reset') }),
+    fc.record({
+      afterMs: fc.integer({ min: 0, max: 40 }),
+      how: fc.constantFrom('one', 'all', 'reset', 'lose', 'reset-lose'),
+    }),
     {
       minLength: 1,
       maxLength: 3,
@@ -188,13 +194,17 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
         const pool = pools[driver](await proxy.url(), program.pool, application);
         // A lease per run: its fence is above every row's, whatever earlier runs committed.
         const lease = await locks.acquire('L', { ttlMs: 60_000 });
+        // The calls hold it through a signal of the test's own, which a fault may abort.
+        const lost = new AbortController();
+        const holder = { fence: lease.fence, lock: lease.lock, signal: lost.signal };
+        const lose = () => lost.abort(new LeaseLostError('L', lease.fence, 'lost by the test'));
         const repo = fencedRepository(pool.db, resource, { sameFence: 'allow' });
-        const leased = repo.with(lease);
+        const leased = repo.with(holder);
         try {
           const calls = program.calls.map((steps, call) => {
             const value = `r${run}c${call}`;
             const id = (r: number) => call * ROWS + r;
-            return fencedTransaction(pool.db, lease, async (tx) => {
+            return fencedTransaction(pool.db, holder, async (tx) => {
               for (const s of steps) {
                 if (s.t === 'wait') await sleep(s.ms);
                 else if (s.t === 'throw') throw new GaveUp('the function gave up');
@@ -214,8 +224,11 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
             const started = performance.now();
             for (const kill of [...program.kills].sort((a, b) => a.afterMs - b.afterMs)) {
               await sleep(Math.max(0, kill.afterMs - (performance.now() - started)));
-              if (kill.how === 'reset') proxy.reset();
-              else
+              if (kill.how === 'lose') lose();
+              else if (kill.how === 'reset' || kill.how === 'reset-lose') {
+                proxy.reset();
+                if (kill.how === 'reset-lose') setImmediate(lose);
+              } else
                 await execute(
                   admin,
                   kill.how === 'all'
