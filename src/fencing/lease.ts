@@ -88,6 +88,14 @@ const dropped = new WeakSet<object>();
 export const lostToDroppedConnection = (reason: unknown): boolean =>
   typeof reason === 'object' && reason !== null && dropped.has(reason);
 
+/**
+ * @internal Marks `error` as a lease's loss to its backend's dropped connection, before a signal aborts
+ * with it (a lease whose backend lost its session; a test that stands in for one).
+ */
+export const markLostToDroppedConnection = (error: object): void => {
+  dropped.add(error);
+};
+
 /** @internal */
 export class ActiveLease implements Lease {
   readonly name: string;
@@ -279,7 +287,7 @@ export class ActiveLease implements Lease {
     // A loss keeps the stack of where it was found; a release builds its error only if someone looks.
     if (reason !== 'released') this.#lostError();
     // Marked before the signal aborts: its listeners ask.
-    if (connectionDropped) dropped.add(this.#lostError());
+    if (connectionDropped) markLostToDroppedConnection(this.#lostError());
     this.#controller?.abort(this.#lostError());
   }
 

@@ -15,8 +15,9 @@
  *   reset of every connection on the way to the server (a TCP RST, as a
  *   network or a load balancer sends; the pool connects through a proxy),
  *   the calls' lease lost (its signal aborted), or both in one turn (the
- *   reset, then the loss from the turn's check phase: an advisory lease
- *   whose own session the reset took is lost that way);
+ *   reset, then the loss from the turn's check phase, reported as a loss to
+ *   a dropped connection: an advisory lease whose own session the reset
+ *   took is lost that way);
  * - the pool's size (1 to 4 connections).
  *
  * The checks: every call settles, within 20 s; one that resolved applied and
@@ -38,6 +39,7 @@ import { afterAll, beforeAll, describe, expect } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError, LeaseLostError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { markLostToDroppedConnection } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
@@ -197,7 +199,14 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
         // The calls hold it through a signal of the test's own, which a fault may abort.
         const lost = new AbortController();
         const holder = { fence: lease.fence, lock: lease.lock, signal: lost.signal };
-        const lose = () => lost.abort(new LeaseLostError('L', lease.fence, 'lost by the test'));
+        // `toDroppedConnection`: lost as a lease whose backend's session the reset took reports it (an advisory
+        // lease), which palisade answers a turn later: a statement sent in the reset's own turn would strand the
+        // postgres.js connection it goes out on (README, "When the connection closes inside a transaction").
+        const lose = (toDroppedConnection = false) => {
+          const error = new LeaseLostError('L', lease.fence, 'lost by the test');
+          if (toDroppedConnection) markLostToDroppedConnection(error);
+          lost.abort(error);
+        };
         const repo = fencedRepository(pool.db, resource, { sameFence: 'allow' });
         const leased = repo.with(holder);
         try {
@@ -227,7 +236,7 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
               if (kill.how === 'lose') lose();
               else if (kill.how === 'reset' || kill.how === 'reset-lose') {
                 proxy.reset();
-                if (kill.how === 'reset-lose') setImmediate(lose);
+                if (kill.how === 'reset-lose') setImmediate(() => lose(true));
               } else
                 await execute(
                   admin,
