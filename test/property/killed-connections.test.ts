@@ -44,8 +44,8 @@ import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { sessionEnded } from '../../src/server-error.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { retryEndedSession } from '../support/reconnect.js';
 import { createResource, resource } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
@@ -303,16 +303,14 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
           // came after the calls may still be on its way to the driver (the next statement meets the closing
           // socket), and postgres.js hands the killed session's 57P01 to the first statement after a
           // reconnect (README, "When the connection closes inside a transaction"): retried, it goes through.
-          const nextCall = () =>
-            within(
-              fencedTransaction(pool.db, lease, (tx) => execute(tx, sql`select 1`)),
-              SETTLE_MS,
-            );
-          let next = await nextCall();
-          for (let retry = 0; retry < 3 && sessionEnded((next as { err?: unknown }).err); retry++) {
-            reached.retriedAfterReconnect++;
-            next = await nextCall();
-          }
+          const next = await within(
+            retryEndedSession(
+              () => fencedTransaction(pool.db, lease, (tx) => execute(tx, sql`select 1`)),
+              4,
+              () => reached.retriedAfterReconnect++,
+            ),
+            SETTLE_MS,
+          );
           expect(next, `the next transaction on the pool: ${JSON.stringify(program)}`).toMatchObject({
             value: { status: 'applied' },
           });

@@ -38,8 +38,8 @@ import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { WriteResult } from '../../src/repo/result.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { sessionEnded } from '../../src/server-error.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
+import { retryEndedSession } from '../support/reconnect.js';
 import { needs } from '../support/services.js';
 import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 
@@ -127,10 +127,7 @@ async function play(s: fc.Scheduler, scenario: Scenario) {
       );
     // A pooled session an earlier run's raise ended (a stale sharer's) may hand its close to this first
     // statement on it (README, "When the connection closes inside a transaction"): once more, on a new one.
-    await insert().catch((err: unknown) => {
-      if (!sessionEnded(err)) throw err;
-      return insert();
-    });
+    await retryEndedSession(insert, 2);
   }
   const lock = { kind: 'model', source: `prop-${run}`, namespace: 'p', name: 'L' };
   const repos = {
