@@ -207,14 +207,7 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
     const h = await harness.reserve();
     try {
       const stalePid = Number((await stale`select pg_backend_pid() as pid`)[0]?.pid);
-      const claimW = (tx: postgres.ReservedSql | postgres.Sql, fence: number) =>
-        tx`select palisade.claim_lock('postgres', 'other', 'ns', 'W', ${fence})::text as registered,
-          (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('postgres', 'other', 'ns', 'W'), ${fence}) t)`;
-      await b`begin`;
-      await claimW(b, 6); // the newer holder's raise, not committed yet
-      await h`begin`;
-      const locked = h`lock table palisade.fence_sources in access exclusive mode`.execute();
-      const staleClaim = claimW(stale, 5).execute();
+      const harnessPid = Number((await h`select pg_backend_pid() as pid`)[0]?.pid);
       const waiting = async (pid: number, event: string) => {
         for (let i = 0; i < 200; i++) {
           const [row] = await observer`select wait_event from pg_stat_activity where pid = ${pid}`;
@@ -223,6 +216,17 @@ describe.runIf(needs('DATABASE_URL'))('a raise of a lock register ends only stal
         }
         throw new Error(`session ${pid} never waited on ${event}`);
       };
+      const claimW = (tx: postgres.ReservedSql | postgres.Sql, fence: number) =>
+        tx`select palisade.claim_lock('postgres', 'other', 'ns', 'W', ${fence})::text as registered,
+          (select pg_try_advisory_xact_lock_shared(t.k1, t.k2) from palisade.register_tag(palisade.lock_key('postgres', 'other', 'ns', 'W'), ${fence}) t)`;
+      await b`begin`;
+      await claimW(b, 6); // the newer holder's raise, not committed yet
+      await h`begin`;
+      const locked = h`lock table palisade.fence_sources in access exclusive mode`.execute();
+      // Queued behind the newer holder's read before the stale claim reads the table: sent at once, the claim
+      // could pass it first and wait on the register row instead (CI once, on a loaded machine).
+      await waiting(harnessPid, 'relation');
+      const staleClaim = claimW(stale, 5).execute();
       await waiting(stalePid, 'relation');
       await b`commit`;
       await locked;
