@@ -49,8 +49,9 @@ export interface FencedTransactionOptions {
 /**
  * What a fenced transaction did: `applied` with what the function returned,
  * or refused — a lock's register was claimed by a higher fence (then
- * `refusal.table` is `null`), or a write inside was `stale` or `duplicate` —
- * and then nothing it wrote is visible.
+ * `refusal.table` is `null`), or a write inside was `stale` or `duplicate`
+ * (an `updateWhere` that left a row stale too: then `refusal.key` is
+ * `null`) — and then nothing it wrote is visible.
  */
 export type FencedTransactionResult<R> =
   | { readonly status: 'applied'; readonly value: R }

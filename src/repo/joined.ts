@@ -12,6 +12,7 @@ export interface Refusal {
   readonly status: 'stale' | 'duplicate';
   /** The table, or `null` when the lock's register refused the claim at the start. */
   readonly table: string | null;
+  /** The row's key; `null` for the register's refusal at the start, and for an `updateWhere` (many rows). */
   readonly key: Readonly<Record<string, unknown>> | null;
   readonly attemptedFence: bigint;
   readonly currentFence: bigint;
@@ -51,6 +52,11 @@ export function joining<R>(
 /** `db`, or the transaction of the `modify` callback or fenced transaction that is running on it. */
 export function on(db: Database): Database {
   return scope.getStore()?.transactions.get(db) ?? db;
+}
+
+/** Whether a fenced transaction runs, whose refused writes {@link recordRefusal} records. */
+export function recordingRefusals(): boolean {
+  return scope.getStore()?.refusals !== undefined;
 }
 
 /** Records a refused write when a fenced transaction runs (its whole transaction will roll back). */

@@ -135,7 +135,9 @@ export interface FencedRepository<T extends FencedTable> {
   /**
    * Fenced update of every live row matching `where`. Returns how many rows
    * applied and how many were at or above the fence. With `allOrNothing`,
-   * the rows are locked first and none is written if any is stale.
+   * the rows are locked first and none is written if any is stale. Inside
+   * a fenced transaction a stale row refuses the whole transaction, as any
+   * refused write inside does (README, "Fenced transactions").
    */
   updateWhere(where: SQL, fence: Fence, patch: PatchOf<T>, options?: { allOrNothing?: boolean }): Promise<BatchResult>;
   /**

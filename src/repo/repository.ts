@@ -2,7 +2,7 @@
  * The write path of one fenced table: README, "The write path" and "Two
  * scopes of fencing". The API and its guarantees are in `repository-api.ts`.
  */
-import { and, isNull, sql } from 'drizzle-orm';
+import { and, isNull, type SQL, sql } from 'drizzle-orm';
 import {
   assertSupportedDriver,
   asThrown,
@@ -10,6 +10,7 @@ import {
   count,
   type Database,
   execute,
+  int8,
   isTransaction,
   type RawRow,
   transaction,
@@ -21,7 +22,7 @@ import { assertMaySend } from '../overlap.js';
 import { prepared } from '../prepared.js';
 import { observeBatch, observeWrite } from '../telemetry/writes.js';
 import { checkCondition } from './conditions.js';
-import { joining, on } from './joined.js';
+import { joining, on, recordingRefusals, recordRefusal } from './joined.js';
 import {
   boundIdle,
   claimOf,
@@ -255,20 +256,40 @@ export function fencedRepository<T extends FencedTable>(
       return observeBatch(info.label, fence, async () => {
         const batch = async (tx: Database) => {
           const [row] = await run(tx, statement);
-          return { applied: count(row?.applied), stale: count(row?.stale) };
+          const result = { applied: count(row?.applied), stale: count(row?.stale) };
+          // In a fenced transaction a row left stale refuses it all, as a refused single write does.
+          if (result.stale > 0 && recordingRefusals()) await recordBatchRefusal(tx, where, fence);
+          return result;
         };
         if (scope === undefined) return batch(on(db));
         // Refused by the register: every live row the condition matches counts as stale.
-        return inClaim(on(db), scope, fence, batch, async (_registered, tx) => {
+        return inClaim(on(db), scope, fence, batch, async (registered, tx) => {
           const [row] = await execute(
             tx,
             sql`select count(*) as n from ${t} where (${where}) and ${isNull(t.deletedAt)}`,
           );
+          recordRefusal({
+            status: 'stale',
+            table: info.label,
+            key: null,
+            attemptedFence: fence,
+            currentFence: registered,
+          });
           return { applied: 0, stale: count(row?.n) };
         });
       });
     },
   };
+
+  // What a fenced transaction reports for an updateWhere that left rows stale: the highest fence among the
+  // rows its condition matches now (tombstones too; read only on this path), `duplicate` when that is its own.
+  async function recordBatchRefusal(tx: Database, where: SQL, fence: Fence): Promise<void> {
+    const [row] = await execute(tx, sql`select max(${t.lastFence}) as fence from ${t} where (${where})`);
+    const highest = int8(row?.fence) ?? fence;
+    const currentFence = highest > fence ? highest : fence;
+    const status = currentFence === fence && same === 'reject' ? 'duplicate' : 'stale';
+    recordRefusal({ status, table: info.label, key: null, attemptedFence: fence, currentFence });
+  }
 
   async function modify(
     on: Database,

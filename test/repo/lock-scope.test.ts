@@ -11,19 +11,19 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
 import type { Database } from '../../src/driver.js';
-import { FenceNotIssuedError, LockScopeError } from '../../src/errors.js';
+import { FenceNotIssuedError, LockScopeError, StaleFenceError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import type { Lease } from '../../src/fencing/lease.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
 import { migrate } from '../../src/migrate.js';
-import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { fencedTransaction, fencedTransactionOrThrow } from '../../src/repo/fenced-transaction.js';
 import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { registerTag } from '../../src/repo/register-key.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { killAllCli, runCli } from '../support/cli.js';
-import { pgliteDatabase } from '../support/databases.js';
+import { everyTransactionDriver, pgliteDatabase } from '../support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from '../support/etcd-cluster.js';
 import { type BackendKind, type ManagerConfig, openManager } from '../support/managers.js';
 import { killAllWorkers, startWorker } from '../support/processes.js';
@@ -677,3 +677,82 @@ describe("the caller's own error, thrown inside palisade's transactions", () => 
     }
   });
 });
+
+describe.each(everyTransactionDriver.filter((d) => !d.real || needs('DATABASE_URL')))(
+  'an updateWhere that leaves rows stale inside a fenced transaction, on $name',
+  ({ open }) => {
+    // Regression (an attack): a batch's stale rows never reached the transaction, which committed the rest.
+    const holderOf = (name: string, fence: bigint) => ({
+      fence: fence as Fence,
+      lock: Object.freeze({ kind: 'test', source: 'stale-batch', namespace: uniqueNamespace(), name }),
+      signal: new AbortController().signal,
+    });
+
+    it('rolls the whole transaction back and reports the refusal: row-scoped, lock-scoped, and a retry of its own fence', async () => {
+      const test = await open({ migrated: true });
+      try {
+        const { db } = test;
+        await db.execute(
+          sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+        );
+        await db.execute(sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial'), (3, 'initial')`);
+        const repo = fencedRepository(db, resource);
+        const valueAt = async (id: number) => (await repo.get({ id }))?.value;
+        expect((await repo.update({ id: 2 }, 100n as Fence, { value: 'newer' })).status).toBe('applied');
+        const a = holderOf('A', 50n);
+        for (const allOrNothing of [false, true]) {
+          const result = await fencedTransaction(db, a, async () => {
+            await repo.with(a).update({ id: 3 }, { value: 'rolled back' });
+            return repo.with(a).updateWhere(sql`id in (1, 2)`, { value: 'late' }, { allOrNothing });
+          });
+          expect([allOrNothing, result]).toEqual([
+            allOrNothing,
+            {
+              status: 'stale',
+              refusal: { status: 'stale', table: 'resource', key: null, attemptedFence: 50n, currentFence: 100n },
+            },
+          ]);
+          expect([await valueAt(1), await valueAt(2), await valueAt(3)]).toEqual(['initial', 'newer', 'initial']);
+        }
+        // A lock whose register a higher fence claimed: refused on every row, even where the condition matches none.
+        const b = holderOf('B', 60n);
+        const staleB = { ...b, fence: 55n as Fence };
+        expect(await claimLockRegister(db, b)).toEqual({ status: 'claimed' });
+        for (const where of [sql`id = 1`, sql`id = 99`]) {
+          const result = await fencedTransaction(db, a, async () => {
+            await repo.with(a).update({ id: 3 }, { value: 'rolled back' });
+            return repo.with(staleB).updateWhere(where, { value: 'late' });
+          });
+          expect(result).toEqual({
+            status: 'stale',
+            refusal: { status: 'stale', table: 'resource', key: null, attemptedFence: 55n, currentFence: 60n },
+          });
+        }
+        await expect(
+          fencedTransactionOrThrow(db, a, () => repo.with(staleB).updateWhere(sql`id = 1`, { value: 'late' })),
+        ).rejects.toBeInstanceOf(StaleFenceError);
+        expect([await valueAt(1), await valueAt(3)]).toEqual(['initial', 'initial']);
+        // Rows this very fence wrote (a retry after a commit it did not hear of): duplicate, as a single write.
+        const done = await fencedTransaction(db, a, () =>
+          repo.with(a).updateWhere(sql`id in (1, 3)`, { value: 'credited' }),
+        );
+        expect(done).toEqual({ status: 'applied', value: { applied: 2, stale: 0 } });
+        const again = await fencedTransaction(db, a, () =>
+          repo.with(a).updateWhere(sql`id in (1, 3)`, { value: 'credited twice' }),
+        );
+        expect(again).toEqual({
+          status: 'duplicate',
+          refusal: { status: 'duplicate', table: 'resource', key: null, attemptedFence: 50n, currentFence: 50n },
+        });
+        // Outside a fenced transaction a batch still applies what it may and counts the rest.
+        expect(await repo.with(holderOf('C', 70n)).updateWhere(sql`id in (1, 2)`, { value: 'c' })).toEqual({
+          applied: 1,
+          stale: 1,
+        });
+        expect([await valueAt(1), await valueAt(2), await valueAt(3)]).toEqual(['c', 'newer', 'credited']);
+      } finally {
+        await test.close();
+      }
+    });
+  },
+);
