@@ -18,6 +18,7 @@ import { registersCommand, resetRegisterCommand } from './registers.js';
 const help = `Usage: palisade locks [--namespace NS] [--expired] [--limit N] [--json]
        palisade locks registers [--namespace NS] [--json]
        palisade locks reset-register --kind K --source S --namespace NS --name N (--fence F | --delete)
+                                     [--expect E] [--create] [--wait-ms MS]
 
 Lists the leases of palisade's Postgres lock manager (table palisade.leases):
 lock name, holder, fence, age and remaining TTL, by the database's clock.

@@ -21,6 +21,7 @@ Environment:
   DATABASE_URL    the Postgres that holds the fenced tables (required)`;
 
 const resetHelp = `Usage: palisade locks reset-register --kind K --source S --namespace NS --name N (--fence F | --delete)
+       [--expect E] [--create] [--wait-ms MS]
 
 Sets one lock register to fence F, or deletes it. Use it only when a register
 holds a fence that was never granted (a forged or miscomputed number) and so
@@ -28,7 +29,10 @@ refuses every lock-scoped write of that lock: set it to the highest fence the
 lock's backend has really granted (its current holder's fence). Setting it
 lower than a fence a live or paused holder carries lets that holder's late
 writes land again; deleting it does the same for every fence of the lock.
-Prints the register's fence before and after.
+Prints the register's fence before and after. Changes nothing, and exits 1,
+when the register does not exist (kind, source, namespace and name match byte
+for byte; the built-in lock managers store names in Unicode NFC), when it no
+longer holds E, or when a transaction keeps its row locked past MS.
 
 Options:
   --kind K        backend kind: postgres, advisory, redis, etcd, …
@@ -37,6 +41,9 @@ Options:
   --name N        lock name
   --fence F       the fence to set (a positive integer)
   --delete        delete the register instead
+  --expect E      change it only if it holds fence E (what palisade locks registers showed)
+  --create        with --fence: create the register if it does not exist
+  --wait-ms MS    wait at most MS for a transaction that holds the register's row (default 5000)
   --json          JSON on stdout
   -h, --help      this help
 
@@ -44,6 +51,21 @@ Environment:
   DATABASE_URL    the Postgres that holds the fenced tables (required)`;
 
 const missingTable = (err: unknown) => (err as { code?: unknown }).code === '42P01';
+const MISSING =
+  'no such register, nothing changed: kind, source, namespace and name match byte for byte (the built-in lock managers store names in Unicode NFC); `palisade locks registers` lists them, and --create makes a new one';
+const MOVED =
+  'the register no longer holds the --expect fence (a claim or another reset moved it), nothing changed: look again with `palisade locks registers`';
+const LOCKED =
+  "a transaction kept the register's row locked past --wait-ms (a holder's fenced transaction or lock-scoped write), nothing changed: try again, or wait longer";
+
+/** A positive 64-bit integer option, or a usage error naming it. */
+function fenceArg(option: string, value: unknown): bigint {
+  const text = String(value);
+  if (!/^[1-9][0-9]{0,18}$/.test(text) || BigInt(text) > 9223372036854775807n) {
+    throw new CliError(`${option} must be a positive 64-bit integer`, 2);
+  }
+  return BigInt(text);
+}
 const NO_TABLE = 'no palisade.lock_registers table in this database: run `palisade migrate` first';
 
 /** `palisade locks registers`. */
@@ -111,6 +133,9 @@ export const resetRegisterCommand: Command = {
       name: { type: 'string' },
       fence: { type: 'string' },
       delete: { type: 'boolean' },
+      expect: { type: 'string' },
+      create: { type: 'boolean' },
+      'wait-ms': { type: 'string' },
       json: { type: 'boolean' },
     });
     if (values.help) {
@@ -124,35 +149,43 @@ export const resetRegisterCommand: Command = {
     }) as [string, string, string, string];
     const remove = values.delete === true;
     if (remove === (values.fence !== undefined)) throw new CliError('give exactly one of --fence F and --delete', 2);
-    let fence: bigint | null = null;
-    if (!remove) {
-      const text = String(values.fence);
-      if (!/^[1-9][0-9]{0,18}$/.test(text) || BigInt(text) > 9223372036854775807n) {
-        throw new CliError('--fence must be a positive 64-bit integer', 2);
-      }
-      fence = BigInt(text);
-    }
+    const fence = remove ? null : fenceArg('--fence', values.fence);
+    const expected = values.expect === undefined ? null : fenceArg('--expect', values.expect).toString();
+    const create = values.create === true;
+    if (create && remove) throw new CliError('--create goes with --fence, not --delete', 2);
+    const waitMs = values['wait-ms'] === undefined ? 5000 : Number(values['wait-ms']);
+    if (!Number.isSafeInteger(waitMs) || waitMs < 1) throw new CliError('--wait-ms must be a positive integer', 2);
     const url = requireDatabaseUrl(io, 'palisade locks reset-register changes palisade.lock_registers');
     const sql = await connect(url);
     try {
       const [kind, source, namespace, name] = key;
-      let before: string | null;
+      let outcome: { before: string | null; refused?: string };
       try {
-        // One statement: the old value and the change, under the row's lock.
-        const rows = await sql`with old as (select fence from palisade.lock_registers
-            where kind = ${kind} and source = ${source} and namespace = ${namespace} and name = ${name} for update),
-          gone as (delete from palisade.lock_registers where ${remove}::boolean
-            and kind = ${kind} and source = ${source} and namespace = ${namespace} and name = ${name}),
-          set as (insert into palisade.lock_registers (kind, source, namespace, name, fence)
-            select ${kind}, ${source}, ${namespace}, ${name}, ${fence === null ? null : fence.toString()}::int8
-            where not ${remove}::boolean
-            on conflict (kind, source, namespace, name) do update set fence = excluded.fence)
-          select (select fence::text from old) as before`;
-        before = rows[0]?.before === null || rows[0]?.before === undefined ? null : String(rows[0].before);
+        // The old value and the change in one transaction, under the row's lock, waiting for it only so long.
+        outcome = await sql.begin(async (tx) => {
+          await tx`select set_config('lock_timeout', ${String(waitMs)}, true)`;
+          const [row] = await tx`select fence::text as fence from palisade.lock_registers
+            where kind = ${kind} and source = ${source} and namespace = ${namespace} and name = ${name} for update`;
+          const before = row === undefined ? null : String(row.fence);
+          if (before === null && !create) return { before, refused: MISSING };
+          if (expected !== null && before !== expected) return { before, refused: MOVED };
+          if (remove) {
+            await tx`delete from palisade.lock_registers
+              where kind = ${kind} and source = ${source} and namespace = ${namespace} and name = ${name}`;
+          } else {
+            await tx`insert into palisade.lock_registers (kind, source, namespace, name, fence)
+              values (${kind}, ${source}, ${namespace}, ${name}, ${String(fence)}::int8)
+              on conflict (kind, source, namespace, name) do update set fence = excluded.fence`;
+          }
+          return { before };
+        });
       } catch (err) {
         if (missingTable(err)) throw new CliError(NO_TABLE);
+        if ((err as { code?: unknown }).code === '55P03') throw new CliError(LOCKED);
         throw connectionError(err, url);
       }
+      const { before, refused } = outcome;
+      if (refused !== undefined) throw new CliError(refused);
       const after = fence === null ? null : fence.toString();
       if (values.json) io.out(toJson({ kind, source, namespace, name, before, after }));
       else io.out(`register ${kind} ${source} ${namespace} ${name}: ${before ?? '(none)'} -> ${after ?? '(deleted)'}`);

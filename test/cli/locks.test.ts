@@ -2,7 +2,10 @@
  * `palisade locks`: who holds what in the Postgres lease table — name,
  * holder, fence, age, TTL left — as a table or as JSON.
  */
+import { sql } from 'drizzle-orm';
+import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
+import { execute } from '../../src/driver.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { migrate } from '../../src/migrate.js';
 import { killAllCli, runCli } from '../support/cli.js';
@@ -101,6 +104,75 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks (real Postgres)', { timeou
         'palisade locks: no palisade.leases table in this database: run `palisade migrate` first\n',
       );
     } finally {
+      await test.close();
+    }
+  });
+});
+
+describe.runIf(needs('DATABASE_URL'))('palisade locks reset-register (real Postgres)', { timeout: 120_000 }, () => {
+  it('changes nothing on a register that does not exist, one that moved from --expect, or one locked past --wait-ms', async () => {
+    const test = await postgresDatabase({ migrated: true });
+    const held = postgres(test.url as string, { max: 1, onnotice: () => {} });
+    try {
+      const env = { DATABASE_URL: test.url };
+      const namespace = uniqueNamespace('reset');
+      const forged = '4611686018427387904';
+      const nfc = 'caf\u00e9';
+      await test.db.execute(sql`insert into palisade.lock_registers (kind, source, namespace, name, fence)
+        values ('redis', 'src', ${namespace}, ${nfc}, ${forged}::int8)`);
+      const fenceOf = async (name: string) => {
+        const [row] = await execute(
+          test.db,
+          sql`select fence::text as fence from palisade.lock_registers
+            where kind = 'redis' and source = 'src' and namespace = ${namespace} and name = ${name}`,
+        );
+        return row?.fence ?? null;
+      };
+      const reset = (name: string, ...more: string[]) =>
+        runCli(
+          ['locks', 'reset-register', '--kind', 'redis', '--source', 'src', '--namespace', namespace, '--name', name]
+            .concat(more)
+            .concat('--json'),
+          env,
+        );
+      // The decomposed spelling of the name is another register, which does not exist: refused, nothing made.
+      const nfd = nfc.normalize('NFD');
+      const typo = await reset(nfd, '--fence', '5');
+      expect([typo.code, typo.stderr]).toEqual([1, expect.stringMatching(/no such register, nothing changed/)]);
+      expect(typo.stderr).not.toContain(nfd);
+      expect([await fenceOf(nfd), await fenceOf(nfc)]).toEqual([null, forged]);
+      expect((await reset(nfd, '--delete')).code).toBe(1);
+      // Moved since the operator looked: refused.
+      const moved = await reset(nfc, '--fence', '5', '--expect', '6');
+      expect([moved.code, moved.stderr]).toEqual([1, expect.stringMatching(/no longer holds the --expect fence/)]);
+      expect(await fenceOf(nfc)).toBe(forged);
+      // A transaction that keeps the register's row locked (a paused holder's claim): refused once --wait-ms is up.
+      await held.begin(async (tx) => {
+        await tx`select 1 from palisade.lock_registers where namespace = ${namespace} for share`;
+        const locked = await reset(nfc, '--fence', '5', '--wait-ms', '200');
+        expect([locked.code, locked.stderr]).toEqual([1, expect.stringMatching(/kept the register's row locked/)]);
+      });
+      expect(await fenceOf(nfc)).toBe(forged);
+      // What the operator saw, then: reset.
+      const done = await reset(nfc, '--fence', '5', '--expect', forged);
+      expect([done.code, JSON.parse(done.stdout)]).toEqual([
+        0,
+        expect.objectContaining({ before: forged, after: '5' }),
+      ]);
+      expect(await fenceOf(nfc)).toBe('5');
+      // --create makes a register that does not exist; --delete removes one.
+      const made = await reset('new', '--fence', '9', '--create');
+      expect([made.code, JSON.parse(made.stdout)]).toEqual([0, expect.objectContaining({ before: null, after: '9' })]);
+      expect((await reset('new', '--delete')).code).toBe(0);
+      expect(await fenceOf('new')).toBeNull();
+      const usage = await Promise.all([
+        reset(nfc, '--delete', '--create'),
+        reset(nfc, '--fence', '5', '--expect', '0'),
+        reset(nfc, '--fence', '5', '--wait-ms', '0'),
+      ]);
+      expect(usage.map((u) => u.code)).toEqual([2, 2, 2]);
+    } finally {
+      await held.end({ timeout: 1 });
       await test.close();
     }
   });
