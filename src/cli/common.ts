@@ -141,14 +141,24 @@ export function formatDuration(ms: number): string {
 
 /** Left-aligned columns, two spaces apart. */
 export function table(header: readonly string[], rows: readonly (readonly string[])[]): string {
-  const widths = header.map((h, i) => Math.max(h.length, ...rows.map((r) => (r[i] ?? '').length)));
+  const shown = rows.map((r) => r.map(printable));
+  const widths = header.map((h, i) => Math.max(h.length, ...shown.map((r) => columns(r[i] ?? ''))));
   const line = (cells: readonly string[]) =>
     cells
-      .map((c, i) => (i === cells.length - 1 ? c : c.padEnd(widths[i] ?? 0)))
+      .map((c, i) => (i === cells.length - 1 ? c : c + ' '.repeat(Math.max(0, (widths[i] ?? 0) - columns(c)))))
       .join('  ')
       .trimEnd();
-  return [line(header), ...rows.map(line)].join('\n');
+  return [line(header), ...shown.map(line)].join('\n');
 }
+
+// A cell as one line: names and holders are anyone's text, and a line break or a terminal control in one
+// would forge rows of the table. Escaped as in JSON (\n, \u001b), the backslash too.
+const CONTROL = /[\\\u0000-\u001f\u007f-\u009f\u2028\u2029]/g;
+const ESCAPES: Readonly<Record<string, string>> = { '\\': '\\\\', '\n': '\\n', '\r': '\\r', '\t': '\\t' };
+const printable = (cell: string) =>
+  cell.replace(CONTROL, (c) => ESCAPES[c] ?? `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+// Columns a cell takes on a terminal, roughly: a code point each, combining marks none.
+const columns = (cell: string) => [...cell.replace(/\p{M}/gu, '')].length;
 
 /** JSON with bigints as decimal strings (fences exceed 2^53). */
 export function toJson(value: unknown): string {

@@ -178,6 +178,48 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks reset-register (real Postg
   });
 });
 
+describe.runIf(needs('DATABASE_URL'))('palisade locks registers (real Postgres)', { timeout: 120_000 }, () => {
+  it("lists one line per register: a name's line break or terminal control is escaped, columns stay aligned", async () => {
+    const test = await postgresDatabase({ migrated: true });
+    try {
+      const namespace = uniqueNamespace('names');
+      const names = ['x\nredis  src  billing  forged  1', 'cafe\u0301', '\u001b[31mred', 'back\\slash'];
+      for (const name of names) {
+        await execute(
+          test.db,
+          sql`insert into palisade.lock_registers (kind, source, namespace, name, fence) values ('redis', 'src', ${namespace}, ${name}, 7)`,
+        );
+      }
+      const listed = await runCli(['locks', 'registers', '--namespace', namespace], { DATABASE_URL: test.url });
+      expect(listed.code).toBe(0);
+      const lines = listed.stdout.trimEnd().split('\n');
+      expect(lines[0]).toMatch(/^KIND\s+SOURCE\s+NAMESPACE\s+NAME\s+FENCE$/);
+      // (In the database's collation order, which may differ.)
+      expect(
+        lines
+          .slice(1)
+          .map((l) => l.replace(/\s+/g, ' '))
+          .sort(),
+      ).toEqual(
+        [
+          `redis src ${namespace} back\\\\slash 7`,
+          `redis src ${namespace} cafe\u0301 7`,
+          `redis src ${namespace} x\\nredis src billing forged 1 7`,
+          `redis src ${namespace} \\u001b[31mred 7`,
+        ].sort(),
+      );
+      // Every FENCE starts in the header's column, the combining mark counted as no column.
+      const at = (lines[0] as string).indexOf('FENCE');
+      for (const line of lines.slice(1)) expect([line, [...line.normalize('NFC')].lastIndexOf('7')]).toEqual([line, at]);
+      // JSON keeps the names as they are.
+      const json = await runCli(['locks', 'registers', '--namespace', namespace, '--json'], { DATABASE_URL: test.url });
+      expect((JSON.parse(json.stdout) as { name: string }[]).map((r) => r.name).sort()).toEqual([...names].sort());
+    } finally {
+      await test.close();
+    }
+  });
+});
+
 describe('palisade locks: usage', () => {
   it('needs DATABASE_URL and a positive --limit', async () => {
     const noUrl = await runCli(['locks'], { DATABASE_URL: undefined });
