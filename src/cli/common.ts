@@ -153,6 +153,7 @@ export function table(header: readonly string[], rows: readonly (readonly string
 
 // A cell as one line: names and holders are anyone's text, and a line break or a terminal control in one
 // would forge rows of the table. Escaped as in JSON (\n, \u001b), the backslash too.
+// biome-ignore lint/suspicious/noControlCharactersInRegex: finding control characters is the point.
 const CONTROL = /[\\\u0000-\u001f\u007f-\u009f\u2028\u2029]/g;
 const ESCAPES: Readonly<Record<string, string>> = { '\\': '\\\\', '\n': '\\n', '\r': '\\r', '\t': '\\t' };
 const printable = (cell: string) =>

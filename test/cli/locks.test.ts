@@ -210,7 +210,8 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks registers (real Postgres)'
       );
       // Every FENCE starts in the header's column, the combining mark counted as no column.
       const at = (lines[0] as string).indexOf('FENCE');
-      for (const line of lines.slice(1)) expect([line, [...line.normalize('NFC')].lastIndexOf('7')]).toEqual([line, at]);
+      for (const line of lines.slice(1))
+        expect([line, [...line.normalize('NFC')].lastIndexOf('7')]).toEqual([line, at]);
       // JSON keeps the names as they are.
       const json = await runCli(['locks', 'registers', '--namespace', namespace, '--json'], { DATABASE_URL: test.url });
       expect((JSON.parse(json.stdout) as { name: string }[]).map((r) => r.name).sort()).toEqual([...names].sort());
