@@ -53,7 +53,8 @@ describe.runIf(needs('DATABASE_URL'))(
         const a = startWorker(WORKER, { ...base, options: { ttlMs: 1000 }, holdAt: { type: 'batch', from: 25 } });
         await a.next((m) => m.event === 'holding', 60_000);
         a.pause();
-        const b = startWorker(WORKER, { ...base, options: { ttlMs: 1000, waitMs: 30_000 } });
+        // B's own TTL is long: renewed every third of it, a 1 s lease was lost on a loaded machine (CI once).
+        const b = startWorker(WORKER, { ...base, options: { ttlMs: 10_000, waitMs: 30_000 } });
         expect(await resultOf(b)).toEqual({ status: 'done', credited: 75 });
         expect(example(b.messages, 'resumed')[0]?.from).toBe(25);
         a.resume();
@@ -106,7 +107,7 @@ describe.runIf(needs('DATABASE_URL'))(
         for (let i = 0; i < 200 && (await observer.inspect('backfill:welcome-credit')) !== null; i++) {
           await new Promise((r) => setTimeout(r, 50));
         }
-        const c = startWorker(WORKER, { ...base, options: { ttlMs: 1000 } });
+        const c = startWorker(WORKER, { ...base, options: { ttlMs: 10_000 } }); // its own TTL long, as B's above
         expect(await resultOf(c)).toEqual({ status: 'done', credited: 50 });
         expect(example(c.messages, 'resumed')[0]?.from).toBe(50);
         expect(example(c.messages, 'batch').map((m) => m.from)).toEqual([50, 75]);

@@ -138,8 +138,16 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
       const directBackend = postgresLockBackend({ client: directDb, namespace, listen: false });
       const other = postgresLockManager({ client: directDb, namespace, listen: false });
       try {
-        // The one-time checks are done.
-        expect(await backend.grant('warm-up', 'warm-up', 1_000, null)).not.toBeNull();
+        // The one-time checks are done. Through the proxy process on a loaded machine a grant can outlast
+        // the 300 ms bound: asked again (the same token, so a late one is this one), at most 5 times.
+        for (let attempt = 1; ; attempt++) {
+          try {
+            expect(await backend.grant('warm-up', 'warm-up', 1_000, null)).not.toBeNull();
+            break;
+          } catch (err) {
+            if (!(err instanceof CommandTimeoutError) || attempt === 5) throw err;
+          }
+        }
         expect(await backend.release('warm-up', 'warm-up')).toBe(true);
         proxy.pause();
         await expect(backend.grant('late', 'late-token', 600_000, null)).rejects.toBeInstanceOf(CommandTimeoutError);
