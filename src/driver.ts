@@ -22,13 +22,14 @@ import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, Retrya
 import {
   abandonTransaction,
   type EventClient,
+  failedAtCommit,
   guardedTransaction,
   heardTransaction,
   refuseStatements as refuseOn,
 } from './lost-connection.js';
 import { assertMaySend, opening } from './overlap.js';
 import { heardCheckout } from './pool-checkout.js';
-import { describeServerError, originalError, sqlStateOf } from './server-error.js';
+import { describeServerError, originalError, sessionEnded, sqlStateOf } from './server-error.js';
 
 /** A drizzle Postgres database or transaction (postgres-js, node-postgres or PGlite). */
 // biome-ignore lint/suspicious/noExplicitAny: any schema, any driver result — narrowed in this module.
@@ -164,7 +165,9 @@ async function inTransaction<T>(db: Database, fn: (tx: Database) => Promise<T>):
   } catch (err) {
     // A savepoint's release that found the transaction aborted (25P02): why it was aborted, as inside it.
     if (err instanceof CallerThrew) throw err;
-    throw translateError(await causeOf((internals(db).session as unknown as { client: unknown }).client, err));
+    // The session ended once the outermost transaction's COMMIT was on its way: committed or not, nobody knows.
+    const unknown = !isTransaction(db) && failedAtCommit(err) && sessionEnded(err);
+    throw translateError(await causeOf((internals(db).session as unknown as { client: unknown }).client, err), unknown);
   }
 }
 
@@ -241,7 +244,7 @@ export function count(value: unknown): number {
  * and `cause` carry SQLSTATE, table, column and constraint only — see
  * {@link DatabaseError}.
  */
-export function translateError(err: unknown): Error {
+export function translateError(err: unknown, outcomeUnknown = false): Error {
   if (err instanceof PalisadeError) return err;
   // palisade's own, under drizzle's wrapper (a statement src/lost-connection.ts refused to send).
   const original = originalError(err);
@@ -253,7 +256,7 @@ export function translateError(err: unknown): Error {
       describeServerError(err, state).error,
     );
   }
-  return new DatabaseError(state, err);
+  return new DatabaseError(state, err, outcomeUnknown);
 }
 
 /** A client that can LISTEN: a postgres.js `Sql` or a PGlite instance. */

@@ -271,9 +271,23 @@ export class DatabaseError extends PalisadeError {
   constructor(
     readonly sqlState: string | undefined,
     cause: unknown,
+    /**
+     * True when the connection was lost once a transaction palisade began
+     * (a fenced transaction, a `modify`, a lock-scoped write's claim) had
+     * sent its COMMIT: whether it committed is unknown — read the rows
+     * again to know. False for every other failure, after which nothing the
+     * transaction wrote is kept.
+     */
+    readonly outcomeUnknown = false,
   ) {
     const safe = describeServerError(cause, sqlState);
-    super('database', safe.message, { cause: safe.error });
+    super(
+      'database',
+      outcomeUnknown ? `${safe.message} (at the COMMIT: whether it committed is unknown)` : safe.message,
+      {
+        cause: safe.error,
+      },
+    );
     this.schema = safe.fields.schema;
     this.table = safe.fields.table;
     this.column = safe.fields.column;

@@ -44,6 +44,8 @@ import { closedBy } from './server-error.js';
 
 interface Connection {
   lost: boolean;
+  /** postgres.js: the function and palisade's checks are done; what remains is the driver's COMMIT. */
+  committing?: boolean;
   /** node-postgres: the transaction's function settled; only the driver's COMMIT or ROLLBACK goes out. */
   ended?: boolean;
   /** Set when palisade refuses further statements on a live connection (its lease was lost): each rejects with it. */
@@ -239,7 +241,9 @@ export function guardedTransaction<Tx, T>(
         return value;
       }, connection);
       // Whichever way it settled, postgres.js would send COMMIT or ROLLBACK: it does not settle.
-      return value === LOST ? never() : value;
+      if (value === LOST) return never();
+      connection.committing = true;
+      return value;
     } finally {
       pending = false;
     }
@@ -248,6 +252,7 @@ export function guardedTransaction<Tx, T>(
   // function still runs, it was the close. The call then rejects a turn later (nextTurn), once every connection
   // reset in the same turn is heard closed: a caller that retries at once gets one that reconnects.
   return run.catch(async (err: unknown) => {
+    if (connection.committing) afterCommitSent(err);
     if (pending && !connection.lost) lose(connection);
     if (connection.lost) await nextTurn();
     throw err;
@@ -342,10 +347,24 @@ export function heardTransaction<Tx, T>(
     // A transaction palisade began: once its function settled, nothing but the driver's COMMIT or
     // ROLLBACK goes out. (A savepoint of yours shares your transaction's session, and its client: not there.)
     if (nested) return fn(tx);
-    return fn(tx).finally(() => {
-      connection.ended = true;
-    });
+    return fn(tx).then(
+      (value) => {
+        // drizzle sends the COMMIT next (into a connection the client knows closed, it changes nothing).
+        connection.ended = true;
+        const state = client as unknown as PgClientState | undefined;
+        connection.committing = !connection.lost && state?._queryable !== false && state?._ended !== true;
+        return value;
+      },
+      (err: unknown) => {
+        connection.ended = true;
+        throw err;
+      },
+    );
   })
+    .catch((err: unknown) => {
+      if (connection.committing) afterCommitSent(err);
+      throw err;
+    })
     .then((value) => {
       answer?.check();
       return value;
@@ -356,6 +375,18 @@ export function heardTransaction<Tx, T>(
       answer?.off();
     });
 }
+
+// The failures of transactions palisade began that came once their COMMIT was on its way.
+const atCommit = new WeakSet<object>();
+const afterCommitSent = (err: unknown) => {
+  if (typeof err === 'object' && err !== null) atCommit.add(err);
+};
+
+/**
+ * @internal Whether `err` failed a transaction palisade began (on postgres.js or node-postgres) once its
+ * COMMIT was on its way: then, if the failure says the session ended, whether it committed is unknown.
+ */
+export const failedAtCommit = (err: unknown): boolean => typeof err === 'object' && err !== null && atCommit.has(err);
 
 // What to undo for each transaction or savepoint heardTransaction runs, should the driver never finish it.
 const abandoning = new WeakMap<object, () => void>();

@@ -14,6 +14,8 @@ export interface PgClientState {
   /** False once the connection failed; `_ending` once the client is being closed: it answers at once then. */
   readonly _queryable?: boolean;
   readonly _ending?: boolean;
+  /** True once its connection ended. */
+  readonly _ended?: boolean;
   readonly connection?: unknown;
   /** `Client.Query`: how the client itself turns `query(config, values, callback)` into a statement. */
   readonly constructor: { Query?: new (...args: unknown[]) => PgQuery };

@@ -83,7 +83,7 @@ export type FencedTransactionResult<R> =
  * details) — unless a lease's TTL ran out meanwhile and the idle bound
  * ended the session before the COMMIT went out: then with `LeaseLostError`,
  * that failure its cause (at the COMMIT the outcome is unknown, and the
- * driver's `DatabaseError` says so).
+ * `DatabaseError` says so: its `outcomeUnknown` is true).
  * Does not: retry — a deadlock
  * between tables (40P01) or a serialization failure rejects with
  * `RetryableWriteError`; errors thrown by `fn` roll back and come out as thrown.
@@ -148,7 +148,9 @@ export async function fencedTransaction<R>(
     // stopped for it (the function's own error included), and whatever of palisade's or the driver's
     // failed after (the idle timeout may end the session before the lease's local expiry fires).
     const stopped = stopper?.disarm() ?? false;
-    const lost = stopped || asThrown(err) === err ? lostOf(list) : undefined;
+    // Not at the COMMIT: a lease lost while it was on its way does not make it fail (the driver's error says
+    // whether the outcome is known).
+    const lost = !committing && (stopped || asThrown(err) === err) ? lostOf(list) : undefined;
     // A lease whose TTL ran out meanwhile, and the session ended before the COMMIT went out: the idle bound
     // of its TTL left ended it (a call of palisade's in the function may be what heard it). At the COMMIT the
     // outcome is unknown, and the driver's failure says so.

@@ -229,6 +229,8 @@ for (const { name, open, seen } of drivers) {
         );
         await at.close(db);
         expect(await outcome).toBeInstanceOf(DatabaseError);
+        // Closed before the COMMIT went out: nothing committed, and the error says the outcome is known.
+        expect([what, ((await outcome) as DatabaseError).outcomeUnknown]).toEqual([what, false]);
         await until(() => late !== undefined);
         // A statement after the close is refused (a write through palisade with a PalisadeError).
         if (refused) expect(late).toBeInstanceOf(what === 'writes through palisade' ? PalisadeError : Error);

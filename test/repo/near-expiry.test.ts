@@ -242,13 +242,18 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
       let armed = false;
       // Whether the server answered a COMMIT the proxy forwarded (its CommandComplete, withheld from the client).
       let serverCommitted = false;
+      let loseLease = () => {};
       const proxy = net.createServer((client) => {
         const server = net.connect(new URL(url).port ? Number(new URL(url).port) : 5432, new URL(url).hostname);
         let committed = false;
         client.on('error', () => {});
         server.on('error', () => {});
         client.on('data', (d) => {
-          if (armed && /commit\0/i.test(d.toString('latin1'))) committed = true;
+          if (armed && /commit\0/i.test(d.toString('latin1'))) {
+            committed = true;
+            // The lease is lost while the COMMIT is on its way: that does not make the outcome known.
+            loseLease();
+          }
           server.write(d);
         });
         server.on('data', (d) => {
@@ -273,7 +278,9 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
             const own = await connect(proxied.toString());
             const id = ++row;
             await execute(own.db, sql`select 1`);
-            const lease = holder(80);
+            const signal = new AbortController();
+            loseLease = () => signal.abort(new Error('the lease was lost'));
+            const lease = { ...holder(80), signal: signal.signal };
             const repo = fencedRepository(own.db, resource).with(lease);
             serverCommitted = false;
             armed = true;
@@ -296,6 +303,7 @@ describe.runIf(needs('DATABASE_URL')).each(everyTransactionDriver.filter((d) => 
             expect([write, await valueAt(id)]).toEqual([write, 'written']);
             expect(outcome).toHaveProperty('err');
             expect((outcome as { err: unknown }).err).toBeInstanceOf(DatabaseError);
+            expect((outcome as { err: DatabaseError }).err.outcomeUnknown).toBe(true);
             break;
           }
         }
