@@ -18,11 +18,11 @@ import {
   PgTransaction,
 } from 'drizzle-orm/pg-core';
 import { causeOf, watchedPgliteTransaction, withCause } from './aborted-transaction.js';
+import { failedAtCommit } from './commit-outcome.js';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
 import {
   abandonTransaction,
   type EventClient,
-  failedAtCommit,
   guardedTransaction,
   heardTransaction,
   refuseStatements as refuseOn,

@@ -1,32 +1,15 @@
 /**
- * Transactions whose connection the server closed: the process must live on.
- *
- * palisade's fenced work sets `idle_in_transaction_session_timeout`, so a
- * holder paused inside a transaction has its connection closed by design;
- * `pg_terminate_backend` does the same. Both drivers would end the process
- * there:
- *
- * - postgres.js 3.4.9 throws an uncatchable `TypeError` (`reading 'write'`,
- *   from a `setImmediate`) when a statement is sent on a transaction's
- *   connection after the server closed it (porsager/postgres#1208) — and the
- *   driver itself sends one (`ROLLBACK`, `ROLLBACK TO`, `COMMIT`) as soon as
- *   a transaction's or savepoint's function settles. So once the connection
- *   is gone nothing more is sent on it: every statement on the transaction
- *   (palisade's and the caller's own, through drizzle) rejects before it is
- *   sent, and the functions palisade gave the driver never settle; the
- *   callers get the close instead (the driver's promise for the transaction
- *   rejects with it; a savepoint's call rejects here).
- * - node-postgres emits `error` on a checked-out client whose connection
- *   closes while no query runs on it, and its pool listens only to idle
- *   clients: unheard, the event ends the process. So palisade listens while
- *   its transaction holds the client; what follows on that client rejects.
- *
- * The server rolled the transaction back when it closed the connection,
- * unless the close came while COMMIT was under way (then it is unknown).
- *
- * The same proxies see the transaction's statements for one more purpose: a
- * transaction a caught failure aborted must not pass for committed
- * (aborted-transaction.ts).
+ * Transactions whose connection the server closed: the process must live on
+ * (README, "When the connection closes inside a transaction", says what a
+ * caller sees and why). postgres.js 3.4.9 ends the process when a statement
+ * is sent on a transaction's connection after the server closed it — the
+ * driver sends its own `ROLLBACK`, `ROLLBACK TO` or `COMMIT` as soon as a
+ * function settles — so once the connection is gone nothing more is sent on
+ * it, and the functions palisade gave the driver never settle. node-postgres
+ * emits `error` on a checked-out client that nobody listens to, so palisade
+ * listens while its transaction holds the client. The same proxies see the
+ * transaction's statements for one more purpose: a transaction a caught
+ * failure aborted must not pass for committed (aborted-transaction.ts).
  */
 import {
   assertNotAborted,
@@ -38,8 +21,9 @@ import {
   unwatch,
   watch,
 } from './aborted-transaction.js';
+import { afterCommitSent } from './commit-outcome.js';
 import { DatabaseError } from './errors.js';
-import { type PgClientState, refusedStatement, whenIdle } from './node-postgres-client.js';
+import { type PgClientState, queryable, refusedStatement, whenIdle } from './node-postgres-client.js';
 import { closedBy } from './server-error.js';
 
 interface Connection {
@@ -347,19 +331,15 @@ export function heardTransaction<Tx, T>(
     // A transaction palisade began: once its function settled, nothing but the driver's COMMIT or
     // ROLLBACK goes out. (A savepoint of yours shares your transaction's session, and its client: not there.)
     if (nested) return fn(tx);
-    return fn(tx).then(
-      (value) => {
+    return fn(tx)
+      .then((value) => {
         // drizzle sends the COMMIT next (into a connection the client knows closed, it changes nothing).
-        connection.ended = true;
-        const state = client as unknown as PgClientState | undefined;
-        connection.committing = !connection.lost && state?._queryable !== false && state?._ended !== true;
+        connection.committing = !connection.lost && queryable(client);
         return value;
-      },
-      (err: unknown) => {
+      })
+      .finally(() => {
         connection.ended = true;
-        throw err;
-      },
-    );
+      });
   })
     .catch((err: unknown) => {
       if (connection.committing) afterCommitSent(err);
@@ -375,18 +355,6 @@ export function heardTransaction<Tx, T>(
       answer?.off();
     });
 }
-
-// The failures of transactions palisade began that came once their COMMIT was on its way.
-const atCommit = new WeakSet<object>();
-const afterCommitSent = (err: unknown) => {
-  if (typeof err === 'object' && err !== null) atCommit.add(err);
-};
-
-/**
- * @internal Whether `err` failed a transaction palisade began (on postgres.js or node-postgres) once its
- * COMMIT was on its way: then, if the failure says the session ended, whether it committed is unknown.
- */
-export const failedAtCommit = (err: unknown): boolean => typeof err === 'object' && err !== null && atCommit.has(err);
 
 // What to undo for each transaction or savepoint heardTransaction runs, should the driver never finish it.
 const abandoning = new WeakMap<object, () => void>();

@@ -27,6 +27,12 @@ interface PgQuery {
   handleError(err: unknown, connection: unknown): void;
 }
 
+/** Whether `client` (a node-postgres `Client`, if it is one) has not yet found its connection gone. */
+export function queryable(client: unknown): boolean {
+  const state = client as PgClientState | undefined;
+  return state?._queryable !== false && state?._ended !== true;
+}
+
 /**
  * A refused statement answered as node-postgres answers one on a client it cannot query: a Submittable, or a
  * statement with a callback, through its `handleError` on the next tick; otherwise a rejected promise.
