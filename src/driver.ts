@@ -165,8 +165,10 @@ async function inTransaction<T>(db: Database, fn: (tx: Database) => Promise<T>):
   } catch (err) {
     // A savepoint's release that found the transaction aborted (25P02): why it was aborted, as inside it.
     if (err instanceof CallerThrew) throw err;
-    // The session ended once the outermost transaction's COMMIT was on its way: committed or not, nobody knows.
-    const unknown = !isTransaction(db) && failedAtCommit(err) && sessionEnded(err);
+    // The outermost transaction's COMMIT was on its way and the server gave no answer that says it failed — the
+    // session ended, or the failure is the client's own (a socket error, node-postgres's query_timeout, which
+    // leaves the COMMIT running): committed or not, nobody knows.
+    const unknown = !isTransaction(db) && failedAtCommit(err) && (sessionEnded(err) || sqlStateOf(err) === undefined);
     throw translateError(await causeOf((internals(db).session as unknown as { client: unknown }).client, err), unknown);
   }
 }

@@ -272,10 +272,12 @@ export class DatabaseError extends PalisadeError {
     readonly sqlState: string | undefined,
     cause: unknown,
     /**
-     * True when the connection was lost once a transaction palisade began
-     * (a fenced transaction, a `modify`, a lock-scoped write's claim) had
-     * sent its COMMIT: whether it committed is unknown — read the rows
-     * again to know. False for every other failure, after which nothing the
+     * True when a transaction palisade began (a fenced transaction, a
+     * `modify`, a lock-scoped write's claim) had sent its COMMIT and no
+     * answer of the server's says it failed — the connection was lost, or the
+     * client gave up waiting (a socket error, node-postgres's
+     * `query_timeout`): whether it committed is unknown — read the rows again
+     * to know. False for every other failure, after which nothing the
      * transaction wrote is kept.
      */
     readonly outcomeUnknown = false,
