@@ -4,6 +4,7 @@
  * "Resetting a register").
  */
 import { CliError } from '../errors.js';
+import { toFence } from '../fencing/fence.js';
 import { type Command, connect, connectionError, parse, requireDatabaseUrl, table, toJson } from './common.js';
 
 const listHelp = `Usage: palisade locks registers [--namespace NS] [--limit N] [--json]
@@ -58,13 +59,13 @@ const MOVED =
 const LOCKED =
   "a transaction kept the register's row locked past --wait-ms (a holder's fenced transaction or lock-scoped write), nothing changed: try again, or wait longer";
 
-/** A positive 64-bit integer option, or a usage error naming it. */
+/** A fence option (as {@link toFence} reads a decimal string), or a usage error naming it. */
 function fenceArg(option: string, value: unknown): bigint {
-  const text = String(value);
-  if (!/^[1-9][0-9]{0,18}$/.test(text) || BigInt(text) > 9223372036854775807n) {
+  try {
+    return toFence(String(value));
+  } catch {
     throw new CliError(`${option} must be a positive 64-bit integer`, 2);
   }
-  return BigInt(text);
 }
 const NO_TABLE = 'no palisade.lock_registers table in this database: run `palisade migrate` first';
 

@@ -169,8 +169,12 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks reset-register (real Postg
         reset(nfc, '--delete', '--create'),
         reset(nfc, '--fence', '5', '--expect', '0'),
         reset(nfc, '--fence', '5', '--wait-ms', '0'),
+        reset(nfc, '--fence', '9223372036854775808'),
+        reset(nfc, '--fence', '05'),
       ]);
-      expect(usage.map((u) => u.code)).toEqual([2, 2, 2]);
+      expect(usage.map((u) => u.code)).toEqual([2, 2, 2, 2, 2]);
+      expect(usage[3]?.stderr).toMatch(/--fence must be a positive 64-bit integer/);
+      expect(await fenceOf(nfc)).toBe('5');
     } finally {
       await held.end({ timeout: 1 });
       await test.close();
