@@ -25,7 +25,8 @@
  * driver's or palisade's (never a `TypeError`), and what it wrote is
  * visible either not at all or — the kill came while its `COMMIT` was under
  * way, whose outcome no database can tell — all of it: never a part (and
- * not at all when its function threw); once
+ * not at all when its function threw), and then its `DatabaseError` says
+ * the outcome is unknown (`outcomeUnknown`); once
  * every call settled, no session of the pool stays in a transaction; and
  * the process lives on (an uncaught error fails the run).
  */
@@ -171,7 +172,14 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
     let url = '';
     let locks: LockManager;
     let run = 0;
-    const reached = { applied: 0, rejected: 0, committedInDoubt: 0, retriedAfterReconnect: 0, slowestMs: 0 };
+    const reached = {
+      applied: 0,
+      rejected: 0,
+      committedInDoubt: 0,
+      unknownNotKept: 0,
+      retriedAfterReconnect: 0,
+      slowestMs: 0,
+    };
 
     beforeAll(async () => {
       base = await postgresDatabase({ max: 4 });
@@ -282,8 +290,10 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
                 // that the transaction rolled back.
                 expect(err, context).toBeInstanceOf(DatabaseError);
                 expect((err as DatabaseError).sqlState, context).not.toBe('25P02');
+                // ...and that its outcome is unknown: a failure it called known would have kept nothing.
+                expect((err as DatabaseError).outcomeUnknown, context).toBe(true);
                 reached.committedInDoubt++;
-              }
+              } else if (err instanceof DatabaseError && err.outcomeUnknown) reached.unknownNotKept++;
             }
           }
           // Every call settled: no session of the pool is left in a transaction (the driver's own rollback
