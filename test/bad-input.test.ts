@@ -492,7 +492,11 @@ async function serverBackend(kind: BackendKind): Promise<Backend> {
       return { ...pg, redis: values };
     },
     async locksWithoutExpiry() {
-      if (etcd) return (await etcdState()).keys.filter(([, leased]) => !leased).map(([key]) => key);
+      // The namespace's source key has no lease by design (it names the fence source): lock and label keys do.
+      if (etcd) {
+        const { keys } = await etcdState();
+        return keys.filter(([key, leased]) => !leased && !key.endsWith('/source')).map(([key]) => key);
+      }
       if (redis) {
         const keys = (await redisKeys()).filter((k) => k.includes('}:lock:'));
         const ttls = await Promise.all(keys.map(async (k) => [k, await redis.pttl(k)] as const));

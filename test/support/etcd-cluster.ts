@@ -43,6 +43,12 @@ export interface EtcdCluster {
    * its data removed, and a new cluster (a new cluster id, revisions from 1) started on the same URLs.
    */
   replace(timeoutMs?: number): Promise<void>;
+  /**
+   * Wipes the cluster, as an operator who lost its data and started it again with the same flags does:
+   * every member killed, its data removed, and started on the same URLs with the same cluster token —
+   * the same cluster id (etcd derives it from those), revisions from 1.
+   */
+  wipe(timeoutMs?: number): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -177,9 +183,12 @@ export async function startEtcdCluster(size = 3, timeoutMs = 30_000): Promise<Et
       await leader(timeout);
     },
     async replace(timeout = timeoutMs) {
+      token = newToken();
+      await cluster.wipe(timeout);
+    },
+    async wipe(timeout = timeoutMs) {
       await Promise.all(members.map((m) => m.kill()));
       await Promise.all(specs.map((spec) => rm(spec.dataDir, { recursive: true, force: true })));
-      token = newToken();
       for (const m of members) m.start();
       await leader(timeout);
     },

@@ -11,9 +11,10 @@ import { FenceSourceError, LockServiceError } from '../../../errors.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type Fence, toFence } from '../../fence.js';
 import { isTransient, retryingCall, withContext } from './failures.js';
+import { keepAliveOnce } from './keep-alive.js';
 import { etcdLeaseSeconds } from './keys.js';
 import { checkEtcdOptions, type EtcdLockManagerOptions } from './options.js';
-import { etcdFenceSource } from './source.js';
+import { etcdFenceSource, newSourceMark } from './source.js';
 
 /** What the backend remembers of a lease it granted, by token. */
 interface Held {
@@ -26,6 +27,8 @@ interface Held {
   watcher: Watcher | undefined;
   /** Watches started again after etcd cancelled one (a compaction): at most {@link MAX_REWATCHES}. */
   rewatches: number;
+  /** The extension under way, if any: the next one starts after it (see `extend`). */
+  extending: Promise<unknown>;
 }
 
 const MAX_REWATCHES = 10;
@@ -75,34 +78,6 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     const res = await call('lease grant', (o) => client.leaseClient.leaseGrant({ TTL: seconds, ID: 0 }, o));
     if (res.error) throw new LockServiceError('etcd', `etcd lease grant failed: ${res.error}`);
     return res.ID;
-  }
-
-  /**
-   * One keep-alive on a stream of its own, one attempt: true if etcd renewed
-   * the lease, false if it no longer exists. Streams bypass the client's
-   * retry policy, so a transient failure is left to the caller.
-   */
-  async function keepAliveOnce(leaseId: string): Promise<boolean> {
-    const stream = await client.leaseClient.leaseKeepAlive({ deadline: Date.now() + Math.ceil(timeoutMs / 2) });
-    return new Promise<boolean>((resolve, reject) => {
-      let settled = false;
-      const settle = (fn: () => void) => {
-        if (settled) return;
-        settled = true;
-        fn();
-        try {
-          stream.end();
-        } catch {
-          // already closed
-        }
-      };
-      stream.on('data', (res) => settle(() => resolve(BigInt(res.TTL || '0') > 0n)));
-      stream.on('error', (err) => settle(() => reject(err)));
-      stream.on('end', () =>
-        settle(() => reject(new LockServiceError('etcd', 'etcd keep-alive stream ended without an answer'))),
-      );
-      stream.write({ ID: leaseId });
-    });
   }
 
   /**
@@ -194,36 +169,81 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     else watchForLoss(entry, BigInt(res.header.revision) + 1n);
   }
 
+  /**
+   * The grant: the lock key and holder label on `leaseId` if the lock key does not exist and the source
+   * key does, and — either way — the lock key and the source key, read in the same revision.
+   */
+  function grantTxn(name: string, token: string, leaseId: string, holder: string | null): Promise<ITxnResponse> {
+    const lock = keys.lock(name);
+    return txn('grant', {
+      compare: [
+        { key: bytes(lock), target: 'Create', result: 'Equal', create_revision: 0 },
+        { key: bytes(keys.source), target: 'Create', result: 'Greater', create_revision: 0 },
+      ],
+      success: [
+        { request_put: { key: bytes(lock), value: bytes(token), lease: leaseId } },
+        { request_put: { key: bytes(keys.holder(name)), value: bytes(JSON.stringify({ holder })), lease: leaseId } },
+        rangeOf(lock),
+        rangeOf(keys.source),
+      ],
+      failure: [rangeOf(lock), rangeOf(keys.source)],
+    });
+  }
+
+  async function extendOnce(entry: Held, name: string, token: string, ttlMs: number): Promise<boolean> {
+    if (entry.lost.signal.aborted || held.get(token) !== entry) return false;
+    const seconds = etcdLeaseSeconds(ttlMs);
+    const leaseId = entry.leaseId;
+    if (seconds === entry.seconds) {
+      const [renewed, res] = await Promise.all([
+        keepAliveOnce(client, leaseId, timeoutMs).catch((err: unknown) => {
+          if (isTransient(err)) return undefined;
+          throw withContext(err, 'etcd lease keep-alive');
+        }),
+        txn('extend check', { compare: [], success: [rangeOf(keys.lock(name))], failure: [] }),
+      ]);
+      const kv = firstKv(res, 0);
+      if (renewed === false || kv?.value.toString('utf8') !== token || kv.lease !== leaseId) return false;
+      if (renewed) return true;
+      // The keep-alive stream failed (its member is down): renew through unary calls instead.
+    }
+    // etcd cannot change a lease's TTL (nor renew one without a stream): move the keys to a new lease.
+    return moveToNewLease(entry, token, seconds);
+  }
+
   const backend: LockBackend = {
     kind: 'etcd',
 
     async grant(name, token, ttlMs, holder): Promise<Grant | null> {
       const floor = observed;
       const seconds = etcdLeaseSeconds(ttlMs);
-      const lock = keys.lock(name);
       const leaseId = await newLease(seconds);
       let res: ITxnResponse;
       try {
-        res = await txn('grant', {
-          compare: [{ key: bytes(lock), target: 'Create', result: 'Equal', create_revision: 0 }],
-          success: [
-            { request_put: { key: bytes(lock), value: bytes(token), lease: leaseId } },
-            {
-              request_put: { key: bytes(keys.holder(name)), value: bytes(JSON.stringify({ holder })), lease: leaseId },
-            },
-            rangeOf(lock),
-          ],
-          failure: [rangeOf(lock)],
-        });
+        res = await grantTxn(name, token, leaseId, holder);
+        // No source key (a new namespace, or data wiped): put one, then grant again. Twice at most.
+        for (let i = 0; i < 2 && !res.succeeded && !firstKv(res, 1); i++) {
+          await txn('source', {
+            compare: [{ key: bytes(keys.source), target: 'Create', result: 'Equal', create_revision: 0 }],
+            success: [{ request_put: { key: bytes(keys.source), value: bytes(newSourceMark()) } }],
+            failure: [],
+          });
+          res = await grantTxn(name, token, leaseId, holder);
+        }
       } catch (err) {
         // Unknown outcome: revoking our lease takes the keys with it if the put did land.
         revokeLater(leaseId);
         throw err;
       }
       const kv = firstKv(res, res.succeeded ? 2 : 0);
-      if (!kv) {
+      const mark = firstKv(res, res.succeeded ? 3 : 1)?.value.toString('utf8');
+      if (!kv || mark === undefined) {
         revokeLater(leaseId);
-        throw new LockServiceError('etcd', `etcd grant of ${JSON.stringify(name)}: the transaction returned no key`);
+        const missing = kv ? 'its fence source key' : 'the lock key';
+        throw new LockServiceError(
+          'etcd',
+          `etcd grant of ${JSON.stringify(name)}: the transaction returned no ${missing}`,
+        );
       }
       let granted = leaseId;
       if (!res.succeeded) {
@@ -237,7 +257,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         if (granted !== leaseId) revokeLater(leaseId);
       }
       const fence = toFence(kv.create_revision);
-      const source = etcdFenceSource(res.header);
+      const source = etcdFenceSource(res.header, mark);
       if (source === undefined) {
         if (res.succeeded) revokeLater(granted);
         throw new LockServiceError('etcd', `etcd grant of ${JSON.stringify(name)}: the response named no cluster id`);
@@ -262,6 +282,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         lost: new AbortController(),
         watcher: undefined,
         rewatches: 0,
+        extending: Promise.resolve(),
       };
       held.set(token, entry);
       if (!closed) watchForLoss(entry);
@@ -271,22 +292,12 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     async extend(name, token, ttlMs) {
       const entry = held.get(token);
       if (!entry || entry.lost.signal.aborted) return false;
-      const seconds = etcdLeaseSeconds(ttlMs);
-      if (seconds === entry.seconds) {
-        const [renewed, res] = await Promise.all([
-          keepAliveOnce(entry.leaseId).catch((err: unknown) => {
-            if (isTransient(err)) return undefined;
-            throw withContext(err, 'etcd lease keep-alive');
-          }),
-          txn('extend check', { compare: [], success: [rangeOf(keys.lock(name))], failure: [] }),
-        ]);
-        const kv = firstKv(res, 0);
-        if (renewed === false || kv?.value.toString('utf8') !== token || kv.lease !== entry.leaseId) return false;
-        if (renewed) return true;
-        // The keep-alive stream failed (its member is down): renew through unary calls instead.
-      }
-      // etcd cannot change a lease's TTL (nor renew one without a stream): move the keys to a new lease.
-      return moveToNewLease(entry, token, seconds);
+      // One at a time per lease: a renewal of the lease the key was on, checked while another extension
+      // moved the key to a new lease, passed for the new one — and the lease counted on a TTL etcd did not
+      // keep (an attack: 3.0 s kept, 10 s believed).
+      const extension = entry.extending.then(() => extendOnce(entry, name, token, ttlMs));
+      entry.extending = extension.catch(() => {});
+      return extension;
     },
 
     async release(name, token) {

@@ -2,7 +2,9 @@
  * Where the etcd backend keeps a namespace's locks. With `p =
  * palisade/<namespace>/` (the namespace rule allows no `/`): `p lock/<name>`
  * holds the owner token and `p holder/<name>` the holder label, both
- * attached to the grant's own etcd lease, so they expire together.
+ * attached to the grant's own etcd lease, so they expire together; `p
+ * source` holds the random mark that names the namespace's fence source
+ * (./source.ts), with no lease.
  */
 import { checkNamespace } from '../../options.js';
 
@@ -14,6 +16,8 @@ export interface EtcdKeyNames {
   lock(name: string): string;
   /** The key holding the holder label of a lock name. */
   holder(name: string): string;
+  /** The key whose value names the fence source (put once, by the first grant that finds it missing). */
+  readonly source: string;
 }
 
 /**
@@ -23,7 +27,12 @@ export interface EtcdKeyNames {
 export function etcdKeyNames(namespace: string): EtcdKeyNames {
   checkNamespace(namespace);
   const prefix = `palisade/${namespace}/`;
-  return { prefix, lock: (name) => `${prefix}lock/${name}`, holder: (name) => `${prefix}holder/${name}` };
+  return {
+    prefix,
+    lock: (name) => `${prefix}lock/${name}`,
+    holder: (name) => `${prefix}holder/${name}`,
+    source: `${prefix}source`,
+  };
 }
 
 /**
