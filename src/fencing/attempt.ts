@@ -21,9 +21,10 @@ const MIN_AFTER_PAUSE_MS = 100;
  * @internal The work `start` begins, or a timeout error at `deadline` (a
  * monotonic time). `start` gets `pause`: while work runs through it the
  * deadline does not run, and it moves later by the time paused (overlapping
- * pauses count once); from the first pause on, `signal` aborting ends the
- * attempt at once, and a pause asked for after that fails, so the backend
- * stops. `onPaused(ms)` hears each pause's end. If the work settles after
+ * pauses count once). `signal` aborting ends the attempt at once — a
+ * service that does not answer (etcd frozen: its client retries for seconds)
+ * does not hold the caller who gave up — and a pause asked for after that
+ * fails, so the backend stops. `onPaused(ms)` hears each pause's end. If the work settles after
  * the attempt ended, `onLate(value)` gets its value (undefined if it
  * failed) so a grant nobody waits for can be given back.
  */
@@ -59,14 +60,17 @@ export function bounded<T>(
       if (Number.isFinite(deadline)) timer = atDeadline(deadline, fire, true);
     };
     arm();
+    if (signal?.aborted) {
+      fire();
+      return;
+    }
+    if (signal) {
+      listening = true;
+      signal.addEventListener('abort', fire, { once: true });
+    }
     const pause: Pause = async (work) => {
       if (ended && !cut) return work(); // settled already: nothing to pause
-      if (signal?.aborted) fire();
       if (cut) throw new AttemptCutShort(); // nobody waits: the backend stops here
-      if (signal && !listening) {
-        listening = true;
-        signal.addEventListener('abort', fire, { once: true });
-      }
       if (pauses++ === 0) {
         cancelDeadline(timer);
         pausedAt = performance.now();

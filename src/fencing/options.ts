@@ -59,7 +59,10 @@ export interface AcquireOptions {
   readonly ttlMs: number;
   /** How long `acquire` may wait for the lock (default 10,000 ms; `tryAcquire` never waits). */
   readonly waitMs?: number;
-  /** Aborts the wait (`LockUnavailableError` with reason `aborted`). Does not release a held lease. */
+  /**
+   * Aborts the wait at once (`LockUnavailableError` with reason `aborted`), even while an attempt has no
+   * answer yet: a grant that lands after is given back. Does not release a held lease.
+   */
   readonly signal?: AbortSignal;
   /** A label for whoever holds the lease (host, pid, job id), shown by `inspect`: at most 256 characters, no NUL. */
   readonly holder?: string;

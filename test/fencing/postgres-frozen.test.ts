@@ -167,6 +167,44 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
     },
   );
 
+  // A signal that aborts while the grant gets no answer ended the wait only once the attempt failed (an attack
+  // on etcd: ~4.5 s after the abort while the cluster was frozen; here it would be the 30 s command timeout).
+  it('an acquire whose grant gets no answer ends at once when its signal aborts; the late grant is given back', async () => {
+    const patient =
+      kind === 'Postgres lease'
+        ? postgresLockManager({ client: drizzle(client) as unknown as Database, namespace, listen: false })
+        : advisoryLockManager({ client, namespace });
+    const direct = postgres(test.url as string, { max: 2, onnotice: () => {} });
+    const other = (managers[kind] as (typeof managers)[string])(direct, namespace);
+    try {
+      await (await patient.acquire('warm-up', { ttlMs: 60_000 })).release(); // the one-time checks are done
+      proxy.pause();
+      const controller = new AbortController();
+      const waiting = patient.acquire('abort', { ttlMs: 600_000, waitMs: 60_000, signal: controller.signal });
+      await new Promise((resolve) => setTimeout(resolve, 100)); // the grant is on its way
+      controller.abort();
+      let cap: NodeJS.Timeout | undefined;
+      const ended = await Promise.race([
+        waiting.then(
+          () => 'granted',
+          (e: unknown) => e,
+        ),
+        new Promise((resolve) => {
+          cap = setTimeout(() => resolve('still waiting 20 s after the abort'), 20_000);
+        }),
+      ]).finally(() => clearTimeout(cap));
+      expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
+      proxy.resume(); // the grant still queued on the connection now runs
+      // Were the late grant kept, its TTL (600 s) would outlast this wait.
+      const lease = await other.acquire('abort', { ttlMs: 5_000, waitMs: 30_000 });
+      await lease.release();
+    } finally {
+      await other.close();
+      await patient.close();
+      await direct.end({ timeout: 5 });
+    }
+  });
+
   it('tryAcquire and inspect fail with CommandTimeoutError', async () => {
     await leaseThenFreeze('held');
     await expect(manager.tryAcquire('other', { ttlMs: 1_000 })).rejects.toBeInstanceOf(CommandTimeoutError);
