@@ -83,14 +83,19 @@ describe('many managers on one client', () => {
   it('each says why Redis is down, through one pair of listeners on the client; close() removes them', async () => {
     const [port] = await freePorts(1);
     const redis = readmeClient(`redis://127.0.0.1:${port}`);
-    const before = { error: redis.listenerCount('error'), ready: redis.listenerCount('ready') };
+    // ioredis listens for 'ready' itself while one of its connection attempts is on its way (a handler named
+    // connectionReadyHandler, gone when the attempt fails): not counted, or the count follows its retries.
+    const counts = () => ({
+      error: redis.listenerCount('error'),
+      ready: redis.listeners('ready').filter((l) => l.name !== 'connectionReadyHandler').length,
+    });
+    const before = counts();
     const warnings: Error[] = [];
     const onWarning = (w: Error) => warnings.push(w);
     process.on('warning', onWarning);
     try {
       const managers = Array.from({ length: 20 }, () => manager(redis));
-      expect(redis.listenerCount('error')).toBe(before.error + 1);
-      expect(redis.listenerCount('ready')).toBe(before.ready + 1);
+      expect(counts()).toEqual({ error: before.error + 1, ready: before.ready + 1 });
       // A wait long enough for the client's first connection attempt to fail even on a loaded machine (at
       // 300 ms one run ended before it, and the managers could only say that the client was not connected).
       const errors = await Promise.all(
@@ -100,11 +105,11 @@ describe('many managers on one client', () => {
       // A manager closed twice does not close the others' watch.
       await managers[0]?.close();
       await managers[0]?.close();
-      expect(redis.listenerCount('error')).toBe(before.error + 1);
+      expect(counts()).toEqual({ error: before.error + 1, ready: before.ready + 1 });
       const err = await managers[1]?.acquire('job', { ttlMs: 5_000, waitMs: 300 }).catch((e: unknown) => e);
       expect((err as Error).message).toMatch(/connection refused/);
       for (const m of managers.slice(1)) await m.close();
-      expect({ error: redis.listenerCount('error'), ready: redis.listenerCount('ready') }).toEqual(before);
+      expect(counts()).toEqual(before);
       // Warnings are emitted on the next tick.
       await new Promise((resolve) => setImmediate(resolve));
       expect(warnings.filter((w) => w.name === 'MaxListenersExceededWarning')).toEqual([]);
