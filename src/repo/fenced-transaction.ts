@@ -62,7 +62,7 @@ export type FencedTransactionResult<R> =
  * statement and sorted order, it claims every lease's lock register (so two
  * transactions over overlapping locks never deadlock on them) and sets
  * `idle_in_transaction_session_timeout` locally to at most the leases'
- * remaining TTL; then `fn` writes through repositories (on `db` they join
+ * remaining TTL (not on PGlite: README, "Two scopes of fencing"); then `fn` writes through repositories (on `db` they join
  * `tx`; `with(lease)` or bare fences, each write still fenced per row). If
  * any write inside is refused (`stale` or `duplicate`) the whole
  * transaction rolls back and the result says so; `missing` is left to `fn`.

@@ -26,9 +26,12 @@ const claimSql = () =>
  * session), unless it is bounded tighter already: a write inside a fenced transaction, or in a
  * caller's transaction that set its own bound, must not loosen it (a modify inside a fenced
  * transaction once raised its bound to 60 s, and a paused holder kept every grant out that long).
+ * Not on PGlite, in process or behind pglite-socket (its `version()` names it): once the timeout fired
+ * there, the next statement spun the process at full CPU forever (PGlite 0.5.14, an attack; PGlite
+ * alone does it too), and its one session keeps every other client waiting behind the transaction anyway.
  */
 export const idleBoundSql = () =>
-  sql`set_config('idle_in_transaction_session_timeout', least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text, true)`;
+  sql`set_config('idle_in_transaction_session_timeout', case when version() like '%PGlite%' then current_setting('idle_in_transaction_session_timeout') else least(nullif((extract(epoch from current_setting('idle_in_transaction_session_timeout')::interval) * 1000)::int8, 0), ${p('idle')}::int8)::text end, true)`;
 // Tags the transaction as a sharer of one register at one fence, by the placeholders `tag1` and `tag2`
 // (registerTag): a raise above that fence ends such a sharer if it stalls mid-statement (migrations
 // 0009, 0010). Never waits: a tag someone holds exclusively (a colliding advisory lock of their own) is

@@ -4,6 +4,7 @@
  * process, a holder SIGSTOPped inside a fenced transaction, concurrency
  * without self-blocking or hangs, forged fences and the register reset.
  */
+import { execFileSync } from 'node:child_process';
 import { type AddressInfo, connect, createServer } from 'node:net';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
@@ -616,6 +617,27 @@ describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, ()
       expect((await repo.get({ id: 2 }))?.value).toBe('new 2');
       await current.release();
     }));
+
+  // palisade bounded a lock-scoped transaction's idle time on PGlite too: once the timeout fired there, the
+  // next statement spun the process at full CPU forever (an attack, every time; PGlite alone does it too).
+  // In a child process, killed if it does not exit: a spinning event loop would stop this suite's timers.
+  it('lock-scoped work that sits idle past its lease inside a transaction settles, and PGlite answers after', () => {
+    const out = execFileSync(process.execPath, ['--import', 'tsx', 'test/fixtures/pglite-idle-past-ttl.ts'], {
+      encoding: 'utf8',
+      timeout: 90_000,
+    });
+    expect(
+      out
+        .trim()
+        .split('\n')
+        .map((line) => JSON.parse(line)),
+    ).toEqual([
+      // Its lease ran out before the COMMIT: refused, nothing written.
+      { case: 'fenced transaction', settled: 'rejected', code: 'lease_lost', alive: true },
+      // Yours commits: on PGlite nothing else could take the lock while it was open.
+      { case: 'your own transaction', settled: 'applied', alive: true },
+    ]);
+  });
 
   // PGlite returns text without a leading U+FEFF: a claim's rows name their locks by key, a uuid.
   it('a fenced transaction over two leases is refused when a higher fence claimed a lock whose name begins with U+FEFF', () =>
