@@ -14,7 +14,7 @@ import { isTransient, retryingCall, withContext } from './failures.js';
 import { keepAliveOnce } from './keep-alive.js';
 import { etcdLeaseSeconds } from './keys.js';
 import { checkEtcdOptions, type EtcdLockManagerOptions } from './options.js';
-import { etcdFenceSource, newSourceMark } from './source.js';
+import { etcdFenceSource, grantRequest, sourceKeyRequest } from './source.js';
 
 /** What the backend remembers of a lease it granted, by token. */
 interface Held {
@@ -47,8 +47,10 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
   /** Background work (lease revocations, watch cancellations) that `close` waits for. */
   const background = new Set<Promise<unknown>>();
   const waiters = new Set<() => void>();
-  /** The highest revision any response showed this backend: a fresh grant's fence must be above it. */
+  /** The highest revision any response showed this backend: a fresh grant's fence of its source must be above it. */
   let observed = 0n;
+  /** The source of this backend's last grant: the one `observed` is of. */
+  let observedSource: string | undefined;
   let closed = false;
 
   const bytes = (s: string) => Buffer.from(s, 'utf8');
@@ -169,27 +171,6 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     else watchForLoss(entry, BigInt(res.header.revision) + 1n);
   }
 
-  /**
-   * The grant: the lock key and holder label on `leaseId` if the lock key does not exist and the source
-   * key does, and — either way — the lock key and the source key, read in the same revision.
-   */
-  function grantTxn(name: string, token: string, leaseId: string, holder: string | null): Promise<ITxnResponse> {
-    const lock = keys.lock(name);
-    return txn('grant', {
-      compare: [
-        { key: bytes(lock), target: 'Create', result: 'Equal', create_revision: 0 },
-        { key: bytes(keys.source), target: 'Create', result: 'Greater', create_revision: 0 },
-      ],
-      success: [
-        { request_put: { key: bytes(lock), value: bytes(token), lease: leaseId } },
-        { request_put: { key: bytes(keys.holder(name)), value: bytes(JSON.stringify({ holder })), lease: leaseId } },
-        rangeOf(lock),
-        rangeOf(keys.source),
-      ],
-      failure: [rangeOf(lock), rangeOf(keys.source)],
-    });
-  }
-
   async function extendOnce(entry: Held, name: string, token: string, ttlMs: number): Promise<boolean> {
     if (entry.lost.signal.aborted || held.get(token) !== entry) return false;
     const seconds = etcdLeaseSeconds(ttlMs);
@@ -220,15 +201,11 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       const leaseId = await newLease(seconds);
       let res: ITxnResponse;
       try {
-        res = await grantTxn(name, token, leaseId, holder);
+        res = await txn('grant', grantRequest(keys, name, token, leaseId, holder));
         // No source key (a new namespace, or data wiped): put one, then grant again. Twice at most.
         for (let i = 0; i < 2 && !res.succeeded && !firstKv(res, 1); i++) {
-          await txn('source', {
-            compare: [{ key: bytes(keys.source), target: 'Create', result: 'Equal', create_revision: 0 }],
-            success: [{ request_put: { key: bytes(keys.source), value: bytes(newSourceMark()) } }],
-            failure: [],
-          });
-          res = await grantTxn(name, token, leaseId, holder);
+          await txn('source', sourceKeyRequest(keys));
+          res = await txn('grant', grantRequest(keys, name, token, leaseId, holder));
         }
       } catch (err) {
         // Unknown outcome: revoking our lease takes the keys with it if the put did land.
@@ -262,12 +239,17 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         if (res.succeeded) revokeLater(granted);
         throw new LockServiceError('etcd', `etcd grant of ${JSON.stringify(name)}: the response named no cluster id`);
       }
-      if (res.succeeded && fence <= floor) {
+      // Another source than the last grant's (data wiped, or restored with its source key deleted): the
+      // revisions seen were of other data, and the floor starts again from this grant.
+      const sameSource = observedSource === undefined || observedSource === source;
+      if (res.succeeded && fence <= floor && sameSource) {
         revokeLater(granted);
         throw new FenceSourceError(
-          `etcd issued revision ${fence} after this process had seen revision ${floor}: the cluster went back (replaced, or restored from an older snapshot); refusing the fence`,
+          `etcd issued revision ${fence} after this process had seen revision ${floor}: the cluster went back (restored from an older snapshot); refusing the fence`,
         );
       }
+      if (!sameSource) observed = BigInt(res.header.revision);
+      observedSource = source;
       seenHeldAt.delete(name);
       const known = held.get(token);
       if (known && known.fence === fence && !known.lost.signal.aborted)

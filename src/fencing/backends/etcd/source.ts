@@ -3,7 +3,8 @@
  * (README, "Two scopes of fencing").
  */
 import { randomBytes } from 'node:crypto';
-import type { IResponseHeader } from 'etcd3';
+import type { IResponseHeader, ITxnRequest } from 'etcd3';
+import type { EtcdKeyNames } from './keys.js';
 
 /**
  * `etcd:<cluster_id>:<mark>`, read from the very response that issued a
@@ -24,5 +25,44 @@ export function etcdFenceSource(header: IResponseHeader | undefined, mark: strin
   return id ? `etcd:${id}:${mark}` : undefined;
 }
 
-/** A new value for a namespace's source key. */
-export const newSourceMark = (): string => randomBytes(12).toString('hex');
+const bytes = (s: string) => Buffer.from(s, 'utf8');
+
+/**
+ * The grant's transaction: the lock key and holder label on `leaseId` if
+ * the lock key does not exist and the source key does; either way, the lock
+ * key and the source key read in the same revision (responses 2 and 3 on
+ * success, 0 and 1 on failure).
+ */
+export function grantRequest(
+  keys: EtcdKeyNames,
+  name: string,
+  token: string,
+  leaseId: string,
+  holder: string | null,
+): ITxnRequest {
+  const lock = bytes(keys.lock(name));
+  const source = bytes(keys.source);
+  return {
+    compare: [
+      { key: lock, target: 'Create', result: 'Equal', create_revision: 0 },
+      { key: source, target: 'Create', result: 'Greater', create_revision: 0 },
+    ],
+    success: [
+      { request_put: { key: lock, value: bytes(token), lease: leaseId } },
+      { request_put: { key: bytes(keys.holder(name)), value: bytes(JSON.stringify({ holder })), lease: leaseId } },
+      { request_range: { key: lock } },
+      { request_range: { key: source } },
+    ],
+    failure: [{ request_range: { key: lock } }, { request_range: { key: source } }],
+  };
+}
+
+/** Puts a new random mark in the source key, unless it exists (no lease: it outlives every grant). */
+export function sourceKeyRequest(keys: EtcdKeyNames): ITxnRequest {
+  const source = bytes(keys.source);
+  return {
+    compare: [{ key: source, target: 'Create', result: 'Equal', create_revision: 0 }],
+    success: [{ request_put: { key: source, value: bytes(randomBytes(12).toString('hex')) } }],
+    failure: [],
+  };
+}
