@@ -69,8 +69,9 @@ export interface LockManager {
   /**
    * Takes several locks in one consistent order (sorted, duplicates removed)
    * so two callers naming them in opposite orders cannot deadlock; all or
-   * nothing: on failure the ones taken are released. `waitMs` bounds the
-   * whole call.
+   * nothing: on failure the ones taken are released, in the background (the
+   * call rejects at once). `waitMs` bounds the whole call, and `signal`
+   * ends it at once.
    */
   acquireAll(names: readonly string[], options: AcquireOptions): Promise<Lease[]>;
   /**
@@ -281,18 +282,26 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
             // Cut soon after the wait's end, as an attempt is: what a handover does besides waiting (an
             // eager claim on a database that stopped answering) kept a waiter up to its timeout past
             // waitMs. Not at the end itself, where a plain wait for a turn ends too.
+            // The signal cuts it too: a handover's eager claim on a database that stopped answering held an
+            // aborted waiter until it answered, and then gave it the lease (an attack).
             handed = await bounded(
               () => waitForTurn(name, Math.min(left, backoff), opts.signal, token),
               Math.max(wait.until + (hooks.waitGraceMs ?? 0), performance.now()) + MIN_ATTEMPT_MS,
               (late) => {
                 if (late) backend.release(name, token).catch(() => {});
               },
+              opts.signal,
             );
           } catch (err) {
             if (!(err instanceof AttemptCutShort)) throw err;
             queued = false;
             giveBack(name, token);
-            throw waitEnded();
+            throw opts.signal?.aborted ? new LockUnavailableError(name, 'aborted') : waitEnded();
+          }
+          if (handed && opts.signal?.aborted) {
+            queued = false;
+            giveBack(name, token);
+            throw new LockUnavailableError(name, 'aborted');
           }
           // The lock was handed over to us: our wake-up is our grant, unless its confirmation window
           // (counted from our last grant call, sent before the release) is as good as over.
@@ -370,7 +379,9 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           held.push(await observeAcquire(backend.kind, name, () => acquireUntil(name, opts, wait)));
         return held;
       } catch (err) {
-        await Promise.allSettled(held.map((lease) => lease.release()));
+        // In the background: releases through a service that stopped answering held the call past its
+        // abort and past waitMs, up to the command timeout (an attack). release() never rejects.
+        for (const lease of held) void lease.release();
         throw err;
       }
     },

@@ -205,6 +205,60 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
     }
   });
 
+  // acquireAll released the leases it had taken before it rejected, and waited for those releases: through a
+  // connection that stopped answering, up to the command timeout past its abort (an attack: ~15 s, and as
+  // far past waitMs without a signal).
+  it('acquireAll whose next grant gets no answer ends at once when its signal aborts; what it took is given back', async () => {
+    const patient =
+      kind === 'Postgres lease'
+        ? postgresLockManager({
+            client: drizzle(client) as unknown as Database,
+            namespace,
+            listen: false,
+            commandTimeoutMs: 120_000,
+          })
+        : advisoryLockManager({ client, namespace, commandTimeoutMs: 120_000 });
+    const direct = postgres(test.url as string, { max: 2, onnotice: () => {} });
+    const other = (managers[kind] as (typeof managers)[string])(direct, namespace);
+    try {
+      await (await patient.acquire('warm-up', { ttlMs: 60_000 })).release(); // the one-time checks are done
+      // Frozen the moment the first name is granted: the second's grant, and any release, get no answer.
+      patient.events.on('acquired', (e) => {
+        if (e.name === 'all-a') proxy.pause();
+      });
+      const controller = new AbortController();
+      const waiting = patient.acquireAll(['all-a', 'all-b'], {
+        ttlMs: 600_000,
+        waitMs: 60_000,
+        signal: controller.signal,
+      });
+      for (let i = 0; i < 200 && !(await other.inspect('all-a').catch(() => null)); i++) {
+        await new Promise((resolve) => setTimeout(resolve, 20));
+      }
+      await new Promise((resolve) => setTimeout(resolve, 100)); // the second grant is on its way
+      controller.abort();
+      let cap: NodeJS.Timeout | undefined;
+      const ended = await Promise.race([
+        waiting.then(
+          () => 'granted',
+          (e: unknown) => e,
+        ),
+        new Promise((resolve) => {
+          cap = setTimeout(() => resolve('still waiting 20 s after the abort'), 20_000);
+        }),
+      ]).finally(() => clearTimeout(cap));
+      expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
+      proxy.resume();
+      // Were either kept, its TTL (600 s) would outlast these waits.
+      for (const name of ['all-a', 'all-b'])
+        await (await other.acquire(name, { ttlMs: 5_000, waitMs: 30_000 })).release();
+    } finally {
+      await other.close();
+      await patient.close();
+      await direct.end({ timeout: 5 });
+    }
+  });
+
   it('tryAcquire and inspect fail with CommandTimeoutError', async () => {
     await leaseThenFreeze('held');
     await expect(manager.tryAcquire('other', { ttlMs: 1_000 })).rejects.toBeInstanceOf(CommandTimeoutError);

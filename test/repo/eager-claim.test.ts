@@ -236,6 +236,42 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
       });
     });
 
+    // The handover's claim ran outside the signal's reach: an aborted waiter stayed until the claim answered,
+    // and then got the lease (an attack: 5 of 5 with the claim's database frozen 300 ms).
+    it('a lock handed over to a waiter whose claim gets no answer: its signal still ends the wait at once, with no lease', async () => {
+      await withRedis(async ({ epochs, redis }) => {
+        const namespace = uniqueNamespace('eager-abort');
+        await withOneConnection(async (claimDb) => {
+          const eager = redisLockManager({
+            client: redis,
+            namespace,
+            epochs,
+            claimRegisters: { db: drizzle(claimDb), commandTimeoutMs: 600_000 },
+          });
+          const holder = await eager.acquire('L', { ttlMs: 60_000 });
+          const controller = new AbortController();
+          const waiter = eager
+            .acquire('L', { ttlMs: 60_000, waitMs: 60_000, signal: controller.signal })
+            .catch((e: unknown) => e);
+          await sleep(300); // the waiter is in line, waiting for its turn
+          const busy = claimDb`select pg_sleep(600)`.execute().catch(() => {}); // no claim is answered now
+          await holder.release(); // hands the lock over to the waiter, whose claim then waits
+          await sleep(100);
+          controller.abort();
+          let cap: NodeJS.Timeout | undefined;
+          const ended = await Promise.race([
+            waiter,
+            new Promise((resolve) => {
+              cap = setTimeout(() => resolve('still waiting 20 s after the abort'), 20_000);
+            }),
+          ]).finally(() => clearTimeout(cap));
+          expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
+          void busy;
+        });
+        await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
+      });
+    });
+
     it('a bad claimRegisters is refused before anything runs', () => {
       const redis = new Redis(services.redis.url as string, { lazyConnect: true });
       const lazyDb = drizzle(postgres('postgres://127.0.0.1:1/none')); // never connects: refused before any query
