@@ -16,6 +16,7 @@ import { CommandTimeoutError } from '../../src/errors.js';
 import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
 import { postgresLockBackend, postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
+import { outcomeSoonAfterAbort } from '../support/after-abort.js';
 import type { TestDatabase } from '../support/databases.js';
 import { killAllWorkers, startWorker, type Worker } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
@@ -183,16 +184,7 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
       const waiting = patient.acquire('abort', { ttlMs: 600_000, waitMs: 60_000, signal: controller.signal });
       await new Promise((resolve) => setTimeout(resolve, 100)); // the grant is on its way
       controller.abort();
-      let cap: NodeJS.Timeout | undefined;
-      const ended = await Promise.race([
-        waiting.then(
-          () => 'granted',
-          (e: unknown) => e,
-        ),
-        new Promise((resolve) => {
-          cap = setTimeout(() => resolve('still waiting 20 s after the abort'), 20_000);
-        }),
-      ]).finally(() => clearTimeout(cap));
+      const ended = await outcomeSoonAfterAbort(waiting);
       expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
       proxy.resume(); // the grant still queued on the connection now runs
       // Were the late grant kept, its TTL (600 s) would outlast this wait.
@@ -237,16 +229,7 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
       }
       await new Promise((resolve) => setTimeout(resolve, 100)); // the second grant is on its way
       controller.abort();
-      let cap: NodeJS.Timeout | undefined;
-      const ended = await Promise.race([
-        waiting.then(
-          () => 'granted',
-          (e: unknown) => e,
-        ),
-        new Promise((resolve) => {
-          cap = setTimeout(() => resolve('still waiting 20 s after the abort'), 20_000);
-        }),
-      ]).finally(() => clearTimeout(cap));
+      const ended = await outcomeSoonAfterAbort(waiting);
       expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
       proxy.resume();
       // Were either kept, its TTL (600 s) would outlast these waits.

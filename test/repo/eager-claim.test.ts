@@ -25,6 +25,7 @@ import { migrate } from '../../src/migrate.js';
 import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { outcomeSoonAfterAbort } from '../support/after-abort.js';
 import { postgresDatabase } from '../support/databases.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs, services } from '../support/services.js';
@@ -213,12 +214,16 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
       });
     });
 
-    it("a lock handed over to a waiter whose claim gets no answer: the waiter still gives up at its wait's end", async () => {
+    /**
+     * A lock a release hands over to a waiter (acquiring with `options`) whose eager claim then gets no
+     * answer: the claim's database has one connection, busy from then on. The claim may wait 10 minutes on
+     * the client. Returns what the waiter's acquire settles with; the lock must be free once it has.
+     */
+    async function handOverToStuckClaim(options: { waitMs: number; signal?: AbortSignal }, then = async () => {}) {
+      let outcome: unknown;
       await withRedis(async ({ epochs, redis }) => {
         const namespace = uniqueNamespace('eager-handover');
         await withOneConnection(async (claimDb) => {
-          // The claim may wait 10 minutes on the client: before the handover was cut at the wait's end,
-          // the waiter waited that long.
           const eager = redisLockManager({
             client: redis,
             namespace,
@@ -226,50 +231,32 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
             claimRegisters: { db: drizzle(claimDb), commandTimeoutMs: 600_000 },
           });
           const holder = await eager.acquire('L', { ttlMs: 60_000 });
-          const waiter = eager.acquire('L', { ttlMs: 60_000, waitMs: 1_500 }).catch((e: unknown) => e);
+          const waiter = eager.acquire('L', { ttlMs: 60_000, ...options });
           await sleep(300); // the waiter is in line, waiting for its turn
           claimDb`select pg_sleep(600)`.execute().catch(() => {}); // from now on no claim is answered
           await holder.release(); // hands the lock over to the waiter, whose claim then waits
-          expect(await waiter).toBeInstanceOf(PalisadeError);
+          await then();
+          outcome = await outcomeSoonAfterAbort(waiter);
         });
         await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
       });
+      return outcome;
+    }
+
+    // Before the handover was cut at the wait's end, the waiter waited as long as the claim did.
+    it("a lock handed over to a waiter whose claim gets no answer: the waiter still gives up at its wait's end", async () => {
+      expect(await handOverToStuckClaim({ waitMs: 1_500 })).toBeInstanceOf(PalisadeError);
     });
 
     // The handover's claim ran outside the signal's reach: an aborted waiter stayed until the claim answered,
     // and then got the lease (an attack: 5 of 5 with the claim's database frozen 300 ms).
     it('a lock handed over to a waiter whose claim gets no answer: its signal still ends the wait at once, with no lease', async () => {
-      await withRedis(async ({ epochs, redis }) => {
-        const namespace = uniqueNamespace('eager-abort');
-        await withOneConnection(async (claimDb) => {
-          const eager = redisLockManager({
-            client: redis,
-            namespace,
-            epochs,
-            claimRegisters: { db: drizzle(claimDb), commandTimeoutMs: 600_000 },
-          });
-          const holder = await eager.acquire('L', { ttlMs: 60_000 });
-          const controller = new AbortController();
-          const waiter = eager
-            .acquire('L', { ttlMs: 60_000, waitMs: 60_000, signal: controller.signal })
-            .catch((e: unknown) => e);
-          await sleep(300); // the waiter is in line, waiting for its turn
-          const busy = claimDb`select pg_sleep(600)`.execute().catch(() => {}); // no claim is answered now
-          await holder.release(); // hands the lock over to the waiter, whose claim then waits
-          await sleep(100);
-          controller.abort();
-          let cap: NodeJS.Timeout | undefined;
-          const ended = await Promise.race([
-            waiter,
-            new Promise((resolve) => {
-              cap = setTimeout(() => resolve('still waiting 20 s after the abort'), 20_000);
-            }),
-          ]).finally(() => clearTimeout(cap));
-          expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
-          void busy;
-        });
-        await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
+      const controller = new AbortController();
+      const outcome = await handOverToStuckClaim({ waitMs: 60_000, signal: controller.signal }, async () => {
+        await sleep(100);
+        controller.abort();
       });
+      expect(outcome).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
     });
 
     it('a bad claimRegisters is refused before anything runs', () => {
