@@ -278,12 +278,12 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
           : Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** Math.min(tries, 16));
         if (waitForTurn && backend.confirm) {
           let handed: Grant | undefined;
+          let cut = false;
           try {
-            // Cut soon after the wait's end, as an attempt is: what a handover does besides waiting (an
-            // eager claim on a database that stopped answering) kept a waiter up to its timeout past
-            // waitMs. Not at the end itself, where a plain wait for a turn ends too.
-            // The signal cuts it too: a handover's eager claim on a database that stopped answering held an
-            // aborted waiter until it answered, and then gave it the lease (an attack).
+            // Cut soon after the wait's end, and at the signal's abort, as an attempt is: what a handover does
+            // besides waiting (an eager claim on a database that stopped answering) kept a waiter up to its
+            // timeout past waitMs, and an aborted one until it answered — then with the lease. Not at the end
+            // itself, where a plain wait for a turn ends too.
             handed = await bounded(
               () => waitForTurn(name, Math.min(left, backoff), opts.signal, token),
               Math.max(wait.until + (hooks.waitGraceMs ?? 0), performance.now()) + MIN_ATTEMPT_MS,
@@ -294,14 +294,12 @@ export function createLockManager(backend: LockBackend, hooks: LockManagerHooks 
             );
           } catch (err) {
             if (!(err instanceof AttemptCutShort)) throw err;
+            cut = true;
+          }
+          if (cut || (handed && opts.signal?.aborted)) {
             queued = false;
             giveBack(name, token);
             throw opts.signal?.aborted ? new LockUnavailableError(name, 'aborted') : waitEnded();
-          }
-          if (handed && opts.signal?.aborted) {
-            queued = false;
-            giveBack(name, token);
-            throw new LockUnavailableError(name, 'aborted');
           }
           // The lock was handed over to us: our wake-up is our grant, unless its confirmation window
           // (counted from our last grant call, sent before the release) is as good as over.
