@@ -6,12 +6,14 @@
  */
 import { execFileSync } from 'node:child_process';
 import { type AddressInfo, connect, createServer } from 'node:net';
+import { PGLiteSocketServer } from '@electric-sql/pglite-socket';
 import { sql } from 'drizzle-orm';
 import { integer, pgTable, text } from 'drizzle-orm/pg-core';
+import { drizzle as drizzlePglite } from 'drizzle-orm/pglite';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
-import type { Database } from '../../src/driver.js';
+import { type Database, execute, transaction } from '../../src/driver.js';
 import { FenceNotIssuedError, LockScopeError, StaleFenceError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { Fence } from '../../src/fencing/fence.js';
@@ -27,6 +29,7 @@ import { killAllCli, runCli } from '../support/cli.js';
 import { everyTransactionDriver, pgliteDatabase } from '../support/databases.js';
 import { type EtcdCluster, startEtcdCluster } from '../support/etcd-cluster.js';
 import { type BackendKind, type ManagerConfig, openManager } from '../support/managers.js';
+import { newPglite } from '../support/pglite.js';
 import { killAllWorkers, startWorker } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs, services } from '../support/services.js';
@@ -637,6 +640,44 @@ describe('lock scope on PGlite (the embedded default)', { timeout: 120_000 }, ()
       // Yours commits: on PGlite nothing else could take the lock while it was open.
       { case: 'your own transaction', settled: 'applied', alive: true },
     ]);
+  });
+
+  // What the test above relies on, read directly, and behind pglite-socket too (one engine: its version() names it).
+  it('on PGlite, in process or behind pglite-socket, a lock-scoped write in a transaction sets no idle bound', async () => {
+    const lite = newPglite();
+    const db = drizzlePglite(lite) as unknown as Database;
+    const locks = postgresLockManager({ client: db, namespace: uniqueNamespace('pglite'), listen: false });
+    let server: PGLiteSocketServer | undefined;
+    let viaSocket: postgres.Sql | undefined;
+    try {
+      await migrate(db);
+      await execute(
+        db,
+        sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await execute(db, sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
+      const lease = await locks.acquire('L', { ttlMs: 60_000 });
+      const boundAfterWrite = (on: Database, id: number) =>
+        transaction(on, async (tx) => {
+          const { status } = await fencedRepository(tx, resource).with(lease).update({ id }, { value: 'x' });
+          const [row] = await execute(tx, sql`select current_setting('idle_in_transaction_session_timeout') as v`);
+          return { status, bound: String(row?.v) };
+        });
+      expect(await boundAfterWrite(db, 1)).toEqual({ status: 'applied', bound: '0' });
+      server = new PGLiteSocketServer({ db: lite, port: 0, host: '127.0.0.1' });
+      await server.start();
+      viaSocket = postgres(`postgres://postgres@${server.getServerConn()}/postgres`, { max: 1, onnotice: () => {} });
+      expect(await boundAfterWrite(drizzle(viaSocket) as unknown as Database, 2)).toEqual({
+        status: 'applied',
+        bound: '0',
+      });
+      await lease.release();
+    } finally {
+      await viaSocket?.end({ timeout: 5 });
+      await server?.stop();
+      await locks.close();
+      await lite.close();
+    }
   });
 
   // PGlite returns text without a leading U+FEFF: a claim's rows name their locks by key, a uuid.
