@@ -1,7 +1,7 @@
 import { Etcd3 } from 'etcd3';
 import { ConnectionPool } from 'etcd3/lib/connection-pool.js';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { InvalidArgumentError, LeaseLostError } from '../src/errors.js';
+import { FenceSourceError, InvalidArgumentError, LeaseLostError } from '../src/errors.js';
 import { etcdLockBackend } from '../src/fencing/backends/etcd/backend.js';
 import { etcdKeyNames, etcdLeaseSeconds } from '../src/fencing/backends/etcd/keys.js';
 import { etcdLockManager } from '../src/fencing/backends/etcd/manager.js';
@@ -344,7 +344,7 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)(
     // with the same flags kept it while its revisions started over, so its grants named the old data's source.
     // The newer holder's fence was below the register the stale one had claimed: refused on every row, while
     // the stale holder's lock-scoped writes landed (an attack: 3 of 3 runs).
-    it('a cluster wiped and started with the same flags is a new fence source: the newer holder writes', async () => {
+    it('a cluster wiped and started with the same flags is a new fence source (its source key restored: refused below the floor)', async () => {
       const [cluster, scenario] = await Promise.all([startEtcdCluster(1), scenarioDatabase()]);
       const etcd = new Etcd3({ hosts: cluster.endpoints });
       const fresh = new Etcd3({ hosts: cluster.endpoints });
@@ -364,6 +364,14 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)(
         await cluster.wipe();
         const { header: after } = await etcd.kv.range({ key: Buffer.from('bump/0') });
         expect(after.cluster_id).toBe(header.cluster_id); // the same id: only the data tells the two apart
+
+        // A restore from an older snapshot brings the source key back with revisions below what this manager
+        // saw: the same source gone back, refused. Deleting the key, as the README tells an operator to, makes
+        // the restored data a new source.
+        const sourceKey = etcdKeyNames(namespace).source;
+        await fresh.put(sourceKey).value(String(old.lock?.source.split(':').pop()));
+        await expect(m.acquire('R', { ttlMs: 60_000, waitMs: 5_000 })).rejects.toBeInstanceOf(FenceSourceError);
+        await fresh.delete().key(sourceKey);
 
         started = etcdLockManager({ client: fresh, namespace });
         const newer = await started.acquire('L', { ttlMs: 60_000, waitMs: 20_000 });
