@@ -16,11 +16,11 @@ import { CommandTimeoutError } from '../../src/errors.js';
 import { advisoryLockManager } from '../../src/fencing/backends/postgres-advisory/backend.js';
 import { postgresLockBackend, postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import type { LockManager } from '../../src/fencing/lock-manager.js';
-import { outcomeSoonAfterAbort } from '../support/after-abort.js';
 import type { TestDatabase } from '../support/databases.js';
 import { killAllWorkers, startWorker, type Worker } from '../support/processes.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
+import { outcomeOrStillWaiting } from '../support/still-waiting.js';
 
 const BOUNDS = { commandTimeoutMs: 300, lockTimeoutMs: 200 } as const;
 
@@ -168,79 +168,74 @@ describe.runIf(needs('DATABASE_URL')).each(Object.keys(managers))('%s manager be
     },
   );
 
-  // A signal that aborts while the grant gets no answer ended the wait only once the attempt failed (an attack
-  // on etcd: ~4.5 s after the abort while the cluster was frozen; here it would be the 30 s command timeout).
-  it('an acquire whose grant gets no answer ends at once when its signal aborts; the late grant is given back', async () => {
+  /**
+   * `fn` with a manager whose calls wait long for an answer (a 120 s command timeout: what the calls here must
+   * not wait for), its one-time checks done, and another manager on a connection of its own that answers.
+   */
+  async function withPatient(fn: (patient: LockManager, other: LockManager) => Promise<void>): Promise<void> {
+    const bounds = { commandTimeoutMs: 120_000 };
     const patient =
       kind === 'Postgres lease'
-        ? postgresLockManager({ client: drizzle(client) as unknown as Database, namespace, listen: false })
-        : advisoryLockManager({ client, namespace });
+        ? postgresLockManager({ client: drizzle(client) as unknown as Database, namespace, listen: false, ...bounds })
+        : advisoryLockManager({ client, namespace, ...bounds });
     const direct = postgres(test.url as string, { max: 2, onnotice: () => {} });
     const other = (managers[kind] as (typeof managers)[string])(direct, namespace);
     try {
-      await (await patient.acquire('warm-up', { ttlMs: 60_000 })).release(); // the one-time checks are done
+      await (await patient.acquire('warm-up', { ttlMs: 60_000 })).release();
+      await fn(patient, other);
+    } finally {
+      await other.close();
+      await patient.close();
+      await direct.end({ timeout: 5 });
+    }
+  }
+
+  // A signal that aborts while the grant gets no answer ended the wait only once the attempt failed (an attack
+  // on etcd: ~4.5 s after the abort while the cluster was frozen; here it would be the command timeout).
+  it('an acquire whose grant gets no answer ends at once when its signal aborts; the late grant is given back', () =>
+    withPatient(async (patient, other) => {
       proxy.pause();
       const controller = new AbortController();
       const waiting = patient.acquire('abort', { ttlMs: 600_000, waitMs: 60_000, signal: controller.signal });
       await new Promise((resolve) => setTimeout(resolve, 100)); // the grant is on its way
       controller.abort();
-      const ended = await outcomeSoonAfterAbort(waiting);
-      expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
+      expect(await outcomeOrStillWaiting(waiting)).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
       proxy.resume(); // the grant still queued on the connection now runs
       // Were the late grant kept, its TTL (600 s) would outlast this wait.
-      const lease = await other.acquire('abort', { ttlMs: 5_000, waitMs: 30_000 });
-      await lease.release();
-    } finally {
-      await other.close();
-      await patient.close();
-      await direct.end({ timeout: 5 });
-    }
-  });
+      await (await other.acquire('abort', { ttlMs: 5_000, waitMs: 30_000 })).release();
+    }));
 
   // acquireAll released the leases it had taken before it rejected, and waited for those releases: through a
-  // connection that stopped answering, up to the command timeout past its abort (an attack: ~15 s, and as
-  // far past waitMs without a signal).
-  it('acquireAll whose next grant gets no answer ends at once when its signal aborts; what it took is given back', async () => {
-    const patient =
-      kind === 'Postgres lease'
-        ? postgresLockManager({
-            client: drizzle(client) as unknown as Database,
-            namespace,
-            listen: false,
-            commandTimeoutMs: 120_000,
-          })
-        : advisoryLockManager({ client, namespace, commandTimeoutMs: 120_000 });
-    const direct = postgres(test.url as string, { max: 2, onnotice: () => {} });
-    const other = (managers[kind] as (typeof managers)[string])(direct, namespace);
-    try {
-      await (await patient.acquire('warm-up', { ttlMs: 60_000 })).release(); // the one-time checks are done
-      // Frozen the moment the first name is granted: the second's grant, and any release, get no answer.
-      patient.events.on('acquired', (e) => {
-        if (e.name === 'all-a') proxy.pause();
-      });
-      const controller = new AbortController();
-      const waiting = patient.acquireAll(['all-a', 'all-b'], {
-        ttlMs: 600_000,
-        waitMs: 60_000,
-        signal: controller.signal,
-      });
-      for (let i = 0; i < 200 && !(await other.inspect('all-a').catch(() => null)); i++) {
-        await new Promise((resolve) => setTimeout(resolve, 20));
-      }
-      await new Promise((resolve) => setTimeout(resolve, 100)); // the second grant is on its way
-      controller.abort();
-      const ended = await outcomeSoonAfterAbort(waiting);
-      expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
-      proxy.resume();
-      // Were either kept, its TTL (600 s) would outlast these waits.
-      for (const name of ['all-a', 'all-b'])
-        await (await other.acquire(name, { ttlMs: 5_000, waitMs: 30_000 })).release();
-    } finally {
-      await other.close();
-      await patient.close();
-      await direct.end({ timeout: 5 });
-    }
-  });
+  // connection that stopped answering, up to the command timeout past its abort or its waitMs (an attack: ~15 s).
+  for (const end of ['its signal aborts', 'its wait ends'] as const) {
+    it(`acquireAll whose next grant gets no answer ends at once when ${end}; what it took is given back`, () =>
+      withPatient(async (patient, other) => {
+        // Frozen the moment the first name is granted: the second's grant, and any release, get no answer.
+        patient.events.on('acquired', (e) => {
+          if (e.name === 'all-a') proxy.pause();
+        });
+        const controller = new AbortController();
+        const waiting = patient.acquireAll(
+          ['all-a', 'all-b'],
+          end === 'its signal aborts'
+            ? { ttlMs: 600_000, waitMs: 60_000, signal: controller.signal }
+            : { ttlMs: 600_000, waitMs: 1_000 },
+        );
+        for (let i = 0; i < 200 && !(await other.inspect('all-a').catch(() => null)); i++) {
+          await new Promise((resolve) => setTimeout(resolve, 20));
+        }
+        await new Promise((resolve) => setTimeout(resolve, 100)); // the second grant is on its way
+        controller.abort();
+        const ended = await outcomeOrStillWaiting(waiting);
+        if (end === 'its signal aborts') expect(ended).toMatchObject({ code: 'lock_unavailable', reason: 'aborted' });
+        // The wait's end, with the service not answering (the grace of a Postgres grant's lock_timeout past it).
+        else expect(ended).toMatchObject({ code: 'lock_service' });
+        proxy.resume();
+        // Were either kept, its TTL (600 s) would outlast these waits.
+        for (const name of ['all-a', 'all-b'])
+          await (await other.acquire(name, { ttlMs: 5_000, waitMs: 30_000 })).release();
+      }));
+  }
 
   it('tryAcquire and inspect fail with CommandTimeoutError', async () => {
     await leaseThenFreeze('held');

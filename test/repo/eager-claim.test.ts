@@ -25,11 +25,11 @@ import { migrate } from '../../src/migrate.js';
 import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
-import { outcomeSoonAfterAbort } from '../support/after-abort.js';
 import { postgresDatabase } from '../support/databases.js';
 import { scenarioDatabase, uniqueNamespace } from '../support/scenario.js';
 import { needs, services } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
+import { outcomeOrStillWaiting } from '../support/still-waiting.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
@@ -236,7 +236,7 @@ describe.runIf(needs('DATABASE_URL') && needs('REDIS_URL'))(
           claimDb`select pg_sleep(600)`.execute().catch(() => {}); // from now on no claim is answered
           await holder.release(); // hands the lock over to the waiter, whose claim then waits
           await then();
-          outcome = await outcomeSoonAfterAbort(waiter);
+          outcome = await outcomeOrStillWaiting(waiter);
         });
         await untilFree(redisLockManager({ client: redis, namespace, epochs }), 'L');
       });
