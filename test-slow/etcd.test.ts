@@ -309,174 +309,198 @@ async function aborted(lease: Lease, timeoutMs: number): Promise<void> {
 describe.runIf(needs('DATABASE_URL') && hasEtcd)(
   'etcd: a cluster of its own, compacted or replaced under a running lock manager',
   () => {
+    interface OwnCluster {
+      readonly cluster: EtcdCluster;
+      readonly namespace: string;
+      /** A new client of the cluster. */
+      client(): Etcd3;
+      /** A new lock manager of the namespace on `client`. */
+      manager(client: Etcd3): LockManager;
+      /** The test's scenario database, opened on first use. */
+      scenario(): Promise<TestDatabase>;
+    }
+
+    /** `fn` on a one-member etcd cluster of its own; every client, manager and database it opens is closed after. */
+    async function onOwnCluster(fn: (own: OwnCluster) => Promise<void>): Promise<void> {
+      const cluster = await startEtcdCluster(1);
+      const clients: Etcd3[] = [];
+      const opened: LockManager[] = [];
+      let scenario: Promise<TestDatabase> | undefined;
+      const namespace = uniqueNamespace('etcd');
+      try {
+        await fn({
+          cluster,
+          namespace,
+          client() {
+            const client = new Etcd3({ hosts: cluster.endpoints });
+            clients.push(client);
+            return client;
+          },
+          manager(client) {
+            const m = etcdLockManager({ client, namespace });
+            opened.push(m);
+            return m;
+          },
+          scenario: () => {
+            scenario ??= scenarioDatabase();
+            return scenario;
+          },
+        });
+      } finally {
+        for (const m of opened) await m.close();
+        for (const client of clients) client.close();
+        await cluster.stop();
+        await (await scenario)?.close();
+      }
+    }
+
     // etcd cancels a watch whose start revision it compacted away, and a watch whose stream reconnects
     // resumes from where it started: the lease's loss watch ended there, silently, and the signal no
     // longer aborted when etcd deleted the key (an attack: 4 of 4 runs).
-    it('the signal still aborts when etcd deletes the key after a compaction and a reconnect of its watch', async () => {
-      const cluster = await startEtcdCluster(1);
-      const etcd = new Etcd3({ hosts: cluster.endpoints });
-      const admin = new Etcd3({ hosts: cluster.endpoints });
-      const namespace = uniqueNamespace('etcd');
-      const m = etcdLockManager({ client: etcd, namespace });
-      try {
-        const lease = await m.acquire('L', { ttlMs: 120_000 });
-        for (let i = 0; i < 20; i++) await admin.put(`bump/${i}`).value('x');
-        const { header } = await admin.kv.range({ key: Buffer.from('bump/0') });
-        await admin.kv.compact({ revision: header.revision, physical: true });
-        const member = cluster.members[0];
-        if (!member) throw new Error('no member');
-        await member.kill(); // the watch's stream breaks; it reconnects from its start revision, compacted
-        member.start();
-        await cluster.waitHealthy();
-        await admin.delete().key(etcdKeyNames(namespace).lock('L'));
-        await aborted(lease, 20_000); // its local deadline is 120 s away
-        expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
-        expect(await lease.release()).toBe('lost');
-      } finally {
-        await m.close();
-        etcd.close();
-        admin.close();
-        await cluster.stop();
-      }
-    }, 120_000);
+    it(
+      'the signal still aborts when etcd deletes the key after a compaction and a reconnect of its watch',
+      () =>
+        onOwnCluster(async ({ cluster, namespace, client, manager }) => {
+          const admin = client();
+          const m = manager(client());
+          const lease = await m.acquire('L', { ttlMs: 120_000 });
+          for (let i = 0; i < 20; i++) await admin.put(`bump/${i}`).value('x');
+          const { header } = await admin.kv.range({ key: Buffer.from('bump/0') });
+          await admin.kv.compact({ revision: header.revision, physical: true });
+          const member = cluster.members[0];
+          if (!member) throw new Error('no member');
+          await member.kill(); // the watch's stream breaks; it reconnects from its start revision, compacted
+          member.start();
+          await cluster.waitHealthy();
+          await admin.delete().key(etcdKeyNames(namespace).lock('L'));
+          await aborted(lease, 20_000); // its local deadline is 120 s away
+          expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
+          expect(await lease.release()).toBe('lost');
+        }),
+      120_000,
+    );
 
     // etcd derives its cluster id from the member names, peer URLs and token: a cluster wiped and started again
     // with the same flags kept it while its revisions started over, so its grants named the old data's source.
     // The newer holder's fence was below the register the stale one had claimed: refused on every row, while
     // the stale holder's lock-scoped writes landed (an attack: 3 of 3 runs).
-    it('a cluster wiped and started with the same flags is a new fence source (its source key restored: refused below the floor)', async () => {
-      const [cluster, scenario] = await Promise.all([startEtcdCluster(1), scenarioDatabase()]);
-      const etcd = new Etcd3({ hosts: cluster.endpoints });
-      const fresh = new Etcd3({ hosts: cluster.endpoints });
-      const namespace = uniqueNamespace('etcd');
-      const m = etcdLockManager({ client: etcd, namespace });
-      // The newer holder's manager starts after the wipe, as another process does.
-      let started: ReturnType<typeof etcdLockManager> | undefined;
-      try {
-        for (let i = 0; i < 40; i++) await etcd.put(`bump/${i}`).value('x'); // the old data's fences run higher
-        const { header } = await etcd.kv.range({ key: Buffer.from('bump/0') });
-        const old = await m.acquire('L', { ttlMs: 60_000 });
-        const rows = scenarioRows(() => scenario);
-        const row = await rows.newRow();
-        expect(
-          (await fencedRepository(scenario.db, resource).with(old).update({ id: row }, { value: 'old' })).status,
-        ).toBe('applied');
-        await cluster.wipe();
-        const { header: after } = await etcd.kv.range({ key: Buffer.from('bump/0') });
-        expect(after.cluster_id).toBe(header.cluster_id); // the same id: only the data tells the two apart
+    it(
+      'a cluster wiped and started with the same flags is a new fence source (its source key restored: refused below the floor)',
+      () =>
+        onOwnCluster(async ({ cluster, namespace, client, manager, scenario: open }) => {
+          const scenario = await open();
+          const etcd = client();
+          const fresh = client();
+          const m = manager(etcd);
+          for (let i = 0; i < 40; i++) await etcd.put(`bump/${i}`).value('x'); // the old data's fences run higher
+          const { header } = await etcd.kv.range({ key: Buffer.from('bump/0') });
+          const old = await m.acquire('L', { ttlMs: 60_000 });
+          const rows = scenarioRows(() => scenario);
+          const row = await rows.newRow();
+          expect(
+            (await fencedRepository(scenario.db, resource).with(old).update({ id: row }, { value: 'old' })).status,
+          ).toBe('applied');
+          await cluster.wipe();
+          const { header: after } = await etcd.kv.range({ key: Buffer.from('bump/0') });
+          expect(after.cluster_id).toBe(header.cluster_id); // the same id: only the data tells the two apart
 
-        // A restore from an older snapshot brings the source key back with revisions below what this manager
-        // saw: the same source gone back, refused. Deleting the key, as the README tells an operator to, makes
-        // the restored data a new source.
-        const sourceKey = etcdKeyNames(namespace).source;
-        await fresh.put(sourceKey).value(String(old.lock?.source.split(':').pop()));
-        await expect(m.acquire('R', { ttlMs: 60_000, waitMs: 5_000 })).rejects.toBeInstanceOf(FenceSourceError);
-        await fresh.delete().key(sourceKey);
+          // A restore from an older snapshot brings the source key back with revisions below what this manager
+          // saw: the same source gone back, refused. Deleting the key, as the README tells an operator to, makes
+          // the restored data a new source.
+          const sourceKey = etcdKeyNames(namespace).source;
+          await fresh.put(sourceKey).value(String(old.lock?.source.split(':').pop()));
+          await expect(m.acquire('R', { ttlMs: 60_000, waitMs: 5_000 })).rejects.toBeInstanceOf(FenceSourceError);
+          await fresh.delete().key(sourceKey);
 
-        started = etcdLockManager({ client: fresh, namespace });
-        const newer = await started.acquire('L', { ttlMs: 60_000, waitMs: 20_000 });
-        expect(newer.fence).toBeLessThan(old.fence);
-        expect(newer.lock?.source).toMatch(/^etcd:/);
-        expect(newer.lock?.source).not.toBe(old.lock?.source);
-        const repo = fencedRepository(scenario.db, resource);
-        // A row the old holder never wrote: the newer holder's register is its own source's.
-        expect((await repo.with(newer).update({ id: await rows.newRow() }, { value: 'newer' })).status).toBe('applied');
-        // The row it wrote carries the old data's higher fence, compared per row: the revisions went back, which
-        // no fence source survives (README, "etcd": stop the old holders, or restore with --bump-revision).
-        expect(await repo.with(newer).update({ id: row }, { value: 'newer' })).toMatchObject({
-          status: 'stale',
-          currentFence: old.fence,
-        });
-        // The manager that saw the old revisions grants too: the floor it keeps is its source's.
-        const again = await m.acquire('M', { ttlMs: 60_000, waitMs: 20_000 });
-        expect(again.lock?.source).toBe(newer.lock?.source);
-        await again.release();
-        await newer.release();
-      } finally {
-        await m.close();
-        await started?.close();
-        etcd.close();
-        fresh.close();
-        await cluster.stop();
-        await scenario.close();
-      }
-    }, 120_000);
+          // The newer holder's manager starts after the wipe, as another process does.
+          const newer = await manager(fresh).acquire('L', { ttlMs: 60_000, waitMs: 20_000 });
+          expect(newer.fence).toBeLessThan(old.fence);
+          expect(newer.lock?.source).toMatch(/^etcd:/);
+          expect(newer.lock?.source).not.toBe(old.lock?.source);
+          const repo = fencedRepository(scenario.db, resource);
+          // A row the old holder never wrote: the newer holder's register is its own source's.
+          expect((await repo.with(newer).update({ id: await rows.newRow() }, { value: 'newer' })).status).toBe(
+            'applied',
+          );
+          // The row it wrote carries the old data's higher fence, compared per row: the revisions went back, which
+          // no fence source survives (README, "etcd": stop the old holders, or restore with --bump-revision).
+          expect(await repo.with(newer).update({ id: row }, { value: 'newer' })).toMatchObject({
+            status: 'stale',
+            currentFence: old.fence,
+          });
+          // The manager that saw the old revisions grants too: the floor it keeps is its source's.
+          const again = await m.acquire('M', { ttlMs: 60_000, waitMs: 20_000 });
+          expect(again.lock?.source).toBe(newer.lock?.source);
+          await again.release();
+          await newer.release();
+        }),
+      120_000,
+    );
 
     // Two extensions of one lease at once: a renewal of the lease the key was on, checked after the other
     // extension had moved the key to a lease of 3 s, passed for the new one — and the lease counted on 10 s that
     // etcd did not keep (an attack: 4 of 5 runs, 3 of 3 over a slow link).
-    it('two extensions at once: the lease never counts on a TTL etcd does not keep', async () => {
-      const cluster = await startEtcdCluster(1);
-      const etcd = new Etcd3({ hosts: cluster.endpoints });
-      const observer = new Etcd3({ hosts: cluster.endpoints });
-      const namespace = uniqueNamespace('etcd');
-      const m = etcdLockManager({ client: etcd, namespace });
-      try {
-        for (let trial = 0; trial < 3; trial++) {
-          const name = `L${trial}`;
-          const key = etcdKeyNames(namespace).lock(name);
-          const lease = await m.acquire(name, { ttlMs: 10_000 });
-          const first = (await observer.get(key).exec()).kvs[0]?.lease;
-          // The second extension starts the moment etcd moved the key to the first one's new lease.
-          const watch = await observer.watch().key(key).create();
-          let second: Promise<unknown> | undefined;
-          watch.on('put', (kv) => {
-            if (!second && kv.lease !== first) second = lease.extend(10_000);
-          });
-          await lease.extend(3_000);
-          for (let i = 0; i < 400 && !second; i++) await sleep(5);
-          await second;
-          await watch.cancel();
-          const kv = (await observer.get(key).exec()).kvs[0];
-          if (!kv) throw new Error('the lock key is gone');
-          const { TTL } = await observer.leaseClient.leaseTimeToLive({ ID: kv.lease, keys: false });
-          // etcd counts whole seconds: up to one more than it reports.
-          expect(lease.expiresAt - performance.now()).toBeLessThanOrEqual((Number(TTL) + 1) * 1_000);
-          await lease.release();
-        }
-      } finally {
-        await m.close();
-        etcd.close();
-        observer.close();
-        await cluster.stop();
-      }
-    }, 120_000);
+    it(
+      'two extensions at once: the lease never counts on a TTL etcd does not keep',
+      () =>
+        onOwnCluster(async ({ namespace, client, manager }) => {
+          const observer = client();
+          const m = manager(client());
+          for (let trial = 0; trial < 3; trial++) {
+            const name = `L${trial}`;
+            const key = etcdKeyNames(namespace).lock(name);
+            const lease = await m.acquire(name, { ttlMs: 10_000 });
+            const first = (await observer.get(key).exec()).kvs[0]?.lease;
+            // The second extension starts the moment etcd moved the key to the first one's new lease.
+            const watch = await observer.watch().key(key).create();
+            let second: Promise<unknown> | undefined;
+            watch.on('put', (kv) => {
+              if (!second && kv.lease !== first) second = lease.extend(10_000);
+            });
+            await lease.extend(3_000);
+            for (let i = 0; i < 400 && !second; i++) await sleep(5);
+            await second;
+            await watch.cancel();
+            const kv = (await observer.get(key).exec()).kvs[0];
+            if (!kv) throw new Error('the lock key is gone');
+            const { TTL } = await observer.leaseClient.leaseTimeToLive({ ID: kv.lease, keys: false });
+            // etcd counts whole seconds: up to one more than it reports.
+            expect(lease.expiresAt - performance.now()).toBeLessThanOrEqual((Number(TTL) + 1) * 1_000);
+            await lease.release();
+          }
+        }),
+      120_000,
+    );
 
     // A restore into a new cluster (`--bump-revision`: revisions go on above the old ones) gives it a new id.
     // A manager that outlived the old cluster once kept naming its fences after the old id: its holder and a
     // newer holder of the same lock claimed two registers, and the stale one's lock-scoped write landed.
-    it('each grant names the cluster that issued it: a stale holder is refused on a row the newer holder never wrote', async () => {
-      const [cluster, scenario] = await Promise.all([startEtcdCluster(1), scenarioDatabase()]);
-      const lived = new Etcd3({ hosts: cluster.endpoints });
-      const fresh = new Etcd3({ hosts: cluster.endpoints });
-      const namespace = uniqueNamespace('etcd');
-      const outlived = etcdLockManager({ client: lived, namespace });
-      const started = etcdLockManager({ client: fresh, namespace });
-      try {
-        const before = await outlived.acquire('L', { ttlMs: 2_000 });
-        await before.release();
-        await cluster.replace();
-        for (let i = 0; i < 40; i++) await fresh.put(`bump/${i}`).value('x'); // above the old revisions
+    it(
+      'each grant names the cluster that issued it: a stale holder is refused on a row the newer holder never wrote',
+      () =>
+        onOwnCluster(async ({ cluster, client, manager, scenario: open }) => {
+          const scenario = await open();
+          const fresh = client();
+          const outlived = manager(client());
+          const started = manager(fresh);
+          const before = await outlived.acquire('L', { ttlMs: 2_000 });
+          await before.release();
+          await cluster.replace();
+          for (let i = 0; i < 40; i++) await fresh.put(`bump/${i}`).value('x'); // above the old revisions
 
-        // The old manager's client reconnects; its grant's first attempts may meet the new cluster starting.
-        const stale = await outlived.acquire('L', { ttlMs: 2_000, waitMs: 20_000 });
-        expect(stale.lock?.source).toMatch(/^etcd:/);
-        expect(stale.lock?.source).not.toBe(before.lock?.source);
-        // Paused: no extension, so its etcd lease runs out and the next holder gets the lock.
-        const newer = await started.acquire('L', { ttlMs: 2_000, waitMs: 20_000 });
-        expect(newer.fence).toBeGreaterThan(stale.fence);
-        expect(newer.lock?.source).toBe(stale.lock?.source);
-        // The stale holder wakes, its signal not yet consulted, and writes a row the newer one did not.
-        await expectStaleRefusedOnUntouchedRow(scenario, stale, newer);
-        await newer.release();
-      } finally {
-        await outlived.close();
-        await started.close();
-        lived.close();
-        fresh.close();
-        await cluster.stop();
-        await scenario.close();
-      }
-    }, 120_000);
+          // The old manager's client reconnects; its grant's first attempts may meet the new cluster starting.
+          const stale = await outlived.acquire('L', { ttlMs: 2_000, waitMs: 20_000 });
+          expect(stale.lock?.source).toMatch(/^etcd:/);
+          expect(stale.lock?.source).not.toBe(before.lock?.source);
+          // Paused: no extension, so its etcd lease runs out and the next holder gets the lock.
+          const newer = await started.acquire('L', { ttlMs: 2_000, waitMs: 20_000 });
+          expect(newer.fence).toBeGreaterThan(stale.fence);
+          expect(newer.lock?.source).toBe(stale.lock?.source);
+          // The stale holder wakes, its signal not yet consulted, and writes a row the newer one did not.
+          await expectStaleRefusedOnUntouchedRow(scenario, stale, newer);
+          await newer.release();
+        }),
+      120_000,
+    );
   },
 );
