@@ -43,8 +43,8 @@ Options:
   --fence F       the fence to set (a positive integer)
   --delete        delete the register instead
   --expect E      change it only if it holds fence E (what palisade locks registers showed)
-  --create        with --fence: create the register if it does not exist
-  --wait-ms MS    wait at most MS for a transaction that holds the register's row (default 5000)
+  --create        with --fence: create the register if it does not exist (one a claim made meanwhile: left alone)
+  --wait-ms MS    wait at most MS (up to 2147483647) for a transaction that holds the register's row (default 5000)
   --json          JSON on stdout
   -h, --help      this help
 
@@ -56,8 +56,13 @@ const MISSING =
   'no such register, nothing changed: kind, source, namespace and name match byte for byte (the built-in lock managers store names in Unicode NFC); `palisade locks registers` lists them, and --create makes a new one';
 const MOVED =
   'the register no longer holds the --expect fence (a claim or another reset moved it), nothing changed: look again with `palisade locks registers`';
+const CREATED =
+  'the register was made meanwhile (a lock-scoped write or a grant claimed it), nothing changed: look again with `palisade locks registers`';
 const LOCKED =
   "a transaction kept the register's row locked past --wait-ms (a holder's fenced transaction or lock-scoped write), nothing changed: try again, or wait longer";
+
+/** The longest --wait-ms: Postgres' `lock_timeout` is an int4 of milliseconds. */
+const MAX_WAIT_MS = 2_147_483_647;
 
 /** A fence option (as {@link toFence} reads a decimal string), or a usage error naming it. */
 function fenceArg(option: string, value: unknown): bigint {
@@ -155,7 +160,9 @@ export const resetRegisterCommand: Command = {
     const create = values.create === true;
     if (create && remove) throw new CliError('--create goes with --fence, not --delete', 2);
     const waitMs = values['wait-ms'] === undefined ? 5000 : Number(values['wait-ms']);
-    if (!Number.isSafeInteger(waitMs) || waitMs < 1) throw new CliError('--wait-ms must be a positive integer', 2);
+    // Postgres' own bound on lock_timeout (ms, int4).
+    if (!Number.isSafeInteger(waitMs) || waitMs < 1 || waitMs > MAX_WAIT_MS)
+      throw new CliError(`--wait-ms must be an integer in 1 … ${MAX_WAIT_MS}`, 2);
     const url = requireDatabaseUrl(io, 'palisade locks reset-register changes palisade.lock_registers');
     const sql = await connect(url);
     try {
@@ -173,10 +180,17 @@ export const resetRegisterCommand: Command = {
           if (remove) {
             await tx`delete from palisade.lock_registers
               where kind = ${kind} and source = ${source} and namespace = ${namespace} and name = ${name}`;
-          } else {
-            await tx`insert into palisade.lock_registers (kind, source, namespace, name, fence)
+          } else if (before === null) {
+            // Missing when read, which locks nothing: a claim may insert the row meanwhile (its transaction not yet
+            // committed when read). Made only if still missing — overwriting that claim would let back in the
+            // holders its fence fenced out.
+            const made = await tx`insert into palisade.lock_registers (kind, source, namespace, name, fence)
               values (${kind}, ${source}, ${namespace}, ${name}, ${String(fence)}::int8)
-              on conflict (kind, source, namespace, name) do update set fence = excluded.fence`;
+              on conflict (kind, source, namespace, name) do nothing returning 1`;
+            if (made.length === 0) return { before, refused: CREATED };
+          } else {
+            await tx`update palisade.lock_registers set fence = ${String(fence)}::int8
+              where kind = ${kind} and source = ${source} and namespace = ${namespace} and name = ${name}`;
           }
           return { before };
         });

@@ -7,11 +7,14 @@ import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
 import { execute } from '../../src/driver.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
+import { toFence } from '../../src/fencing/fence.js';
 import { migrate } from '../../src/migrate.js';
+import { claimLockRegister } from '../../src/repo/register-claim.js';
 import { killAllCli, runCli } from '../support/cli.js';
 import { postgresDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
 
 afterEach(killAllCli);
 
@@ -171,9 +174,12 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks reset-register (real Postg
         reset(nfc, '--fence', '5', '--wait-ms', '0'),
         reset(nfc, '--fence', '9223372036854775808'),
         reset(nfc, '--fence', '05'),
+        // Past Postgres' lock_timeout (an int4 of ms): a usage error, not the server's, which quoted the value.
+        reset(nfc, '--fence', '5', '--wait-ms', '2147483648'),
       ]);
-      expect(usage.map((u) => u.code)).toEqual([2, 2, 2, 2, 2]);
+      expect(usage.map((u) => u.code)).toEqual([2, 2, 2, 2, 2, 2]);
       expect(usage[3]?.stderr).toMatch(/--fence must be a positive 64-bit integer/);
+      expect(usage[5]?.stderr).toBe('palisade locks: --wait-ms must be an integer in 1 … 2147483647\n');
       expect(await fenceOf(nfc)).toBe('5');
     } finally {
       await held.end({ timeout: 1 });
@@ -181,6 +187,65 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks reset-register (real Postg
     }
   });
 });
+
+describe.runIf(needs('DATABASE_URL'))(
+  'palisade locks reset-register --create racing a claim',
+  { timeout: 120_000 },
+  () => {
+    it("leaves a register a claim made while it ran: the claim's fence keeps refusing lower fences of the lock", async () => {
+      const test = await postgresDatabase({ migrated: true });
+      const claimer = postgres(test.url as string, { max: 1, onnotice: () => {} });
+      try {
+        const namespace = uniqueNamespace('create');
+        const lock = { kind: 'redis', source: 'src', namespace, name: 'L' };
+        let cli: Promise<Awaited<ReturnType<typeof runCli>>> | undefined;
+        // A newer holder's first claim inserts the register (fence 20); its transaction has not committed when
+        // the operator, who believes 10 is the latest fence, creates the register.
+        await claimer.begin(async (tx) => {
+          await tx`select palisade.claim_lock('redis', 'src', ${namespace}, 'L', 20)`;
+          cli = runCli(
+            [
+              'locks',
+              'reset-register',
+              '--kind',
+              'redis',
+              '--source',
+              'src',
+              '--namespace',
+              namespace,
+              '--name',
+              'L',
+            ].concat(['--fence', '10', '--create', '--wait-ms', '60000']),
+            { DATABASE_URL: test.url },
+          );
+          // Committed once the CLI waits for the claim's row (bounded: the CLI's own wait is 60 s).
+          for (let i = 0; i < 600; i++) {
+            // From another session: this transaction would see the one snapshot of pg_stat_activity it took first.
+            const [row] = await execute(
+              test.db,
+              sql`select count(*)::int as n from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`,
+            );
+            if (row?.n === 1) break;
+            await sleep(50);
+          }
+        });
+        const run = await (cli as Promise<Awaited<ReturnType<typeof runCli>>>);
+        expect([run.code, run.stderr]).toEqual([1, expect.stringMatching(/the register was made meanwhile/)]);
+        const [row] = await execute(
+          test.db,
+          sql`select fence::text as fence from palisade.lock_registers where namespace = ${namespace}`,
+        );
+        expect(row?.fence).toBe('20');
+        // The holder the claim fenced out stays out.
+        const old = { fence: toFence(10n), signal: new AbortController().signal, lock };
+        expect(await claimLockRegister(test.db, old)).toEqual({ status: 'stale', currentFence: 20n });
+      } finally {
+        await claimer.end({ timeout: 1 });
+        await test.close();
+      }
+    });
+  },
+);
 
 describe.runIf(needs('DATABASE_URL'))('palisade locks registers (real Postgres)', { timeout: 120_000 }, () => {
   it("lists one line per register: a name's line break or terminal control is escaped, columns stay aligned", async () => {
