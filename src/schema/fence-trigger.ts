@@ -10,7 +10,9 @@
  *   out too;
  * - unless `guardDeletes: false`, any `DELETE` of a live row: palisade
  *   deletes by leaving a tombstone (`deleted_at`), and only tombstones may be
- *   removed for good (`purgeTombstones`).
+ *   removed for good (`purgeTombstones`); and a `DELETE` of tombstones from
+ *   any client raises the table's tombstone floor to their highest fence, as
+ *   a purge does, so that no lower fence can recreate a row it removed.
  *
  * Everything palisade's repository does passes: every fenced update, delete,
  * tombstone fence raise and upsert sets `last_fence` to a fence above the
@@ -28,6 +30,8 @@ export const FENCE_TRIGGER_SQLSTATE = 'PF001';
 
 /** Name of the trigger function and of the triggers it runs as. */
 export const FENCE_TRIGGER_NAME = 'palisade_fence_guard';
+/** Name of the function that raises the tombstone floor after a delete, and of its trigger. */
+const FLOOR_TRIGGER_NAME = 'palisade_fence_floor';
 
 /** Options of {@link fenceTriggerSql} and {@link installFenceTrigger}. */
 export interface FenceTriggerOptions {
@@ -61,7 +65,10 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * Guarantees: once installed, no `UPDATE` — from any client, role or
  * service — leaves `last_fence` where it was or lowers it, and (by default)
  * no `DELETE` removes a live row; such statements fail with SQLSTATE
- * {@link FENCE_TRIGGER_SQLSTATE} and change nothing.
+ * {@link FENCE_TRIGGER_SQLSTATE} and change nothing. A `DELETE` of
+ * tombstones raises the table's tombstone floor in its own statement, so
+ * the deleting role needs to write `palisade.tombstone_floors` (or the
+ * delete fails, and removes nothing).
  *
  * Does not: check that a raised fence was ever issued by a lock manager (a
  * writer that invents `last_fence = last_fence + 1` passes, and may then
@@ -90,8 +97,10 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
   const guardDeletes = options.guardDeletes ?? true;
   const qualified = schema === undefined ? ident(name) : `${ident(schema)}.${ident(name)}`;
   const fn = schema === undefined ? ident(FENCE_TRIGGER_NAME) : `${ident(schema)}.${ident(FENCE_TRIGGER_NAME)}`;
+  const floorFn = schema === undefined ? ident(FLOOR_TRIGGER_NAME) : `${ident(schema)}.${ident(FLOOR_TRIGGER_NAME)}`;
   const updateTrigger = ident(`${FENCE_TRIGGER_NAME}_update`);
   const deleteTrigger = ident(`${FENCE_TRIGGER_NAME}_delete`);
+  const floorTrigger = ident(FLOOR_TRIGGER_NAME);
   const statements = [
     `CREATE OR REPLACE FUNCTION ${fn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
 BEGIN
@@ -116,21 +125,32 @@ BEGIN
   RETURN OLD;
 END
 $palisade$`,
-    `DROP TRIGGER IF EXISTS ${updateTrigger} ON ${qualified}`,
-    `DROP TRIGGER IF EXISTS ${deleteTrigger} ON ${qualified}`,
+    // Once per statement, after it (a purge raises the same floor in its own statement: raised twice, the
+    // greater wins), and at its end, where the purge raises it: a row trigger would take the floor's row
+    // lock at the first row, and two purges of overlapping batches would each wait for the other.
+    `CREATE OR REPLACE FUNCTION ${floorFn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
+BEGIN
+  INSERT INTO palisade.tombstone_floors (fenced_table, floor)
+    SELECT palisade.floor_table(TG_RELID::regclass), max(gone.last_fence) FROM palisade_gone gone HAVING count(*) > 0
+    ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
+  RETURN NULL;
+END
+$palisade$`,
+    ...dropFenceTriggerStatements({ name, ...(schema === undefined ? {} : { schema }) }),
     `CREATE TRIGGER ${updateTrigger} BEFORE UPDATE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}('${sameFence}')`,
   ];
   if (guardDeletes) {
     statements.push(
       `CREATE TRIGGER ${deleteTrigger} BEFORE DELETE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}()`,
+      `CREATE TRIGGER ${floorTrigger} AFTER DELETE ON ${qualified} REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT EXECUTE FUNCTION ${floorFn}()`,
     );
   }
   return statements;
 }
 
 /**
- * The statements that remove the trigger from `table` (the function stays:
- * other tables of the schema may use it).
+ * The statements that remove the trigger from `table` (the functions stay:
+ * other tables of the schema may use them).
  */
 export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] {
   const { schema, name } = target(table);
@@ -138,6 +158,7 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
   return [
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_update`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_delete`)} ON ${qualified}`,
+    `DROP TRIGGER IF EXISTS ${ident(FLOOR_TRIGGER_NAME)} ON ${qualified}`,
   ];
 }
 

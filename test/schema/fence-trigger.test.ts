@@ -142,6 +142,28 @@ for (const suite of suites) {
       expect(await row(test.db, name, 2)).toEqual({ stock: 5, fence: 1n, deleted: false });
     });
 
+    it("a DELETE of tombstones from any writer raises the table's floor: a stale upsert cannot recreate the row", async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(10));
+      await repo.upsert({ id: 2, stock: 5 }, f(10));
+      expect((await repo.delete({ id: 1 }, f(20))).status).toBe('applied');
+      expect((await repo.delete({ id: 2 }, f(12))).status).toBe('applied');
+      // An operator's cleanup, or another service, bypassing purgeTombstones.
+      await execute(test.db, sql.raw(`delete from ${name} where deleted_at is not null`));
+      expect(await row(test.db, name)).toBeUndefined();
+      expect(await repo.upsert({ id: 1, stock: 1 }, f(15))).toEqual({ status: 'stale', currentFence: 20n });
+      expect(await repo.upsert({ id: 3, stock: 1 }, f(19))).toEqual({ status: 'stale', currentFence: 20n });
+      expect(await row(test.db, name)).toBeUndefined();
+      // A statement that removed nothing leaves the floor where it was; a purge's own raise and the trigger's agree.
+      await execute(test.db, sql.raw(`delete from ${name} where deleted_at is not null`));
+      expect((await repo.upsert({ id: 1, stock: 2 }, f(21))).status).toBe('applied');
+      expect((await repo.delete({ id: 1 }, f(22))).status).toBe('applied');
+      expect(await repo.purgeTombstones(new Date(Date.now() + 3_600_000))).toBe(1);
+      expect(await repo.upsert({ id: 1, stock: 3 }, f(21))).toEqual({ status: 'stale', currentFence: 22n });
+    });
+
     it("sameFence 'allow' accepts an equal fence; guardDeletes false leaves DELETE alone", async () => {
       const { name, table } = await freshTable(test.db);
       await installFenceTrigger(test.db, table, { sameFence: 'allow', guardDeletes: false });
@@ -187,12 +209,14 @@ describe('fenceTriggerSql', () => {
     const text = fenceTriggerSql(table);
     const parts = text.split('--> statement-breakpoint');
     expect(parts.map((p) => p.trim())).toEqual(fenceTriggerStatements(table));
-    expect(parts).toHaveLength(5);
+    expect(parts).toHaveLength(8);
     expect(parts[0]).toMatch(/^CREATE OR REPLACE FUNCTION "palisade_fence_guard"\(\)/);
-    expect(parts[3]).toMatch(
+    expect(parts[1]).toMatch(/^\s*CREATE OR REPLACE FUNCTION "palisade_fence_floor"\(\)/);
+    expect(parts[5]).toMatch(
       /BEFORE UPDATE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\('reject'\)/,
     );
-    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(4);
+    expect(parts[7]).toMatch(/AFTER DELETE ON "accounts" REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
+    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(6);
   });
 
   it('refuses a table without fence columns, and bad options', () => {
