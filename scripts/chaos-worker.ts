@@ -69,6 +69,8 @@ export interface ChaosWorkerArgs {
   /** Redis only, the replication nemesis: the loopback ports of every Redis server, and the primary to start on. */
   readonly redisPorts?: readonly number[];
   readonly primary?: number;
+  /** etcd only: every member's client URL (each through the worker's own proxy). */
+  readonly etcdEndpoints?: readonly string[];
 }
 
 /** One lock and counter row a worker loop fights over. */
@@ -117,7 +119,7 @@ export const CHAOS_DDL = [
      process text not null, value integer not null, lock text not null)`,
 ];
 
-/** Lock managers for each slot: on the one Redis (or Postgres) of the run, or on whichever server is the primary. */
+/** Lock managers for each slot: on the one Redis (Postgres, etcd cluster) of the run, or on whichever server is the primary. */
 interface Managers {
   readonly db: Database;
   /** The manager to acquire with now, and the server it talks to (replication nemesis only). */
@@ -150,6 +152,7 @@ async function openManagers(args: ChaosWorkerArgs, slots: ChaosSlot[]): Promise<
       },
     };
   }
+  if (args.kind === 'etcd') return openEtcd(args);
   if (args.kind !== 'redis') throw new Error(`the chaos run has no ${args.kind} backend`);
   // One loop per namespace shares this pool: wide enough that a statement rarely waits past its bound for a connection.
   const client = postgres(args.databaseUrl, { max: slots.length > 1 ? 10 : 4, fetch_types: false, onnotice: () => {} });
@@ -183,6 +186,27 @@ async function openManagers(args: ChaosWorkerArgs, slots: ChaosSlot[]): Promise<
     async close() {
       for (const manager of managers.values()) await manager.close().catch(() => {});
       for (const redis of clients.values()) redis.disconnect();
+      await client.end({ timeout: 5 });
+    },
+  };
+}
+
+async function openEtcd(args: ChaosWorkerArgs): Promise<Managers> {
+  const client = postgres(args.databaseUrl, { max: 4, fetch_types: false, onnotice: () => {} });
+  const db = drizzle(client) as unknown as Database;
+  // Loaded only here: etcd3 (and gRPC) is an optional peer dependency.
+  const { Etcd3 } = await import('etcd3');
+  const { etcdLockManager } = await import('../src/fencing/backends/etcd/manager.js');
+  const etcd = new Etcd3({ hosts: [...(args.etcdEndpoints ?? [])], dialTimeout: 1_000 });
+  // As on Postgres: a call frozen by a partition ends within a few TTLs rather than the 10 s default, and a
+  // leader election (1–4 s with the cluster's 1 s election timeout) still fits in it.
+  const manager = etcdLockManager({ client: etcd, namespace: args.namespace, commandTimeoutMs: 2 * args.ttlMs });
+  return {
+    db,
+    current: () => ({ manager }),
+    async close() {
+      await manager.close().catch(() => {});
+      etcd.close();
       await client.end({ timeout: 5 });
     },
   };

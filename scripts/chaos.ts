@@ -5,6 +5,7 @@
  *
  * ```sh
  * npm run chaos -- --backend redis|postgres|advisory --workers 4 --seconds 20 [--ttl 1000] [--out DIR] [--seed N]
+ * npm run chaos -- --backend etcd --ttl 2000 …
  * npm run chaos -- --backend redis --nemesis replication [--namespaces 50] [--min-failbacks 2] …
  * ```
  *
@@ -19,10 +20,14 @@
  *   started itself on a free loopback port (the shared 6379 is never used);
  * - postgres / advisory: `pg_terminate_backend` of the holder's connections
  *   (its pool, and for advisory the session that holds the lock);
+ * - etcd: the runner starts a 3-member cluster of its own (1 s election
+ *   timeout) and kills one member (kill -9, often the leader), restarting it
+ *   on its data after 0.5–2 TTLs, or SIGSTOPs the leader for 1.2–3 TTLs (the
+ *   others elect a new one; the old one wakes up still thinking it leads);
  * - every backend: `partition`, a network partition of the holder (or, when
  *   none holds, a random worker; one drawn partition in three cuts off a
  *   worker waiting in acquire instead) for 1.2–3 TTLs. Each worker reaches
- *   Postgres, and its Redis, through loopback TCP proxies of its own
+ *   Postgres, and its Redis or every etcd member, through loopback TCP proxies of its own
  *   (scripts/chaos-network.ts, kept across its restarts); the partition
  *   SIGSTOPs them, then SIGCONT. Unlike a pause, the worker's process runs
  *   on: its lease runs out locally, its lock-manager calls fail with
@@ -35,7 +40,10 @@
  *   mid-run at least, on Redis followed by a FLUSHDB (its next epoch is the
  *   first under the new id). The checker holds each lock's grants to naming
  *   their sources in fence order; a run where no worker running since before
- *   a change was granted under the new id failed to bite;
+ *   a change was granted under the new id failed to bite. On etcd the change
+ *   is the operator's step after a restore: the namespace's source key
+ *   deleted (the nemesis then puts the new mark itself, or finds the one a
+ *   grant put);
  * - redis `--nemesis replication`: the runner owns a primary and a replica
  *   (two redis-servers, each its own `--dir`) and tells the workers which is
  *   the primary (a line on their stdin). Failover: the replica is promoted,
@@ -73,14 +81,18 @@ import { createInterface } from 'node:readline';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { drizzle } from 'drizzle-orm/postgres-js';
+import { Etcd3 } from 'etcd3';
 import { Redis } from 'ioredis';
 import postgres from 'postgres';
 import type { Database } from '../src/driver.js';
+import { etcdKeyNames } from '../src/fencing/backends/etcd/keys.js';
+import { sourceKeyRequest } from '../src/fencing/backends/etcd/source.js';
 import { redisLockManager } from '../src/fencing/backends/redis/manager.js';
 import type { LockManager } from '../src/fencing/lock-manager.js';
 import { migrate } from '../src/migrate.js';
 import { type AuditRow, checkHistory, formatReport, type Report } from '../src/testing/checker.js';
 import { type HistoryEvent, historyRecorder, historyTime, readHistory } from '../src/testing/history.js';
+import { type EtcdCluster, type EtcdMember, startEtcdCluster } from '../test/support/etcd-cluster.js';
 import { openManager } from '../test/support/managers.js';
 import { type PrivateRedis, startPrivateRedis } from '../test/support/redis-server.js';
 import { createScratchDatabase } from '../test/support/scratch-database.js';
@@ -90,7 +102,7 @@ import { renderChaosReport, type SavedReport } from './chaos-report/render.js';
 import { CHAOS_DDL, type ChaosSlot, type ChaosWorkerArgs, chaosKeys, chaosSlots } from './chaos-worker.js';
 
 /** Backends the chaos run knows how to fault. */
-export type ChaosBackend = 'redis' | 'postgres' | 'advisory';
+export type ChaosBackend = 'redis' | 'postgres' | 'advisory' | 'etcd';
 /** Which faults: the backend's own (`standard`), or Redis failovers and failbacks (`replication`, redis only). */
 export type ChaosNemesis = 'standard' | 'replication';
 
@@ -242,7 +254,9 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
   const splitBrains: { from: number; to: number; old: string; new: string }[] = [];
   const handles: Handle[] = [];
   const crashes: string[] = [];
-  /** Each worker label's proxies (Postgres, then Redis): one set per label for the whole run. */
+  /** The etcd cluster the run owns (etcd backend). */
+  let cluster: EtcdCluster | undefined;
+  /** Each worker label's proxies (Postgres, then Redis or each etcd member): one set per label for the whole run. */
   const network = new Map<string, ChaosProxy[]>();
   // Until the workers are up, a crash is restarted as during the run.
   let deadline = Date.now() + o.seconds * 1000 + 120_000;
@@ -260,6 +274,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       await inSync(redisAdmin(pair[1]));
       redis = pair[0];
     } else if (o.backend === 'redis') redis = await startPrivateRedis();
+    else if (o.backend === 'etcd') cluster = await startEtcdCluster(3);
     log(
       `database ${dbName}, namespace ${namespace}${o.namespaces > 1 ? ` (×${o.namespaces})` : ''}${topology ? `, redis primary ${topology.primary.port} and replica ${topology.replica.port}` : redis ? `, redis-server on ${redis.url}` : ''}, out ${outDir}`,
     );
@@ -270,6 +285,8 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       const exitAfterMs = o.seconds * 1000 + 600_000;
       const targets: [string, number][] = [['Postgres', Number(new URL(runUrl).port || 5432)]];
       if (redis) targets.push(['Redis', redis.port]);
+      for (const member of cluster?.members ?? [])
+        targets.push([etcdProxyName(member), Number(new URL(member.clientUrl).port)]);
       // All at once (each is a process that takes a while to start); every one started is kept, to be ended.
       const starts = Array.from({ length: o.workers }, (_, i) => `w${i + 1}`).flatMap((label) =>
         targets.map(async ([name, port]) => {
@@ -289,6 +306,11 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       namespace,
       databaseUrl: proxied(label, 'Postgres', runUrl),
       ...(redis ? { redisUrl: proxied(label, 'Redis', redis.url) } : {}),
+      ...(cluster
+        ? {
+            etcdEndpoints: cluster.members.map((m) => proxied(label, etcdProxyName(m), m.clientUrl).replace(/\/$/, '')),
+          }
+        : {}),
       ...(topology
         ? { redisPorts: [topology.primary.port, topology.replica.port].sort(), primary: topology.primary.port }
         : {}),
@@ -383,7 +405,9 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       ? ['pause', 'kill', 'failover', 'failback', 'resync', 'restart', 'flush']
       : o.backend === 'redis'
         ? ['pause', 'pause', 'kill', 'flush', 'restart', 'partition', 'partition', 'source']
-        : ['pause', 'pause', 'kill', 'terminate', 'terminate', 'partition', 'partition', 'source'];
+        : o.backend === 'etcd'
+          ? ['pause', 'pause', 'kill', 'member-kill', 'member-pause', 'partition', 'partition', 'source']
+          : ['pause', 'pause', 'kill', 'terminate', 'terminate', 'partition', 'partition', 'source'];
     const started = Date.now();
     let failedOver = false;
     // Pauses and partitions that caught a worker holding the lock: the faults that make stale writes.
@@ -484,6 +508,10 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         kind = 'partition';
         partitionDrawn = false;
       }
+      // On etcd, a member killed by a fifth of the run and the leader paused by two fifths, whatever the draws.
+      const elapsed = (Date.now() - started) / (o.seconds * 1000);
+      if (cluster && faults['member-kill'] === undefined && elapsed > 0.2) kind = 'member-kill';
+      else if (cluster && faults['member-pause'] === undefined && elapsed > 0.4) kind = 'member-pause';
       // One id change by mid-run, outside the replication nemesis, so that grants follow it (one quick
       // statement: a holder fault due waits for the next turn); on Redis the flush that makes it bite.
       if (!topology && sourceChanges.length === 0 && Date.now() - started > o.seconds * 500) kind = 'source';
@@ -602,6 +630,38 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
       } else if (kind === 'restart' && redis) {
         fault('restart', 'kill -9 and restart of the private redis-server (no persistence: every key lost)');
         await redis.restart();
+      } else if (kind === 'member-kill' && cluster) {
+        // One member down at a time: the other two keep the quorum (a pause of the leader right after may not).
+        const running = cluster.members.filter((m) => m.running);
+        if (running.length < cluster.members.length) continue;
+        const leader = random() < 0.5 ? await cluster.leader(2_000).catch(() => undefined) : undefined;
+        const m = leader ?? (running[Math.floor(random() * running.length)] as EtcdMember);
+        const ms = Math.round(between(0.5, 2) * o.ttlMs);
+        fault(
+          'member-kill',
+          `etcd ${m.name}${leader ? ' (the leader)' : ''} with SIGKILL, restarted on its data after ${ms} ms`,
+        );
+        await m.kill();
+        await sleep(ms);
+        m.start();
+      } else if (kind === 'member-pause' && cluster) {
+        // The others elect a new leader; the old one, thawed, still thinks it leads until it hears of the new term.
+        const leader = await cluster.leader(2_000).catch(() => undefined);
+        if (!leader) continue;
+        const ms = Math.round(between(1.2, 3) * o.ttlMs);
+        fault('member-pause', `etcd leader ${leader.name} SIGSTOPped for ${ms} ms`);
+        leader.freeze();
+        try {
+          await sleep(ms);
+        } finally {
+          leader.thaw();
+        }
+      } else if (kind === 'source' && cluster) {
+        // The operator's step after a restore (README, "etcd"): the namespace's source key deleted while the
+        // managers run; the next grant, or this run first, puts a new mark, which every grant names from then on.
+        const change = await newEtcdSource(cluster, namespace);
+        sourceChanges.push(change);
+        fault('source', `the namespace's etcd source key deleted, new mark ${change.id}, managers running`);
       } else if (kind === 'source') {
         // An operator gives the database a new fence source id while the managers run: from then on every
         // grant must name it, whichever manager grants it (Postgres grants at once, Redis from its next epoch).
@@ -679,11 +739,14 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
         r.disconnect();
       }
     } else {
+      // Every member back, and agreeing on a leader, before the probe's wait of one TTL.
+      await cluster?.heal();
       const probe = await openManager({
         kind: o.backend,
         namespace,
         databaseUrl: runUrl,
         ...(redis ? { redisUrl: redis.url } : {}),
+        ...(cluster ? { etcdEndpoints: cluster.endpoints } : {}),
       });
       try {
         await probeWith(probe.manager, slots[0] as ChaosSlot);
@@ -819,6 +882,7 @@ export async function runChaos(options: ChaosOptions): Promise<ChaosResult> {
     for (const r of redisAdmins.values()) r.disconnect();
     if (topology) await Promise.all([topology.primary.stop(), topology.replica.stop()]);
     else await redis?.stop();
+    await cluster?.stop();
     await client.end({ timeout: 5 });
     if (options.keepDatabase) await scratch.keep();
     else await scratch.drop();
@@ -839,8 +903,8 @@ interface Checked {
 }
 
 function checkOptions(o: ChaosOptions): Checked {
-  if (!['redis', 'postgres', 'advisory'].includes(o.backend))
-    throw new UsageError('--backend must be redis, postgres or advisory');
+  if (!['redis', 'postgres', 'advisory', 'etcd'].includes(o.backend))
+    throw new UsageError('--backend must be redis, postgres, advisory or etcd');
   if (!Number.isInteger(o.workers) || o.workers < 2 || o.workers > 32)
     throw new UsageError('--workers must be an integer in 2 … 32');
   if (!Number.isFinite(o.seconds) || o.seconds < 1 || o.seconds > 7200)
@@ -848,6 +912,10 @@ function checkOptions(o: ChaosOptions): Checked {
   const ttlMs = o.ttlMs ?? 1000;
   if (!Number.isInteger(ttlMs) || ttlMs < 100 || ttlMs > 60_000)
     throw new UsageError('--ttl must be an integer in 100 … 60000 ms');
+  // etcd counts leases in whole seconds and raises those below 1.5 election timeouts (the run's cluster: 1 s):
+  // a shorter TTL would be 2 s in etcd, and pauses and partitions sized on it would end before the lease.
+  if (o.backend === 'etcd' && ttlMs < ETCD_MIN_TTL_MS)
+    throw new UsageError(`--backend etcd needs --ttl of at least ${ETCD_MIN_TTL_MS} ms`);
   const holdMs = o.holdMs ?? Math.round(ttlMs / 2);
   if (!Number.isInteger(holdMs) || holdMs < 0 || holdMs > 10 * ttlMs)
     throw new UsageError('--hold must be an integer in 0 … 10 × TTL ms');
@@ -924,6 +992,29 @@ async function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<
 }
 
 /** A small seeded PRNG (mulberry32): the nemesis' choices replay from `--seed`. */
+/** The shortest lease the run's etcd cluster keeps as asked (whole seconds, at least 1.5 × its 1 s election timeout). */
+const ETCD_MIN_TTL_MS = 2_000;
+
+/** The proxy name of an etcd member, as the partition's log names it. */
+const etcdProxyName = (member: EtcdMember) => `etcd ${member.name}`;
+
+/**
+ * Deletes `namespace`'s etcd source key, then puts a new mark unless a grant put one first; returns the mark
+ * that stands and when the old one went (on the history's clock).
+ */
+async function newEtcdSource(cluster: EtcdCluster, namespace: string): Promise<{ id: string; time: number }> {
+  const etcd = new Etcd3({ hosts: cluster.endpoints, dialTimeout: 1_000 });
+  try {
+    const keys = etcdKeyNames(namespace);
+    await etcd.delete().key(keys.source);
+    const time = historyTime();
+    await etcd.kv.txn(sourceKeyRequest(keys));
+    return { id: (await etcd.get(keys.source).string()) ?? '', time };
+  } finally {
+    etcd.close();
+  }
+}
+
 function mulberry32(seed: number): () => number {
   let a = seed >>> 0;
   return () => {

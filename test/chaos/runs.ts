@@ -50,8 +50,8 @@ export async function bounded(
 }
 
 /** The standard nemesis: besides {@link bounded}'s checks, a partition that held up a holder's write. */
-export function withPartitions(backend: ChaosBackend) {
-  return bounded(backend, {}, (result, context) => {
+export function withPartitions(backend: ChaosBackend, extra: Partial<ChaosOptions> = {}) {
+  return bounded(backend, extra, (result, context) => {
     // `?? 0`: a count that never started is absent, and a matcher given undefined drops the context.
     expect(result.faults.partition ?? 0, context).toBeGreaterThan(0);
     expect(result.holderFaults.partition ?? 0, `no partition caught the lock holder${context}`).toBeGreaterThan(0);

@@ -24,6 +24,10 @@ export interface EtcdMember {
   kill(): Promise<void>;
   /** Starts the member again on its data directory (no-op if running). */
   start(): void;
+  /** SIGSTOP: a member that keeps its sockets open and answers nobody (a frozen host); no-op if not running. */
+  freeze(): void;
+  /** SIGCONT after {@link freeze}. */
+  thaw(): void;
 }
 
 export interface EtcdCluster {
@@ -89,6 +93,12 @@ export async function startEtcdCluster(size = 3, timeoutMs = 30_000): Promise<Et
         const exited = new Promise((resolve) => c.once('exit', resolve));
         c.kill('SIGKILL');
         await exited;
+      },
+      freeze() {
+        child?.kill('SIGSTOP');
+      },
+      thaw() {
+        child?.kill('SIGCONT');
       },
       start() {
         if (child) return;
