@@ -3,8 +3,9 @@
  * registers of lock-scoped fencing (README, "Two scopes of fencing",
  * "Resetting a register").
  */
-import { CliError } from '../errors.js';
+import { CliError, InvalidArgumentError } from '../errors.js';
 import { toFence } from '../fencing/fence.js';
+import { checkLockIdentity } from '../fencing/lock-identity.js';
 import { type Command, connect, connectionError, parse, requireDatabaseUrl, table, toJson } from './common.js';
 
 const listHelp = `Usage: palisade locks registers [--namespace NS] [--limit N] [--json]
@@ -159,6 +160,15 @@ export const resetRegisterCommand: Command = {
     const expected = values.expect === undefined ? null : fenceArg('--expect', values.expect).toString();
     const create = values.create === true;
     if (create && remove) throw new CliError('--create goes with --fence, not --delete', 2);
+    // A register no lock-scoped write could ever claim (a part over 1,024 bytes, NUL, a lone surrogate) is not made.
+    if (create) {
+      try {
+        checkLockIdentity({ kind: key[0], source: key[1], namespace: key[2], name: key[3] });
+      } catch (err) {
+        if (err instanceof InvalidArgumentError) throw new CliError(err.message, 2);
+        throw err;
+      }
+    }
     const waitMs = values['wait-ms'] === undefined ? 5000 : Number(values['wait-ms']);
     // Postgres' own bound on lock_timeout (ms, int4).
     if (!Number.isSafeInteger(waitMs) || waitMs < 1 || waitMs > MAX_WAIT_MS)

@@ -176,8 +176,12 @@ describe.runIf(needs('DATABASE_URL'))('palisade locks reset-register (real Postg
         reset(nfc, '--fence', '05'),
         // Past Postgres' lock_timeout (an int4 of ms): a usage error, not the server's, which quoted the value.
         reset(nfc, '--fence', '5', '--wait-ms', '2147483648'),
+        // A register no lock-scoped write could ever claim is not made.
+        reset('n'.repeat(1025), '--fence', '5', '--create'),
       ]);
-      expect(usage.map((u) => u.code)).toEqual([2, 2, 2, 2, 2, 2]);
+      expect(usage.map((u) => u.code)).toEqual([2, 2, 2, 2, 2, 2, 2]);
+      expect(usage[6]?.stderr).toMatch(/lock\.name must be at most 1024 UTF-8 bytes/);
+      expect(await fenceOf('n'.repeat(1025))).toBeNull();
       expect(usage[3]?.stderr).toMatch(/--fence must be a positive 64-bit integer/);
       expect(usage[5]?.stderr).toBe('palisade locks: --wait-ms must be an integer in 1 … 2147483647\n');
       expect(await fenceOf(nfc)).toBe('5');
