@@ -297,8 +297,11 @@ export function watchedPgliteTransaction<Tx, T>(
 /** The messages of a node-postgres `Client`'s protocol connection palisade hears. */
 interface MessageClient {
   readonly connection?: {
-    on(event: 'commandComplete' | 'errorMessage', listener: (message: never) => void): unknown;
-    removeListener(event: 'commandComplete' | 'errorMessage', listener: (message: never) => void): unknown;
+    on(event: 'commandComplete' | 'errorMessage' | 'readyForQuery', listener: (message: never) => void): unknown;
+    removeListener(
+      event: 'commandComplete' | 'errorMessage' | 'readyForQuery',
+      listener: (message: never) => void,
+    ): unknown;
   };
 }
 
@@ -307,29 +310,48 @@ interface MessageClient {
  * errors of its connection, heard from now on (`failures`, for
  * {@link causeOf}). `check()`, once the driver's COMMIT was answered,
  * throws the error that aborted the transaction when the COMMIT's tag says
- * `ROLLBACK`; `off()` stops listening. Nothing is heard on a client without
+ * `ROLLBACK`; `open()` says whether the server may still be in the
+ * transaction; `off()` stops listening. Nothing is heard on a client without
  * a protocol connection (pg-native).
  */
-export function commitAnswer(client: unknown): { readonly failures: Failures; check(): void; off(): void } {
+export function commitAnswer(client: unknown): {
+  readonly failures: Failures;
+  check(): void;
+  open(): boolean;
+  off(): void;
+} {
   const connection = (client as MessageClient).connection;
   const failures = new Failures();
   let tag: unknown;
+  // The session's transaction status as its last ReadyForQuery said: in a transaction ('T', or 'E' failed)
+  // until one says idle ('I'). Heard from after BEGIN, which the driver sent first.
+  let status: unknown = 'T';
+  const heard = typeof connection?.on === 'function';
   const onComplete = (message: { text?: unknown }) => {
     tag = message.text;
   };
   const onError = (message: unknown) => failures.note(message);
-  if (typeof connection?.on === 'function') {
+  const onReady = (message: { status?: unknown }) => {
+    status = message.status;
+  };
+  if (heard) {
     connection.on('commandComplete', onComplete);
     connection.on('errorMessage', onError);
+    connection.on('readyForQuery', onReady);
   }
   return {
     failures,
     check() {
       if (tag === 'ROLLBACK') throw failures.error();
     },
+    // Once the driver's COMMIT or ROLLBACK settled: not idle means the server never answered it — the client gave
+    // up first (node-postgres's query_timeout: on a statement still running there, and then on the ROLLBACK
+    // queued behind it, which is never sent), and the session is still in the transaction.
+    open: () => heard && status !== 'I',
     off() {
       connection?.removeListener('commandComplete', onComplete);
       connection?.removeListener('errorMessage', onError);
+      connection?.removeListener('readyForQuery', onReady);
     },
   };
 }

@@ -273,19 +273,22 @@ export class DatabaseError extends PalisadeError {
     cause: unknown,
     /**
      * True when a transaction palisade began (a fenced transaction, a
-     * `modify`, a lock-scoped write's claim) had sent its COMMIT and no
-     * answer of the server's says it failed — the connection was lost, or the
-     * client gave up waiting (a socket error, node-postgres's
-     * `query_timeout`): whether it committed is unknown — read the rows again
-     * to know. False for every other failure, after which nothing the
-     * transaction wrote is kept.
+     * `modify`, a lock-scoped write's claim) had sent its COMMIT, or a write
+     * was sent on its own (outside any transaction), and no answer of the
+     * server's says it failed — the connection was lost, or the client gave
+     * up waiting (a socket error, node-postgres's `query_timeout`): whether
+     * it committed is unknown — read the rows again to know. False for every
+     * other failure, after which nothing the transaction or the write wrote
+     * is kept.
      */
     readonly outcomeUnknown = false,
   ) {
     const safe = describeServerError(cause, sqlState);
     super(
       'database',
-      outcomeUnknown ? `${safe.message} (at the COMMIT: whether it committed is unknown)` : safe.message,
+      outcomeUnknown
+        ? `${safe.message} (no answer that says it failed: whether it committed is unknown)`
+        : safe.message,
       {
         cause: safe.error,
       },

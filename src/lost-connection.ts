@@ -22,7 +22,7 @@ import {
   watch,
 } from './aborted-transaction.js';
 import { afterCommitSent } from './commit-outcome.js';
-import { DatabaseError } from './errors.js';
+import { DatabaseError, DriverError } from './errors.js';
 import { type PgClientState, queryable, refusedStatement, whenIdle } from './node-postgres-client.js';
 import { closedBy } from './server-error.js';
 
@@ -40,6 +40,8 @@ interface Connection {
   statements?: Statements;
   /** postgres.js: the savepoints opened through the guarded clients that have not settled yet. */
   savepoints?: Set<DriverQuery>;
+  /** node-postgres: whether the session may still be in the transaction once the driver is done with it. */
+  open?: () => boolean;
 }
 
 /** The part of a postgres.js query palisade settles itself once its connection is lost. */
@@ -272,7 +274,7 @@ const isEnd = (query: unknown): boolean => /^(commit|rollback)$/i.test(textOf(qu
  * query ({@link refusedStatement}). From then on what still goes out — `ROLLBACK AND CHAIN`, then the driver's
  * rollbacks — goes once the client is idle ({@link whenIdle}). Until then every call passes through untouched.
  */
-function refusing(client: QueryClient, connection: Connection): QueryClient {
+function refusing(client: QueryClient & { release?(err?: Error): void }, connection: Connection): QueryClient {
   const state = client as unknown as PgClientState;
   const query = (...args: unknown[]) => {
     // Sent after the function settled (by a call it left running): it would run after the COMMIT or
@@ -284,10 +286,20 @@ function refusing(client: QueryClient, connection: Connection): QueryClient {
   };
   connection.rollback = () =>
     whenIdle(state, () => client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
-  const proxy = new Proxy(client, { get: (target, key) => (key === 'query' ? query : Reflect.get(target, key)) });
+  // A pool's client whose session is still in the transaction (the driver gave up on its last statements) goes
+  // back broken — the pool closes it, and the server rolls the transaction back — not to the next borrower,
+  // whose statements would run in it: its COMMIT would keep this one's writes, or its end take theirs.
+  const release = (err?: Error) =>
+    client.release?.(err ?? (connection.open?.() ? new DriverError(STILL_OPEN) : undefined));
+  const proxy = new Proxy(client, {
+    get: (target, key) => (key === 'query' ? query : key === 'release' ? release : Reflect.get(target, key)),
+  });
   connections.set(proxy, connection);
   return proxy;
 }
+
+const STILL_OPEN =
+  'the driver gave up on the transaction before the server ended it (query_timeout): its connection is closed';
 
 /**
  * node-postgres: runs the driver's transaction call `begin(callback)` with
@@ -308,6 +320,8 @@ export function heardTransaction<Tx, T>(
   const off = () => client?.removeListener('error', heard);
   let answer: ReturnType<typeof commitAnswer> | undefined;
   let watched: object | undefined;
+  // drizzle runs the transaction on `parent` itself: a single client, not one of a pool.
+  let single = false;
   // Heard until the driver is done with the client, rollback included: a session ended while a
   // statement ran (pg_terminate_backend) fails that statement first and closes the socket after, and
   // the close comes as an event once no query is left to take it.
@@ -317,14 +331,17 @@ export function heardTransaction<Tx, T>(
     if (!connections.has(session.client as object)) {
       client = session.client as QueryClient;
       client.on('error', heard);
+      // The COMMIT's answer, read from the connection (not in the caller's own transaction: its COMMIT is theirs).
+      const heardAnswer = nested ? undefined : commitAnswer(client);
+      answer = heardAnswer;
+      if (heardAnswer) connection.open = () => heardAnswer.open();
       // On a single client (not a pool) drizzle runs the transaction on the database's own session
       // (`parent`), whose client the statements palisade prepares there keep for good: not refusable.
       if (session !== parent) session.client = refusing(client as QueryClient, connection);
-      // The COMMIT's answer, read from the connection (not in the caller's own transaction: its COMMIT is theirs).
-      if (!nested) {
-        answer = commitAnswer(client);
+      else single = true;
+      if (heardAnswer) {
         watched = session.client as object;
-        watch(watched, answer.failures);
+        watch(watched, heardAnswer.failures);
       }
     }
     abandoning.set(tx as object, off);
@@ -350,7 +367,11 @@ export function heardTransaction<Tx, T>(
       return value;
     })
     .finally(() => {
-      off();
+      // A single client whose session is still in the transaction cannot go back to a pool: it is ended (the server
+      // rolls the transaction back), heard until it is, rather than left to run its next statements in it.
+      const end = single && connection.open?.() ? (client as { end?: () => Promise<void> }).end : undefined;
+      if (end) void end.call(client).then(off, off);
+      else off();
       if (watched) unwatch(watched);
       answer?.off();
     });

@@ -15,6 +15,7 @@ import {
   type RawRow,
   transaction,
   translateError,
+  unansweredWrite,
 } from '../driver.js';
 import { InvalidArgumentError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
@@ -100,6 +101,10 @@ export function fencedRepository<T extends FencedTable>(
   const onTransaction = isTransaction(db);
 
   const run = (on: Database, s: Statement): Promise<RawRow[]> => prepared(on, s.key, s.build).rows(s.values);
+  // What a write's failure says when the write went out on its own, with no transaction around it: its
+  // outcome is unknown unless the server answered (unansweredWrite). In a transaction its end decides.
+  const onItsOwn = (on: Database) => (!onTransaction && on === db ? unansweredWrite : undefined);
+  const runWrite = (on: Database, s: Statement): Promise<RawRow[]> => run(on, s).then(undefined, onItsOwn(on));
 
   // The success path: the plain write, and nothing else when it applied (for `status` the statement
   // returns nothing and its row count tells). Otherwise the refusal statement tries the write again
@@ -108,15 +113,17 @@ export function fencedRepository<T extends FencedTable>(
   function write(on: Database, w: FencedWrite, fence: Fence, scope: LockScope | undefined) {
     const attempt = (): Promise<WriteResult<RowOf<T>>> => {
       const statement = prepared(on, w.write.key, w.write.build);
+      // On the statement's own failure only (the `then`'s second argument: no promise more on the success path).
+      const failed = onItsOwn(on);
       if (w.returning === 'row') {
         return statement.rows(w.write.values).then((rows) => {
           const row = rows[0];
           return row === undefined ? refusalPath(on, w, fence, scope) : appliedAt(row, w, fence);
-        });
+        }, failed);
       }
       return statement
         .count(w.write.values)
-        .then((n) => (n > 0 ? appliedAt(NO_ROW, w, fence) : refusalPath(on, w, fence, scope)));
+        .then((n) => (n > 0 ? appliedAt(NO_ROW, w, fence) : refusalPath(on, w, fence, scope)), failed);
     };
     const bounded =
       scope !== undefined && (onTransaction || on !== db) && needsIdleBound(on, scope)
@@ -149,7 +156,8 @@ export function fencedRepository<T extends FencedTable>(
   // the higher fence that claimed the lock).
   function refusalPath(on: Database, w: FencedWrite, fence: Fence, scope: LockScope | undefined) {
     const refuse = async (tx: Database): Promise<WriteResult<RowOf<T>>> => {
-      const raw = (await run(tx, w.refusal))[0] ?? {};
+      // It writes too, where the row became writable in between.
+      const raw = (await runWrite(tx, w.refusal))[0] ?? {};
       if (raw[APPLIED] === true) return applied(raw, w.returning);
       return explain(tx, w.method, raw, w.key, fence);
     };
@@ -168,7 +176,7 @@ export function fencedRepository<T extends FencedTable>(
 
   async function writeUpsert(on: Database, key: [string, unknown][], fence: Fence, statement: Statement) {
     return observeWrite(info.label, 'upsert', 'INSERT', fence, async () => {
-      const raw = (await run(on, statement))[0] ?? {};
+      const raw = (await runWrite(on, statement))[0] ?? {};
       if (raw[APPLIED] === true) return applied(raw, 'row');
       return explain(on, 'upsert', raw, key, fence);
     });
@@ -255,7 +263,7 @@ export function fencedRepository<T extends FencedTable>(
       const statement = updateWhereStatement(info, where, patch, fence, same, opts.allOrNothing === true);
       return observeBatch(info.label, fence, async () => {
         const batch = async (tx: Database) => {
-          const [row] = await run(tx, statement);
+          const [row] = await runWrite(tx, statement);
           const result = { applied: count(row?.applied), stale: count(row?.stale) };
           // In a fenced transaction a row left stale refuses it all, as a refused single write does.
           if (result.stale > 0 && recordingRefusals()) await recordBatchRefusal(tx, where, fence);

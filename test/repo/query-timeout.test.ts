@@ -1,0 +1,208 @@
+/**
+ * node-postgres's `query_timeout` inside a transaction palisade began: the
+ * client gives up on a statement the server goes on running, and then on
+ * the driver's ROLLBACK, queued behind it and never sent. The session is
+ * still in the transaction: a pool's client goes back broken (the pool
+ * closes it, the server rolls back), a single client is ended — never lent
+ * on, where the next borrower's COMMIT would keep the given-up writes, or
+ * the transaction's end take the borrower's. A write sent on its own that
+ * the client gave up on may still commit: `outcomeUnknown`. (README, "When
+ * the connection closes inside a transaction".)
+ */
+import { sql } from 'drizzle-orm';
+import { drizzle } from 'drizzle-orm/node-postgres';
+import { integer, pgTable } from 'drizzle-orm/pg-core';
+import pg from 'pg';
+import { describe, expect, it } from 'vitest';
+import { type Database, execute } from '../../src/driver.js';
+import { DatabaseError } from '../../src/errors.js';
+import { type Fence, toFence } from '../../src/fencing/fence.js';
+import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
+import { fencedRepository } from '../../src/repo/repository.js';
+import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { postgresDatabase } from '../support/databases.js';
+import { uniqueNamespace } from '../support/scenario.js';
+import { needs } from '../support/services.js';
+import { sleep } from '../support/sleep.js';
+
+const accounts = pgTable('accounts', {
+  id: integer('id').primaryKey(),
+  balance: integer('balance').notNull(),
+  ...fenceColumns(),
+});
+const [X, Y, W, Z] = [1, 2, 3, 4];
+const TIMEOUT_MS = 300;
+const holder = (fence: number, name = 'L') => ({
+  fence: toFence(fence) as Fence,
+  lock: Object.freeze({ kind: 'test', source: 'query-timeout', namespace: uniqueNamespace(), name }),
+  signal: new AbortController().signal,
+});
+
+interface Setup {
+  readonly db: Database;
+  readonly url: string;
+  /** Another session locks row `id` (FOR UPDATE) until the returned function is called. */
+  lockRow(id: number): Promise<() => Promise<void>>;
+  /** Every row as `balance@fence`, read on a connection of the test's own. */
+  rows(): Promise<string[]>;
+  /** Waits (bounded) until no session named `app` is left on the database. */
+  gone(app: string): Promise<void>;
+}
+
+async function withAccounts(fn: (s: Setup) => Promise<void>): Promise<void> {
+  const test = await postgresDatabase({ migrated: true });
+  const url = test.url as string;
+  const lockers: pg.Client[] = [];
+  try {
+    await execute(
+      test.db,
+      sql.raw(`create table accounts (id int primary key, balance int not null, last_fence bigint not null default 0,
+        deleted_at timestamptz);
+        insert into accounts (id, balance) select g, 0 from generate_series(1, 4) g;
+        update accounts set balance = 100, last_fence = 100 where id = ${W}`),
+    );
+    await fn({
+      db: test.db,
+      url,
+      async lockRow(id) {
+        const locker = new pg.Client({ connectionString: url });
+        lockers.push(locker);
+        await locker.connect();
+        await locker.query('begin');
+        await locker.query('select 1 from accounts where id = $1 for update', [id]);
+        return async () => {
+          await locker.query('commit');
+        };
+      },
+      async rows() {
+        const rows = await execute(test.db, sql`select balance || '@' || last_fence as r from accounts order by id`);
+        return rows.map((r) => String(r.r));
+      },
+      async gone(app) {
+        for (let i = 0; i < 200; i++) {
+          const [row] = await execute(
+            test.db,
+            sql`select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = ${app}`,
+          );
+          if (row?.n === 0) return;
+          await sleep(50);
+        }
+        throw new Error(`a session named ${app} stayed`);
+      },
+    });
+  } finally {
+    for (const locker of lockers) await locker.end().catch(() => {});
+    await test.close();
+  }
+}
+
+const drivers = {
+  'a node-postgres pool': (url: string, app: string) => {
+    const pool = new pg.Pool({ connectionString: url, max: 1, query_timeout: TIMEOUT_MS, application_name: app });
+    pool.on('error', () => {});
+    let ended: Promise<void> | undefined;
+    return { db: drizzle(pool) as unknown as Database, end: () => (ended ??= pool.end()), connect: async () => {} };
+  },
+  'a single node-postgres Client': (url: string, app: string) => {
+    const client = new pg.Client({ connectionString: url, query_timeout: TIMEOUT_MS, application_name: app });
+    client.on('error', () => {});
+    let ended: Promise<void> | undefined;
+    return {
+      db: drizzle(client) as unknown as Database,
+      end: () => (ended ??= client.end().catch(() => {})),
+      connect: () => client.connect(),
+    };
+  },
+};
+
+describe.runIf(needs('DATABASE_URL'))('query_timeout inside a transaction palisade began', { timeout: 60_000 }, () => {
+  for (const [name, open] of Object.entries(drivers)) {
+    it(`${name}: the fenced transaction rejects, and nothing it wrote is ever kept — not by the next caller's COMMIT either`, () =>
+      withAccounts(async (s) => {
+        const app = `qt-${name.length}`;
+        const own = open(s.url, app);
+        await own.connect();
+        try {
+          const repo = fencedRepository(own.db, accounts);
+          const a = holder(41);
+          const unlock = await s.lockRow(Y);
+          const outcome = await fencedTransaction(own.db, a, async () => {
+            expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
+            await repo.with(a).update({ id: Y }, { balance: 41 }); // waits for the row lock past query_timeout
+          }).catch((err: unknown) => err);
+          expect(outcome).toBeInstanceOf(DatabaseError);
+          expect((outcome as DatabaseError).outcomeUnknown).toBe(false);
+          // The row lock goes: the given-up statement ends on the server. Then the next caller of the same
+          // database (another lock).
+          await unlock();
+          const b = holder(50, 'M');
+          const next = await fencedTransaction(own.db, b, () => repo.with(b).update({ id: Z }, { balance: 50 })).catch(
+            (err: unknown) => err,
+          );
+          if (name === 'a node-postgres pool') {
+            // A fresh connection: it commits its own write, and only that.
+            expect(next).toMatchObject({ status: 'applied' });
+          } else {
+            // The client was ended: a clear failure, not a write run inside the given-up transaction.
+            expect(next).toBeInstanceOf(DatabaseError);
+          }
+          await own.end();
+          await s.gone(app);
+          expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', name === 'a node-postgres pool' ? '50@50' : '0@0']);
+        } finally {
+          await own.end();
+        }
+      }));
+  }
+
+  it('a node-postgres pool: a function that catches the timeout after a stale write gets `stale`, and nothing is kept', () =>
+    withAccounts(async (s) => {
+      const own = drivers['a node-postgres pool'](s.url, 'qt-caught');
+      try {
+        const repo = fencedRepository(own.db, accounts);
+        const a = holder(41);
+        const unlock = await s.lockRow(Y);
+        const outcome = await fencedTransaction(own.db, a, async () => {
+          expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
+          expect((await repo.with(a).update({ id: W }, { balance: 41 })).status).toBe('stale');
+          await repo
+            .with(a)
+            .update({ id: Y }, { balance: 41 })
+            .catch(() => 'given up');
+        });
+        expect(outcome).toMatchObject({ status: 'stale' });
+        await unlock();
+        const b = holder(50, 'M');
+        expect(await fencedTransaction(own.db, b, () => repo.with(b).update({ id: Z }, { balance: 50 }))).toMatchObject(
+          {
+            status: 'applied',
+          },
+        );
+        await own.end();
+        await s.gone('qt-caught');
+        expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '50@50']);
+      } finally {
+        await own.end();
+      }
+    }));
+
+  it('a write sent on its own that query_timeout gave up on: outcomeUnknown — the server may still commit it', () =>
+    withAccounts(async (s) => {
+      const own = drivers['a node-postgres pool'](s.url, 'qt-alone');
+      try {
+        const repo = fencedRepository(own.db, accounts);
+        const unlock = await s.lockRow(Y);
+        const outcome = await repo.update({ id: Y }, toFence(41), { balance: 41 }).catch((err: unknown) => err);
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        expect((outcome as DatabaseError).outcomeUnknown).toBe(true);
+        expect((outcome as DatabaseError).message).toMatch(/whether it committed is unknown/);
+        await unlock();
+        await own.end();
+        await s.gone('qt-alone');
+        // Here it did.
+        expect((await s.rows())[1]).toBe('41@41');
+      } finally {
+        await own.end();
+      }
+    }));
+});
