@@ -20,14 +20,9 @@ import {
 import { causeOf, watchedPgliteTransaction, withCause } from './aborted-transaction.js';
 import { failedAtCommit } from './commit-outcome.js';
 import { DatabaseError, DriverError, InvalidArgumentError, PalisadeError, RetryableWriteError } from './errors.js';
-import {
-  abandonTransaction,
-  type EventClient,
-  guardedTransaction,
-  heardTransaction,
-  refuseStatements as refuseOn,
-} from './lost-connection.js';
+import { guardedTransaction, refuseStatements as refuseOn } from './lost-connection.js';
 import { assertMaySend, opening } from './overlap.js';
+import { abandonTransaction, type EventClient, heardTransaction } from './pg-transaction.js';
 import { heardCheckout } from './pool-checkout.js';
 import { describeServerError, originalError, sessionEnded, sqlStateOf } from './server-error.js';
 
@@ -259,19 +254,6 @@ export function translateError(err: unknown, outcomeUnknown = false): Error {
     );
   }
   return new DatabaseError(state, err, outcomeUnknown);
-}
-
-/**
- * @internal For a write sent on its own, outside a transaction: a failure that no answer of the server's explains
- * — its session ended, or the client gave up waiting (node-postgres's `query_timeout`, a socket error) — leaves the
- * write's outcome unknown, as at a transaction's COMMIT: the statement may still be running, and commit. Thrown
- * with `outcomeUnknown` then; any other failure as it is.
- */
-export function unansweredWrite(err: unknown): never {
-  if (err instanceof DatabaseError && !err.outcomeUnknown && (err.sqlState === undefined || sessionEnded(err))) {
-    throw new DatabaseError(err.sqlState, err.cause, true);
-  }
-  throw err;
 }
 
 /** A client that can LISTEN: a postgres.js `Sql` or a PGlite instance. */

@@ -7,26 +7,18 @@
  * function settles — so once the connection is gone nothing more is sent on
  * it, and the functions palisade gave the driver never settle. node-postgres
  * emits `error` on a checked-out client that nobody listens to, so palisade
- * listens while its transaction holds the client. The same proxies see the
- * transaction's statements for one more purpose: a transaction a caught
- * failure aborted must not pass for committed (aborted-transaction.ts).
+ * listens while its transaction holds the client (pg-transaction.ts). The
+ * same proxies see the transaction's statements for one more purpose: a
+ * transaction a caught failure aborted must not pass for committed
+ * (aborted-transaction.ts).
  */
-import {
-  assertNotAborted,
-  commitAnswer,
-  nextTurn,
-  rejected,
-  Statements,
-  sentAfterEnd,
-  unwatch,
-  watch,
-} from './aborted-transaction.js';
+import { assertNotAborted, nextTurn, rejected, Statements, watch } from './aborted-transaction.js';
 import { afterCommitSent } from './commit-outcome.js';
-import { DatabaseError, DriverError } from './errors.js';
-import { type PgClientState, queryable, refusedStatement, whenIdle } from './node-postgres-client.js';
+import { DatabaseError } from './errors.js';
 import { closedBy } from './server-error.js';
 
-interface Connection {
+/** @internal A transaction's connection, as the guards of both drivers see it (pg-transaction.ts too). */
+export interface Connection {
   lost: boolean;
   /** postgres.js: the function and palisade's checks are done; what remains is the driver's COMMIT. */
   committing?: boolean;
@@ -60,8 +52,8 @@ interface ScopedSql {
 // would keep every abandoned transaction's continuation reachable).
 const never = () => new Promise<never>(() => {});
 
-// Guarded clients, each with the connection it runs on (a transaction's savepoints share its entry).
-const connections = new WeakMap<object, Connection>();
+/** @internal Guarded clients, each with the connection it runs on (a transaction's savepoints share its entry). */
+export const connections = new WeakMap<object, Connection>();
 
 // What `unsafe` returns in place of a postgres.js query once the connection is lost (or its statements
 // refused): it rejects however it is read.
@@ -245,150 +237,6 @@ export function guardedTransaction<Tx, T>(
   });
 }
 
-/** The part of a node-postgres client that emits its connection's errors. */
-export interface EventClient {
-  on(event: 'error', listener: (err: unknown) => void): unknown;
-  removeListener(event: 'error', listener: (err: unknown) => void): unknown;
-}
-
-// Heard, and nothing more to do: the statements that follow on the client reject (it is not queryable).
-const heard = () => {};
-
-/** The part of a node-postgres client drizzle sends statements through. */
-interface QueryClient extends EventClient {
-  query(...args: unknown[]): unknown;
-}
-
-const textOf = (query: unknown): string | undefined => {
-  const text = typeof query === 'string' ? query : (query as { text?: unknown } | null)?.text;
-  return typeof text === 'string' ? text.trim() : undefined;
-};
-// drizzle's own rollbacks (of the transaction, to a savepoint) end a refused transaction: never refused.
-const isRollback = (query: unknown): boolean => /^rollback( to savepoint \w+)?$/i.test(textOf(query) ?? '');
-// What drizzle sends once the transaction's function settled.
-const isEnd = (query: unknown): boolean => /^(commit|rollback)$/i.test(textOf(query) ?? '');
-
-/**
- * A node-postgres `client` whose statements (but a rollback) are refused, before they are sent, once
- * `connection` is refused — each answered with the refusal as the client answers on a connection it cannot
- * query ({@link refusedStatement}). From then on what still goes out — `ROLLBACK AND CHAIN`, then the driver's
- * rollbacks — goes once the client is idle ({@link whenIdle}). Until then every call passes through untouched.
- */
-function refusing(client: QueryClient & { release?(err?: Error): void }, connection: Connection): QueryClient {
-  const state = client as unknown as PgClientState;
-  const query = (...args: unknown[]) => {
-    // Sent after the function settled (by a call it left running): it would run after the COMMIT or
-    // ROLLBACK, outside the transaction, on a client the pool lends to someone else next.
-    if (connection.ended && !isEnd(args[0])) return refusedStatement(state, args, sentAfterEnd());
-    if (!connection.refused) return client.query(...args);
-    if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
-    return whenIdle(state, () => client.query(...args));
-  };
-  connection.rollback = () =>
-    whenIdle(state, () => client.query(ROLLBACK_AND_CHAIN) as PromiseLike<unknown>).then(undefined, () => {});
-  // A pool's client whose session is still in the transaction (the driver gave up on its last statements) goes
-  // back broken — the pool closes it, and the server rolls the transaction back — not to the next borrower,
-  // whose statements would run in it: its COMMIT would keep this one's writes, or its end take theirs.
-  const release = (err?: Error) =>
-    client.release?.(err ?? (connection.open?.() ? new DriverError(STILL_OPEN) : undefined));
-  const proxy = new Proxy(client, {
-    get: (target, key) => (key === 'query' ? query : key === 'release' ? release : Reflect.get(target, key)),
-  });
-  connections.set(proxy, connection);
-  return proxy;
-}
-
-const STILL_OPEN =
-  'the driver gave up on the transaction before the server ended it (query_timeout): its connection is closed';
-
-/**
- * node-postgres: runs the driver's transaction call `begin(callback)` with
- * an `error` listener on the transaction's client until the driver is done
- * with it, and its statements refusable ({@link refuseStatements}).
- * `sessionOf` gives the drizzle session (its client) of the transaction
- * object the driver passes to the callback.
- */
-export function heardTransaction<Tx, T>(
-  begin: (callback: (tx: Tx) => Promise<T>) => Promise<T>,
-  sessionOf: (tx: Tx) => { client: unknown },
-  fn: (tx: Tx) => Promise<T>,
-  parent: { client: unknown },
-  nested: boolean,
-): Promise<T> {
-  let client: EventClient | undefined;
-  const connection: Connection = { lost: false };
-  const off = () => client?.removeListener('error', heard);
-  let answer: ReturnType<typeof commitAnswer> | undefined;
-  let watched: object | undefined;
-  // drizzle runs the transaction on `parent` itself: a single client, not one of a pool.
-  let single = false;
-  // Heard until the driver is done with the client, rollback included: a session ended while a
-  // statement ran (pg_terminate_backend) fails that statement first and closes the socket after, and
-  // the close comes as an event once no query is left to take it.
-  return begin((tx) => {
-    const session = sessionOf(tx);
-    // A savepoint of a transaction palisade began: its client is heard and refusable already.
-    if (!connections.has(session.client as object)) {
-      client = session.client as QueryClient;
-      client.on('error', heard);
-      // The COMMIT's answer, read from the connection (not in the caller's own transaction: its COMMIT is theirs).
-      const heardAnswer = nested ? undefined : commitAnswer(client);
-      answer = heardAnswer;
-      if (heardAnswer) connection.open = () => heardAnswer.open();
-      // On a single client (not a pool) drizzle runs the transaction on the database's own session
-      // (`parent`), whose client the statements palisade prepares there keep for good: not refusable.
-      if (session !== parent) session.client = refusing(client as QueryClient, connection);
-      else single = true;
-      if (heardAnswer) {
-        watched = session.client as object;
-        watch(watched, heardAnswer.failures);
-      }
-    }
-    abandoning.set(tx as object, off);
-    // A transaction palisade began: once its function settled, nothing but the driver's COMMIT or
-    // ROLLBACK goes out. (A savepoint of yours shares your transaction's session, and its client: not there.)
-    if (nested) return fn(tx);
-    return fn(tx)
-      .then((value) => {
-        // drizzle sends the COMMIT next (into a connection the client knows closed, it changes nothing).
-        connection.committing = !connection.lost && queryable(client);
-        return value;
-      })
-      .finally(() => {
-        connection.ended = true;
-      });
-  })
-    .catch((err: unknown) => {
-      if (connection.committing) afterCommitSent(err);
-      throw err;
-    })
-    .then((value) => {
-      answer?.check();
-      return value;
-    })
-    .finally(() => {
-      // A single client whose session is still in the transaction cannot go back to a pool: it is ended (the server
-      // rolls the transaction back), heard until it is, rather than left to run its next statements in it.
-      const end = single && connection.open?.() ? (client as { end?: () => Promise<void> }).end : undefined;
-      if (end) void end.call(client).then(off, off);
-      else off();
-      if (watched) unwatch(watched);
-      answer?.off();
-    });
-}
-
-// What to undo for each transaction or savepoint heardTransaction runs, should the driver never finish it.
-const abandoning = new WeakMap<object, () => void>();
-
-/**
- * @internal node-postgres: the driver will never finish `tx` (a savepoint whose function palisade leaves
- * unsettled, driver.ts): its client is no longer listened to for it — a pool lends that client on, and
- * a listener per such savepoint would stay on it for good.
- */
-export function abandonTransaction(tx: unknown): void {
-  abandoning.get(tx as object)?.();
-}
-
 /**
  * @internal Refuses, from now on, every statement sent on the transaction
  * whose drizzle session client is `client` (its savepoints' too), before it
@@ -411,4 +259,5 @@ export function refuseStatements(client: unknown, reason: Error): boolean {
 // Ends the transaction at once (its locks go: a function that goes on, idle or catching its errors in a
 // savepoint, must not keep them), in place of one that holds nothing: the driver's own rollback, sent
 // when the function settles, then ends that one quietly (a plain ROLLBACK with no transaction warns).
-const ROLLBACK_AND_CHAIN = 'rollback and chain';
+/** @internal */
+export const ROLLBACK_AND_CHAIN = 'rollback and chain';

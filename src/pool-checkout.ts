@@ -4,7 +4,7 @@
  * transaction"; the rest of that is lost-connection.ts).
  */
 import { DriverError } from './errors.js';
-import type { EventClient } from './lost-connection.js';
+import type { EventClient } from './pg-transaction.js';
 
 // Heard, and nothing more to do: a client whose BEGIN failed is given back as broken.
 const heard = () => {};

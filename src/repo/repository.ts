@@ -3,6 +3,7 @@
  * scopes of fencing". The API and its guarantees are in `repository-api.ts`.
  */
 import { and, isNull, type SQL, sql } from 'drizzle-orm';
+import { unansweredWrite } from '../commit-outcome.js';
 import {
   assertSupportedDriver,
   asThrown,
@@ -15,7 +16,6 @@ import {
   type RawRow,
   transaction,
   translateError,
-  unansweredWrite,
 } from '../driver.js';
 import { InvalidArgumentError, LockScopeError } from '../errors.js';
 import { assertFence, type Fence } from '../fencing/fence.js';
