@@ -103,7 +103,9 @@ export async function fencedTransaction<R>(
   assertSupportedDriver(db, 'fencedTransaction');
   const list = checkLeases(leases);
   if (typeof fn !== 'function') throw new InvalidArgumentError('fencedTransaction needs a function');
-  const idleMs = idleTimeout(list, options);
+  // Checked now, before any query (a TTL already out is LeaseLostError); taken again at the claim, after any wait
+  // for a connection, so that the bound is the TTL left when the transaction can first sit idle.
+  idleTimeout(list, options);
   let refusal: Refusal | undefined;
   let stopper: ReturnType<typeof stopOnAbort> | undefined;
   // Set once the function is done and the driver's COMMIT is what remains.
@@ -117,7 +119,7 @@ export async function fencedTransaction<R>(
   };
   try {
     return await transaction(parent, async (tx) => {
-      const { registered: claimed, session } = await claimAll(tx, list, idleMs);
+      const { registered: claimed, session } = await claimAll(tx, list, idleTimeout(list, options));
       for (const { lock } of list) noteBounded(tx, lock);
       for (const [i, registered] of claimed.entries()) {
         const { fence } = list[i] as Checked;
