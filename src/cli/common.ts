@@ -5,7 +5,7 @@
 import { parseArgs } from 'node:util';
 import type postgres from 'postgres';
 import { CliError, MissingDependencyError } from '../errors.js';
-import { loadPeer } from '../optional.js';
+import { loadPeer, type OptionalPeer } from '../optional.js';
 
 /** Where a command writes: data on `out`, progress and diagnostics on `err`. */
 export interface Io {
@@ -164,6 +164,27 @@ const columns = (cell: string) => [...cell.replace(/\p{M}/gu, '')].length;
 /** JSON with bigints as decimal strings (fences exceed 2^53). */
 export function toJson(value: unknown): string {
   return JSON.stringify(value, (_key, v) => (typeof v === 'bigint' ? v.toString() : v), 2);
+}
+
+/**
+ * Checks that every optional peer a command will load is installed, before it starts: a one-line
+ * {@link CliError} names every missing package, and its npx form names all the command needs (the one
+ * missing alone would drop those already given).
+ */
+export async function requireCliPeers(names: readonly OptionalPeer[]): Promise<void> {
+  const settled = await Promise.allSettled(names.map((name) => loadPeer(name, 'this palisade command')));
+  const missing = new Set<string>();
+  for (const r of settled) {
+    if (r.status === 'rejected' && r.reason instanceof MissingDependencyError) missing.add(r.reason.packageName);
+    else if (r.status === 'rejected') throw r.reason;
+  }
+  if (missing.size === 0) return;
+  const all = [...new Set(names.map((n) => (n.startsWith('drizzle-orm/') ? 'drizzle-orm' : n)))];
+  const list = [...missing];
+  throw new CliError(
+    `needs the package${list.length > 1 ? 's' : ''} ${list.map((m) => `"${m}"`).join(', ')}, not installed: ` +
+      `npm i ${list.join(' ')} (or run the CLI with npx -p palisade-db ${all.map((n) => `-p ${n}`).join(' ')} palisade …)`,
+  );
 }
 
 /** Loads an optional peer for a command, or a one-line {@link CliError} naming the package to install. */

@@ -9,6 +9,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { Database } from '../driver.js';
 import { CliError } from '../errors.js';
+import type { OptionalPeer } from '../optional.js';
 import { describeUrl, loadCliPeer } from './common.js';
 import type { DemoConnection } from './demo-shared.js';
 
@@ -23,6 +24,16 @@ export interface Stage {
   start(): Promise<Database>;
   close(): Promise<void>;
 }
+
+/** The packages the embedded stage loads (the workers connect with postgres.js). */
+export const EMBEDDED_PEERS = [
+  '@electric-sql/pglite',
+  '@electric-sql/pglite-socket',
+  'drizzle-orm/pglite',
+  'postgres',
+] as const satisfies readonly OptionalPeer[];
+/** The packages the Postgres stage loads. */
+export const POSTGRES_PEERS = ['postgres', 'drizzle-orm/postgres-js'] as const satisfies readonly OptionalPeer[];
 
 export function embeddedStage(): Stage {
   const dir = mkdtempSync(join(tmpdir(), 'palisade-demo-'));

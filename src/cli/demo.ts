@@ -23,9 +23,9 @@ import { sql } from 'drizzle-orm';
 import { execute } from '../driver.js';
 import { CliError } from '../errors.js';
 import { migrate } from '../migrate.js';
-import { type Command, describeUrl, type Io, parse } from './common.js';
+import { type Command, describeUrl, type Io, parse, requireCliPeers } from './common.js';
 import { actOne, actTwo } from './demo-acts.js';
-import { embeddedStage, postgresStage } from './demo-stages.js';
+import { EMBEDDED_PEERS, embeddedStage, POSTGRES_PEERS, postgresStage } from './demo-stages.js';
 import { DemoWorker, killLive } from './demo-workers.js';
 
 const help = `Usage: palisade demo [--ttl MS]
@@ -98,6 +98,8 @@ async function runDemo(io: Io, ttlMs: number): Promise<number> {
   process.once('SIGTERM', onSignal);
   process.once('exit', killLive);
 
+  // Every package the run will load, checked before anything starts (the workers would otherwise die on a missing one).
+  await requireCliPeers([...(url ? POSTGRES_PEERS : EMBEDDED_PEERS), ...(redisUrl ? (['ioredis'] as const) : [])]);
   io.out('palisade demo — a lock tells a worker "you may write"; it cannot tell it "you still may".\n');
   const stage = url ? postgresStage(url) : embeddedStage();
   const namespace = `demo-${randomBytes(4).toString('hex')}`;

@@ -2,14 +2,19 @@
  * The package as a stranger gets it: `npm pack` (prepack cleans and
  * builds), then fresh apps that install the tarball and type-check and run
  * a fenced write — ESM NodeNext, Bundler resolution, CommonJS via require,
- * each drizzle driver, and the lowest drizzle-orm the peer range admits.
+ * each drizzle driver, the lowest drizzle-orm and the newest postgres.js
+ * and PGlite the peer ranges admit.
  *
  * Offline: each app gets a lock file cut from this repository's own (the
  * same versions and integrity hashes), and `npm ci --offline` takes every
  * tarball from the npm cache that this repository's `npm ci` filled. The
  * type-checker is this repository's TypeScript.
  *
- * Slow (a build and seven installs): `npm run test:package`, not `npm test`.
+ * Not offline, on purpose: the README's install lines resolved against the
+ * registry as it is today (a new major of a peer, published since, once
+ * made every one of them fail with ERESOLVE while the offline apps passed).
+ *
+ * Slow (a build and nine installs): `npm run test:package`, not `npm test`.
  */
 import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -32,8 +37,19 @@ const MANIFEST = JSON.parse(readFileSync(join(ROOT, 'package.json'), 'utf8')) as
   version: string;
   devDependencies: Record<string, string>;
 };
-/** The lowest drizzle-orm the peer range admits: installed here under an npm alias. */
-const LOWEST_DRIZZLE = MANIFEST.devDependencies['drizzle-orm-lowest']?.replace('npm:drizzle-orm@', '') ?? '';
+/**
+ * Other ends of the peer ranges than the devDependencies: installed here under npm aliases (the lowest
+ * drizzle-orm, the newest postgres.js and PGlite), each taken by an app that asks for its version.
+ */
+const ALIASES: Record<string, string> = {
+  'drizzle-orm': 'drizzle-orm-lowest',
+  postgres: 'postgres-newest',
+  '@electric-sql/pglite': 'pglite-newest',
+};
+const aliased = (name: string) => MANIFEST.devDependencies[ALIASES[name] ?? '']?.replace(`npm:${name}@`, '') ?? '';
+const LOWEST_DRIZZLE = aliased('drizzle-orm');
+const NEWEST_POSTGRES = aliased('postgres');
+const NEWEST_PGLITE = aliased('@electric-sql/pglite');
 
 interface LockEntry {
   name?: string;
@@ -104,10 +120,9 @@ function lockFor(deps: Record<string, string>): object {
     const nested = from ? `${from}/node_modules/${name}` : undefined;
     const at = nested && LOCK.packages[nested] ? nested : `node_modules/${name}`;
     if (packages[at]) return;
-    const source =
-      name === 'drizzle-orm' && deps['drizzle-orm'] === LOWEST_DRIZZLE
-        ? LOCK.packages['node_modules/drizzle-orm-lowest']
-        : LOCK.packages[at];
+    const alias =
+      from === '' && ALIASES[name] !== undefined && deps[name] === aliased(name) ? ALIASES[name] : undefined;
+    const source = alias ? LOCK.packages[`node_modules/${alias}`] : LOCK.packages[at];
     if (!source) throw new Error(`${name} is not in this repository's lock file: add it to devDependencies`);
     const { dev: _dev, peer: _peer, name: _alias, ...entry } = source as LockEntry & { dev?: boolean; peer?: boolean };
     // Our lock file names no tarball URL; with one (and the integrity) npm takes the tarball
@@ -365,6 +380,33 @@ describe('fresh apps install the tarball offline, type-check, and write fenced',
     expect(out).toBe(EXPECTED);
   });
 
+  it(`the newest postgres.js the peer range admits (${NEWEST_POSTGRES}) on the real Postgres`, {
+    timeout: 400_000,
+  }, async () => {
+    const out = await installAndRun(
+      {
+        name: 'esm-postgres-js-newest',
+        type: 'module',
+        compilerOptions: { module: 'NodeNext', moduleResolution: 'NodeNext' },
+        deps: { ...latest, postgres: NEWEST_POSTGRES },
+        source: fencedWrite('postgres-js'),
+      },
+      { APP_DATABASE_URL: await freshDatabase() },
+    );
+    expect(out).toBe(EXPECTED);
+  });
+
+  it(`the newest PGlite the peer range admits (${NEWEST_PGLITE})`, { timeout: 400_000 }, async () => {
+    const out = await installAndRun({
+      name: 'esm-pglite-newest',
+      type: 'module',
+      compilerOptions: { module: 'NodeNext', moduleResolution: 'NodeNext' },
+      deps: { ...latest, '@electric-sql/pglite': NEWEST_PGLITE },
+      source: fencedWrite('pglite'),
+    });
+    expect(out).toBe(EXPECTED);
+  });
+
   it('node-postgres on the real Postgres', { timeout: 400_000 }, async () => {
     const out = await installAndRun(
       {
@@ -378,4 +420,62 @@ describe('fresh apps install the tarball offline, type-check, and write fenced',
     );
     expect(out).toBe(EXPECTED);
   });
+});
+
+describe('the CLI in an app without a peer it needs', () => {
+  it('palisade demo with REDIS_URL and no ioredis: exit 1, one line naming every package the run needs', {
+    timeout: 400_000,
+  }, async () => {
+    const dir = join(work, 'demo-no-ioredis');
+    mkdirSync(dir);
+    // The demo on a Postgres of one's own (DATABASE_URL), with Redis locks asked for: no ioredis.
+    const deps = { 'palisade-db': `file:${tarball}`, ...latest, postgres: versionOf('postgres') };
+    writeFileSync(
+      join(dir, 'package.json'),
+      JSON.stringify({ name: 'app', version: '1.0.0', private: true, dependencies: deps }),
+    );
+    writeFileSync(join(dir, 'package-lock.json'), JSON.stringify(lockFor(deps), null, 2));
+    await run('npm', ['ci', '--offline', '--no-audit', '--no-fund', '--ignore-scripts'], {
+      cwd: dir,
+      timeout: 180_000,
+    });
+    const bin = join(dir, 'node_modules', 'palisade-db', 'dist', 'cli', 'main.js');
+    const outcome = await run(process.execPath, [bin, 'demo'], {
+      cwd: dir,
+      timeout: 60_000,
+      // Nothing listens on port 1: the check comes before any connection.
+      env: { ...process.env, REDIS_URL: 'redis://127.0.0.1:1', DATABASE_URL: 'postgres://127.0.0.1:1/demo' },
+    }).then(
+      () => ({ code: 0, stderr: '' }),
+      (err: { code?: number; stderr?: string }) => ({ code: err.code, stderr: err.stderr ?? '' }),
+    );
+    expect(outcome.code).toBe(1);
+    expect(outcome.stderr.trim().split('\n')).toEqual([
+      'palisade demo: needs the package "ioredis", not installed: npm i ioredis (or run the CLI with npx -p palisade-db -p postgres -p drizzle-orm -p ioredis palisade …)',
+    ]);
+  });
+});
+
+describe("the README's install lines, resolved against the registry as a stranger's npm does", () => {
+  const lines: Record<string, string[]> = {
+    'postgres.js (the first line of the README)': ['drizzle-orm', 'postgres'],
+    'node-postgres': ['drizzle-orm', 'pg', '@types/pg'],
+    PGlite: ['drizzle-orm', '@electric-sql/pglite'],
+  };
+  for (const [what, peers] of Object.entries(lines)) {
+    it(`npm i palisade-db ${peers.join(' ')} (${what}) resolves`, { timeout: 200_000 }, async () => {
+      const dir = join(work, `resolve-${what.split(' ')[0]?.replace(/\W/g, '')}`);
+      mkdirSync(dir);
+      writeFileSync(join(dir, 'package.json'), JSON.stringify({ name: 'app', version: '1.0.0', private: true }));
+      // --dry-run: the whole tree resolved (peer ranges included), nothing fetched or written.
+      const result = await run('npm', ['install', '--dry-run', '--no-audit', '--no-fund', tarball, ...peers], {
+        cwd: dir,
+        timeout: 180_000,
+      }).then(
+        () => 'resolved',
+        (err: { stderr?: string }) => err.stderr ?? String(err),
+      );
+      expect(result).toBe('resolved');
+    });
+  }
 });

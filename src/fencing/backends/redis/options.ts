@@ -80,7 +80,7 @@ export function checkRedisOptions(options: RedisLockManagerOptions): CheckedRedi
   if (options === null || typeof options !== 'object') throw new InvalidArgumentError('options are required');
   const { client, epochs } = options;
   if (!client || typeof (client as { defineCommand?: unknown }).defineCommand !== 'function') {
-    throw new InvalidArgumentError('redis must be an ioredis client');
+    throw new InvalidArgumentError('client must be an ioredis client (Redis or Cluster)');
   }
   if (epochs !== undefined && (epochs === null || typeof epochs.execute !== 'function')) {
     throw new InvalidArgumentError('epochs must be a drizzle Postgres database');
