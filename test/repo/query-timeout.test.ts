@@ -16,6 +16,7 @@ import pg from 'pg';
 import { describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
 import { DatabaseError } from '../../src/errors.js';
+import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
 import { fencedRepository } from '../../src/repo/repository.js';
@@ -203,6 +204,45 @@ describe.runIf(needs('DATABASE_URL'))('query_timeout inside a transaction palisa
         expect((await s.rows())[1]).toBe('41@41');
       } finally {
         await own.end();
+      }
+    }));
+
+  it('a Postgres lease grant the client gave up on, which lands later on the server, is given back', () =>
+    withAccounts(async (s) => {
+      const pool = new pg.Pool({ connectionString: s.url, max: 3, query_timeout: TIMEOUT_MS });
+      pool.on('error', () => {});
+      const locks = postgresLockManager({
+        client: drizzle(pool) as unknown as Database,
+        namespace: uniqueNamespace(),
+        lockTimeoutMs: 500,
+      });
+      try {
+        // The lock's register row exists, and another session shares it: the next grant, which raises it, waits.
+        const first = await locks.acquire('L', { ttlMs: 5_000 });
+        await first.release();
+        const sharer = new pg.Client({ connectionString: s.url });
+        await sharer.connect();
+        await sharer.query('begin');
+        await sharer.query('select 1 from palisade.lock_registers for share');
+        // The client gives up on the grant (query_timeout) long before the server does (its wait: waitMs).
+        const outcome = await locks.acquire('L', { ttlMs: 120_000, waitMs: 5_000 }).catch((err: unknown) => err);
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        // Longer than a release waits for the lease row (lockTimeoutMs), which the waiting grant holds: the give-back
+        // sent at once gives up on the server. Then the register row is free, and the grant lands for a token nobody holds.
+        await sleep(1_500);
+        await sharer.query('commit');
+        await sharer.end();
+        // Given back: the lock is free again long before that lease's TTL of 120 s (bounded: 200 × 100 ms).
+        let again: Awaited<ReturnType<typeof locks.tryAcquire>> = null;
+        for (let i = 0; i < 200 && again === null; i++) {
+          await sleep(100);
+          again = await locks.tryAcquire('L', { ttlMs: 5_000 }).catch(() => null);
+        }
+        expect(again).not.toBeNull();
+        await again?.release();
+      } finally {
+        await locks.close();
+        await pool.end();
       }
     }));
 });

@@ -24,6 +24,7 @@
  * fence 1,111 under contention) — harmless, fences only need to increase.
  * The table holds one row per lock name ever used.
  */
+import { performance } from 'node:perf_hooks';
 import { is, type SQL, sql } from 'drizzle-orm';
 import { PgDatabase } from 'drizzle-orm/pg-core';
 import {
@@ -36,7 +37,7 @@ import {
   listenClientOf,
   type RawRow,
 } from '../../../driver.js';
-import { InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import { CommandTimeoutError, InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
 import { prepared } from '../../../prepared.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
@@ -101,6 +102,8 @@ export interface PostgresLockManagerOptions {
 }
 
 const p = (name: string) => sql.placeholder(name);
+/** Past a grant's lock waits, before its late give-back: the rest of a statement the server runs at once. */
+const LATE_GRANT_GRACE_MS = 1_000;
 
 // Each primitive is ONE statement, a call of a function from palisade's
 // migration 0002 (drizzle/0002_bounded_lock_waits.sql) that sets
@@ -279,6 +282,25 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
     return fence === null ? null : { fence: toFence(fence), source: String(rows[0]?.source) };
   }
 
+  // Gives `token`'s lease back if a grant still running on the server takes it: tried again and again (the lock
+  // stays out of reach no longer than one interval past the grant) until the grant's lock waits — the lease row,
+  // the register row, each bounded by `wait` on the server — are surely over, or a try released it.
+  function giveBackLater(name: string, token: string, wait: number): void {
+    const every = Math.max(250, Math.min(1_000, wait / 4));
+    const until = performance.now() + 2 * wait + LATE_GRANT_GRACE_MS;
+    const tryOnce = () => {
+      void releaseToken(name, token).then(
+        (released) => {
+          if (!released && performance.now() < until) setTimeout(tryOnce, every).unref();
+        },
+        () => {
+          if (performance.now() < until) setTimeout(tryOnce, every).unref();
+        },
+      );
+    };
+    setTimeout(tryOnce, every).unref();
+  }
+
   return {
     kind: 'postgres',
     namespace: ns,
@@ -292,8 +314,14 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
         // Settled after its call failed: given back now that it is there (or may be: a late failure).
         (late) => {
           if (late !== null) void releaseToken(name, token).catch(() => {});
+          if (late === undefined) giveBackLater(name, token, wait);
         },
-      );
+      ).catch((err: unknown) => {
+        // No answer of the server's (the client gave up: node-postgres's query_timeout, a dropped link): the grant
+        // may still be running there, past any give-back sent now, and land for a token nobody holds.
+        if (sqlStateOf(err) === undefined && !(err instanceof CommandTimeoutError)) giveBackLater(name, token, wait);
+        throw err;
+      });
     },
 
     async extend(name, token, ttlMs) {
