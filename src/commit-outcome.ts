@@ -25,8 +25,17 @@ export const failedAtCommit = (err: unknown): boolean => typeof err === 'object'
  * with `outcomeUnknown` then; any other failure as it is.
  */
 export function unansweredWrite(err: unknown): never {
-  if (err instanceof DatabaseError && !err.outcomeUnknown && (err.sqlState === undefined || sessionEnded(err))) {
+  // node-postgres refuses a statement on a client it knows closed before sending it: nothing went out.
+  const unsent = err instanceof Error && NOT_SENT.test(err.message);
+  if (
+    err instanceof DatabaseError &&
+    !unsent &&
+    !err.outcomeUnknown &&
+    (err.sqlState === undefined || sessionEnded(err))
+  ) {
     throw new DatabaseError(err.sqlState, err.cause, true);
   }
   throw err;
 }
+
+const NOT_SENT = /is not queryable/;

@@ -34,6 +34,8 @@ export interface Connection {
   savepoints?: Set<DriverQuery>;
   /** node-postgres: whether the session may still be in the transaction once the driver is done with it. */
   open?: () => boolean;
+  /** node-postgres: the first failure of a statement of the transaction that no answer of the server's explains. */
+  gaveUp?: unknown;
 }
 
 /** The part of a postgres.js query palisade settles itself once its connection is lost. */

@@ -9,6 +9,8 @@ import { afterCommitSent } from './commit-outcome.js';
 import { DriverError } from './errors.js';
 import { type Connection, connections, ROLLBACK_AND_CHAIN } from './lost-connection.js';
 import { type PgClientState, queryable, refusedStatement, whenIdle } from './node-postgres-client.js';
+import { isPool } from './pool-checkout.js';
+import { sqlStateOf } from './server-error.js';
 
 /** The part of a node-postgres client that emits its connection's errors. */
 export interface EventClient {
@@ -45,7 +47,7 @@ function refusing(client: QueryClient & { release?(err?: Error): void }, connect
     // Sent after the function settled (by a call it left running): it would run after the COMMIT or
     // ROLLBACK, outside the transaction, on a client the pool lends to someone else next.
     if (connection.ended && !isEnd(args[0])) return refusedStatement(state, args, sentAfterEnd());
-    if (!connection.refused) return client.query(...args);
+    if (!connection.refused) return noting(client.query(...args), connection);
     if (!isRollback(args[0])) return refusedStatement(state, args, connection.refused);
     return whenIdle(state, () => client.query(...args));
   };
@@ -65,6 +67,34 @@ function refusing(client: QueryClient & { release?(err?: Error): void }, connect
 
 const STILL_OPEN =
   'the driver gave up on the transaction before the server ended it (query_timeout): its connection is closed';
+const GAVE_UP =
+  'the client gave up on a statement of the transaction (query_timeout) that the server may still run: rolled back, nothing it wrote is kept';
+
+// Notes a statement of the transaction that failed with no answer of the server's (the client gave up, or the link
+// went): its write may still be running there, and a COMMIT after it would keep it — whatever the caller was told.
+function noting<R>(result: R, connection: Connection): R {
+  if (result !== null && typeof (result as { then?: unknown })?.then === 'function') {
+    (result as unknown as Promise<unknown>).then(undefined, (err: unknown) => {
+      if (sqlStateOf(err) === undefined) connection.gaveUp ??= err;
+    });
+  }
+  return result;
+}
+
+/**
+ * A single client's `query`, noting statements the client gave up on, until the returned function puts it back: on
+ * a single client drizzle runs the transaction on the database's own client, which palisade's prepared statements
+ * keep for good, so it is not wrapped in a proxy.
+ */
+function notingSingle(client: QueryClient, connection: Connection): () => void {
+  const own = Object.hasOwn(client, 'query');
+  const before = client.query;
+  client.query = (...args: unknown[]) => noting(before.apply(client, args), connection);
+  return () => {
+    if (own) client.query = before;
+    else delete (client as Partial<QueryClient>).query;
+  };
+}
 
 /**
  * node-postgres: runs the driver's transaction call `begin(callback)` with
@@ -87,10 +117,13 @@ export function heardTransaction<Tx, T>(
   let watched: object | undefined;
   // drizzle runs the transaction on `parent` itself: a single client, not one of a pool.
   let single = false;
+  let entered = false;
+  let unnote = () => {};
   // Heard until the driver is done with the client, rollback included: a session ended while a
   // statement ran (pg_terminate_backend) fails that statement first and closes the socket after, and
   // the close comes as an event once no query is left to take it.
   return begin((tx) => {
+    entered = true;
     const session = sessionOf(tx);
     // A savepoint of a transaction palisade began: its client is heard and refusable already.
     if (!connections.has(session.client as object)) {
@@ -103,7 +136,10 @@ export function heardTransaction<Tx, T>(
       // On a single client (not a pool) drizzle runs the transaction on the database's own session
       // (`parent`), whose client the statements palisade prepares there keep for good: not refusable.
       if (session !== parent) session.client = refusing(client as QueryClient, connection);
-      else single = true;
+      else if (!nested) {
+        single = true;
+        unnote = notingSingle(client as QueryClient, connection);
+      }
       if (heardAnswer) {
         watched = session.client as object;
         watch(watched, heardAnswer.failures);
@@ -115,6 +151,8 @@ export function heardTransaction<Tx, T>(
     if (nested) return fn(tx);
     return fn(tx)
       .then((value) => {
+        // A statement the client gave up on (the function caught its failure) may still write: no COMMIT after it.
+        if (connection.gaveUp !== undefined) throw new DriverError(GAVE_UP);
         // drizzle sends the COMMIT next (into a connection the client knows closed, it changes nothing).
         connection.committing = !connection.lost && queryable(client);
         return value;
@@ -125,6 +163,9 @@ export function heardTransaction<Tx, T>(
   })
     .catch((err: unknown) => {
       if (connection.committing) afterCommitSent(err);
+      // A single client whose BEGIN got no answer (drizzle sends it before the function runs): the server may yet
+      // run it, and the client's next statements with it — ended, as a pool gives such a client back broken.
+      if (!entered && !nested && !isPool(parent.client) && sqlStateOf(err) === undefined) endSingle(parent.client);
       throw err;
     })
     .then((value) => {
@@ -132,14 +173,25 @@ export function heardTransaction<Tx, T>(
       return value;
     })
     .finally(() => {
+      unnote();
       // A single client whose session is still in the transaction cannot go back to a pool: it is ended (the server
-      // rolls the transaction back), heard until it is, rather than left to run its next statements in it.
-      const end = single && connection.open?.() ? (client as { end?: () => Promise<void> }).end : undefined;
-      if (end) void end.call(client).then(off, off);
-      else off();
+      // rolls the transaction back) rather than left to run its next statements in it.
+      if (single && connection.open?.()) endSingle(client);
+      off();
       if (watched) unwatch(watched);
       answer?.off();
     });
+}
+
+// Ends a single node-postgres client, heard until it is.
+function endSingle(client: unknown): void {
+  const c = client as EventClient & { end?: () => Promise<void> };
+  if (typeof c.end !== 'function') return;
+  c.on('error', heard);
+  void c.end().then(
+    () => c.removeListener('error', heard),
+    () => c.removeListener('error', heard),
+  );
 }
 
 // What to undo for each transaction or savepoint heardTransaction runs, should the driver never finish it.

@@ -15,8 +15,8 @@ interface PoolLike {
 }
 type PooledClient = EventClient & { release(err?: Error): void };
 
-// drizzle's own test for a pool (its node-postgres session's `transaction`).
-const isPool = (client: unknown): client is PoolLike =>
+/** @internal drizzle's own test for a pool (its node-postgres session's `transaction`). */
+export const isPool = (client: unknown): client is PoolLike =>
   typeof (client as { connect?: unknown } | null)?.connect === 'function' &&
   Object.getPrototypeOf(client)?.constructor?.name?.includes('Pool') === true;
 

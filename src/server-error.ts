@@ -138,6 +138,15 @@ export function describeServerError(
   cause: unknown,
   sqlState: string | undefined,
 ): { message: string; error: Error; fields: SafeFields } {
+  // Already described (a DatabaseError made again from its own cause, with outcomeUnknown): as it is.
+  if (cause instanceof Error && described.has(cause)) {
+    const fields: SafeFields = {};
+    for (const name of ['schema', 'table', 'column', 'dataType', 'constraint'] as const) {
+      const value = field(cause, name);
+      if (value) fields[name] = value;
+    }
+    return { message: cause.message, error: cause, fields };
+  }
   const original = originalError(cause);
   const err = original !== null && typeof original === 'object' ? original : {};
   const fields: SafeFields = {};
@@ -178,8 +187,12 @@ export function describeServerError(
   Object.assign(error, { ...(sqlState ? { code: sqlState } : typeof code === 'string' ? { code } : {}), ...fields });
   const severity = field(err, 'severity');
   if (severity) Object.assign(error, { severity });
+  described.add(error);
   return { message, error, fields };
 }
+
+// The causes describeServerError made: safe already.
+const described = new WeakSet<Error>();
 
 /** The driver's own error under drizzle's `DrizzleQueryError` wrapper (which lists the parameters). */
 export function originalError(err: unknown): unknown {

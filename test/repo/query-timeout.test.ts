@@ -15,7 +15,7 @@ import { integer, pgTable } from 'drizzle-orm/pg-core';
 import pg from 'pg';
 import { describe, expect, it } from 'vitest';
 import { type Database, execute } from '../../src/driver.js';
-import { DatabaseError } from '../../src/errors.js';
+import { DatabaseError, PalisadeError } from '../../src/errors.js';
 import { postgresLockManager } from '../../src/fencing/backends/postgres-lease/backend.js';
 import { type Fence, toFence } from '../../src/fencing/fence.js';
 import { fencedTransaction } from '../../src/repo/fenced-transaction.js';
@@ -25,6 +25,7 @@ import { postgresDatabase } from '../support/databases.js';
 import { uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
+import { withholdingProxy } from '../support/withholding-proxy.js';
 
 const accounts = pgTable('accounts', {
   id: integer('id').primaryKey(),
@@ -48,6 +49,8 @@ interface Setup {
   rows(): Promise<string[]>;
   /** Waits (bounded) until no session named `app` is left on the database. */
   gone(app: string): Promise<void>;
+  /** Waits (bounded) until no session named `app` runs a statement. */
+  idle(app: string): Promise<void>;
 }
 
 async function withAccounts(fn: (s: Setup) => Promise<void>): Promise<void> {
@@ -78,6 +81,17 @@ async function withAccounts(fn: (s: Setup) => Promise<void>): Promise<void> {
       async rows() {
         const rows = await execute(test.db, sql`select balance || '@' || last_fence as r from accounts order by id`);
         return rows.map((r) => String(r.r));
+      },
+      async idle(app) {
+        for (let i = 0; i < 200; i++) {
+          const [row] = await execute(
+            test.db,
+            sql`select count(*)::int as n from pg_stat_activity where datname = current_database() and application_name = ${app} and state = 'active'`,
+          );
+          if (row?.n === 0) return;
+          await sleep(20);
+        }
+        throw new Error(`a session named ${app} stayed active`);
       },
       async gone(app) {
         for (let i = 0; i < 200; i++) {
@@ -243,6 +257,67 @@ describe.runIf(needs('DATABASE_URL'))('query_timeout inside a transaction palisa
       } finally {
         await locks.close();
         await pool.end();
+      }
+    }));
+
+  for (const [name, open] of Object.entries(drivers)) {
+    it(`${name}: a function that catches a statement the client gave up on — the transaction is refused, nothing kept`, () =>
+      withAccounts(async (s) => {
+        const app = `qt-caught-${name.length}`;
+        const own = open(s.url, app);
+        await own.connect();
+        try {
+          const repo = fencedRepository(own.db, accounts);
+          const a = holder(41);
+          const unlock = await s.lockRow(Y);
+          const outcome = await fencedTransaction(own.db, a, async () => {
+            expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
+            const given = await repo
+              .with(a)
+              .update({ id: Y }, { balance: 41 })
+              .catch((err: unknown) => err);
+            expect(given).toBeInstanceOf(DatabaseError);
+            // The row lock goes, and the given-up write ends on the server — before the function returns.
+            await unlock();
+            await s.idle(app);
+            return 'went on';
+          }).catch((err: unknown) => err);
+          // Not committed: the given-up write may still be running on the server. (Refused, or — when the driver's
+          // ROLLBACK, queued behind that write, times out too — the ROLLBACK's own failure.)
+          expect(outcome).toBeInstanceOf(PalisadeError);
+          await own.end();
+          await s.gone(app);
+          expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '0@0']);
+        } finally {
+          await own.end();
+        }
+      }));
+  }
+
+  it('a single node-postgres Client whose BEGIN got no answer is ended: the next call fails, nothing runs in that transaction', () =>
+    withAccounts(async (s) => {
+      const proxy = withholdingProxy(s.url);
+      const own = drivers['a single node-postgres Client'](await proxy.url(), 'qt-begin');
+      await own.connect();
+      try {
+        const repo = fencedRepository(own.db, accounts);
+        const a = holder(41);
+        // The server runs the BEGIN; its answer is held back past query_timeout.
+        proxy.state.withhold = true;
+        const outcome = await fencedTransaction(own.db, a, () => repo.with(a).update({ id: X }, { balance: 41 })).catch(
+          (err: unknown) => err,
+        );
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        proxy.release();
+        // Another caller of the same client: refused, not run (and lost) inside the BEGIN's transaction.
+        const next = await repo.update({ id: Z }, toFence(50), { balance: 50 }).catch((err: unknown) => err);
+        expect(next).toBeInstanceOf(DatabaseError);
+        await own.end();
+        await s.gone('qt-begin');
+        expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '0@0']);
+      } finally {
+        await own.end();
+        proxy.close();
       }
     }));
 });
