@@ -37,7 +37,7 @@ import {
   listenClientOf,
   type RawRow,
 } from '../../../driver.js';
-import { CommandTimeoutError, InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
+import { DatabaseError, InvalidArgumentError, LockTimeoutError } from '../../../errors.js';
 import { prepared } from '../../../prepared.js';
 import { sqlStateOf } from '../../../server-error.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
@@ -319,7 +319,7 @@ export function postgresLockBackend(options: PostgresLockManagerOptions): LockBa
       ).catch((err: unknown) => {
         // No answer of the server's (the client gave up: node-postgres's query_timeout, a dropped link): the grant
         // may still be running there, past any give-back sent now, and land for a token nobody holds.
-        if (sqlStateOf(err) === undefined && !(err instanceof CommandTimeoutError)) giveBackLater(name, token, wait);
+        if (err instanceof DatabaseError && err.sqlState === undefined) giveBackLater(name, token, wait);
         throw err;
       });
     },
