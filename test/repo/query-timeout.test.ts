@@ -40,6 +40,25 @@ const holder = (fence: number, name = 'L') => ({
   signal: new AbortController().signal,
 });
 
+const drivers = {
+  'a node-postgres pool': (url: string, app: string) => {
+    const pool = new pg.Pool({ connectionString: url, max: 1, query_timeout: TIMEOUT_MS, application_name: app });
+    pool.on('error', () => {});
+    let ended: Promise<void> | undefined;
+    return { db: drizzle(pool) as unknown as Database, end: () => (ended ??= pool.end()), connect: async () => {} };
+  },
+  'a single node-postgres Client': (url: string, app: string) => {
+    const client = new pg.Client({ connectionString: url, query_timeout: TIMEOUT_MS, application_name: app });
+    client.on('error', () => {});
+    let ended: Promise<void> | undefined;
+    return {
+      db: drizzle(client) as unknown as Database,
+      end: () => (ended ??= client.end().catch(() => {})),
+      connect: () => client.connect(),
+    };
+  },
+};
+
 interface Setup {
   readonly db: Database;
   readonly url: string;
@@ -51,12 +70,24 @@ interface Setup {
   gone(app: string): Promise<void>;
   /** Waits (bounded) until no session named `app` runs a statement. */
   idle(app: string): Promise<void>;
+  /**
+   * A client of `driver` (through `url`, default the database's), named `app` on the server, ended with the
+   * test; `settle()` ends it now and waits until its sessions are gone.
+   */
+  client(driver: keyof typeof drivers, app: string, url?: string): Promise<Own>;
+}
+
+interface Own {
+  readonly db: Database;
+  readonly repo: ReturnType<typeof fencedRepository<typeof accounts>>;
+  settle(): Promise<void>;
 }
 
 async function withAccounts(fn: (s: Setup) => Promise<void>): Promise<void> {
   const test = await postgresDatabase({ migrated: true });
   const url = test.url as string;
   const lockers: pg.Client[] = [];
+  const ends: (() => Promise<void>)[] = [];
   try {
     await execute(
       test.db,
@@ -93,6 +124,19 @@ async function withAccounts(fn: (s: Setup) => Promise<void>): Promise<void> {
         }
         throw new Error(`a session named ${app} stayed active`);
       },
+      async client(driver, app, through = url) {
+        const own = drivers[driver](through, app);
+        ends.push(own.end);
+        await own.connect();
+        return {
+          db: own.db,
+          repo: fencedRepository(own.db, accounts),
+          settle: async () => {
+            await own.end();
+            await this.gone(app);
+          },
+        };
+      },
       async gone(app) {
         for (let i = 0; i < 200; i++) {
           const [row] = await execute(
@@ -106,118 +150,123 @@ async function withAccounts(fn: (s: Setup) => Promise<void>): Promise<void> {
       },
     });
   } finally {
+    for (const end of ends) await end();
     for (const locker of lockers) await locker.end().catch(() => {});
     await test.close();
   }
 }
 
-const drivers = {
-  'a node-postgres pool': (url: string, app: string) => {
-    const pool = new pg.Pool({ connectionString: url, max: 1, query_timeout: TIMEOUT_MS, application_name: app });
-    pool.on('error', () => {});
-    let ended: Promise<void> | undefined;
-    return { db: drizzle(pool) as unknown as Database, end: () => (ended ??= pool.end()), connect: async () => {} };
-  },
-  'a single node-postgres Client': (url: string, app: string) => {
-    const client = new pg.Client({ connectionString: url, query_timeout: TIMEOUT_MS, application_name: app });
-    client.on('error', () => {});
-    let ended: Promise<void> | undefined;
-    return {
-      db: drizzle(client) as unknown as Database,
-      end: () => (ended ??= client.end().catch(() => {})),
-      connect: () => client.connect(),
-    };
-  },
-};
-
 describe.runIf(needs('DATABASE_URL'))('query_timeout inside a transaction palisade began', { timeout: 60_000 }, () => {
-  for (const [name, open] of Object.entries(drivers)) {
+  for (const name of Object.keys(drivers) as (keyof typeof drivers)[]) {
     it(`${name}: the fenced transaction rejects, and nothing it wrote is ever kept — not by the next caller's COMMIT either`, () =>
       withAccounts(async (s) => {
-        const app = `qt-${name.length}`;
-        const own = open(s.url, app);
-        await own.connect();
-        try {
-          const repo = fencedRepository(own.db, accounts);
-          const a = holder(41);
-          const unlock = await s.lockRow(Y);
-          const outcome = await fencedTransaction(own.db, a, async () => {
-            expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
-            await repo.with(a).update({ id: Y }, { balance: 41 }); // waits for the row lock past query_timeout
-          }).catch((err: unknown) => err);
-          expect(outcome).toBeInstanceOf(DatabaseError);
-          expect((outcome as DatabaseError).outcomeUnknown).toBe(false);
-          // The row lock goes: the given-up statement ends on the server. Then the next caller of the same
-          // database (another lock).
+        const { db, repo, settle } = await s.client(name, `qt-${name.length}`);
+        const a = holder(41);
+        const unlock = await s.lockRow(Y);
+        const outcome = await fencedTransaction(db, a, async () => {
+          expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
+          await repo.with(a).update({ id: Y }, { balance: 41 }); // waits for the row lock past query_timeout
+        }).catch((err: unknown) => err);
+        expect(outcome).toBeInstanceOf(DatabaseError);
+        expect((outcome as DatabaseError).outcomeUnknown).toBe(false);
+        // The row lock goes: the given-up statement ends on the server. Then the next caller of the same
+        // database (another lock).
+        await unlock();
+        const b = holder(50, 'M');
+        const next = await fencedTransaction(db, b, () => repo.with(b).update({ id: Z }, { balance: 50 })).catch(
+          (err: unknown) => err,
+        );
+        const pool = name === 'a node-postgres pool';
+        // A pool's fresh connection commits its own write, and only that; the single client was ended: a clear
+        // failure, not a write run inside the given-up transaction.
+        if (pool) expect(next).toMatchObject({ status: 'applied' });
+        else expect(next).toBeInstanceOf(DatabaseError);
+        await settle();
+        expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', pool ? '50@50' : '0@0']);
+      }));
+
+    it(`${name}: a function that catches a statement the client gave up on — the transaction is refused, nothing kept`, () =>
+      withAccounts(async (s) => {
+        const app = `qt-caught-${name.length}`;
+        const { db, repo, settle } = await s.client(name, app);
+        const a = holder(41);
+        const unlock = await s.lockRow(Y);
+        const outcome = await fencedTransaction(db, a, async () => {
+          expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
+          const given = await repo
+            .with(a)
+            .update({ id: Y }, { balance: 41 })
+            .catch((err: unknown) => err);
+          expect(given).toBeInstanceOf(DatabaseError);
+          // The row lock goes, and the given-up write ends on the server — before the function returns.
           await unlock();
-          const b = holder(50, 'M');
-          const next = await fencedTransaction(own.db, b, () => repo.with(b).update({ id: Z }, { balance: 50 })).catch(
-            (err: unknown) => err,
-          );
-          if (name === 'a node-postgres pool') {
-            // A fresh connection: it commits its own write, and only that.
-            expect(next).toMatchObject({ status: 'applied' });
-          } else {
-            // The client was ended: a clear failure, not a write run inside the given-up transaction.
-            expect(next).toBeInstanceOf(DatabaseError);
-          }
-          await own.end();
-          await s.gone(app);
-          expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', name === 'a node-postgres pool' ? '50@50' : '0@0']);
-        } finally {
-          await own.end();
-        }
+          await s.idle(app);
+          return 'went on';
+        }).catch((err: unknown) => err);
+        // Not committed: the given-up write may still be running on the server. (Refused, or — when the driver's
+        // ROLLBACK, queued behind that write, times out too — the ROLLBACK's own failure.)
+        expect(outcome).toBeInstanceOf(PalisadeError);
+        await settle();
+        expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '0@0']);
       }));
   }
 
   it('a node-postgres pool: a function that catches the timeout after a stale write gets `stale`, and nothing is kept', () =>
     withAccounts(async (s) => {
-      const own = drivers['a node-postgres pool'](s.url, 'qt-caught');
-      try {
-        const repo = fencedRepository(own.db, accounts);
-        const a = holder(41);
-        const unlock = await s.lockRow(Y);
-        const outcome = await fencedTransaction(own.db, a, async () => {
-          expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
-          expect((await repo.with(a).update({ id: W }, { balance: 41 })).status).toBe('stale');
-          await repo
-            .with(a)
-            .update({ id: Y }, { balance: 41 })
-            .catch(() => 'given up');
-        });
-        expect(outcome).toMatchObject({ status: 'stale' });
-        await unlock();
-        const b = holder(50, 'M');
-        expect(await fencedTransaction(own.db, b, () => repo.with(b).update({ id: Z }, { balance: 50 }))).toMatchObject(
-          {
-            status: 'applied',
-          },
-        );
-        await own.end();
-        await s.gone('qt-caught');
-        expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '50@50']);
-      } finally {
-        await own.end();
-      }
+      const { db, repo, settle } = await s.client('a node-postgres pool', 'qt-stale');
+      const a = holder(41);
+      const unlock = await s.lockRow(Y);
+      const outcome = await fencedTransaction(db, a, async () => {
+        expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
+        expect((await repo.with(a).update({ id: W }, { balance: 41 })).status).toBe('stale');
+        await repo
+          .with(a)
+          .update({ id: Y }, { balance: 41 })
+          .catch(() => 'given up');
+      });
+      expect(outcome).toMatchObject({ status: 'stale' });
+      await unlock();
+      const b = holder(50, 'M');
+      const next = await fencedTransaction(db, b, () => repo.with(b).update({ id: Z }, { balance: 50 }));
+      expect(next).toMatchObject({ status: 'applied' });
+      await settle();
+      expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '50@50']);
     }));
 
   it('a write sent on its own that query_timeout gave up on: outcomeUnknown — the server may still commit it', () =>
     withAccounts(async (s) => {
-      const own = drivers['a node-postgres pool'](s.url, 'qt-alone');
+      const { repo, settle } = await s.client('a node-postgres pool', 'qt-alone');
+      const unlock = await s.lockRow(Y);
+      const outcome = await repo.update({ id: Y }, toFence(41), { balance: 41 }).catch((err: unknown) => err);
+      expect(outcome).toBeInstanceOf(DatabaseError);
+      expect((outcome as DatabaseError).outcomeUnknown).toBe(true);
+      expect((outcome as DatabaseError).message).toMatch(/whether it committed is unknown/);
+      await unlock();
+      await settle();
+      // Here it did.
+      expect((await s.rows())[1]).toBe('41@41');
+    }));
+
+  it('a single node-postgres Client whose BEGIN got no answer is ended: the next call fails, nothing runs in that transaction', () =>
+    withAccounts(async (s) => {
+      const proxy = withholdingProxy(s.url);
       try {
-        const repo = fencedRepository(own.db, accounts);
-        const unlock = await s.lockRow(Y);
-        const outcome = await repo.update({ id: Y }, toFence(41), { balance: 41 }).catch((err: unknown) => err);
+        const { db, repo, settle } = await s.client('a single node-postgres Client', 'qt-begin', await proxy.url());
+        const a = holder(41);
+        // The server runs the BEGIN; its answer is held back past query_timeout.
+        proxy.state.withhold = true;
+        const outcome = await fencedTransaction(db, a, () => repo.with(a).update({ id: X }, { balance: 41 })).catch(
+          (err: unknown) => err,
+        );
         expect(outcome).toBeInstanceOf(DatabaseError);
-        expect((outcome as DatabaseError).outcomeUnknown).toBe(true);
-        expect((outcome as DatabaseError).message).toMatch(/whether it committed is unknown/);
-        await unlock();
-        await own.end();
-        await s.gone('qt-alone');
-        // Here it did.
-        expect((await s.rows())[1]).toBe('41@41');
+        proxy.release();
+        // Another caller of the same client: refused, not run (and lost) inside the BEGIN's transaction.
+        const next = await repo.update({ id: Z }, toFence(50), { balance: 50 }).catch((err: unknown) => err);
+        expect(next).toBeInstanceOf(DatabaseError);
+        await settle();
+        expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '0@0']);
       } finally {
-        await own.end();
+        proxy.close();
       }
     }));
 
@@ -257,67 +306,6 @@ describe.runIf(needs('DATABASE_URL'))('query_timeout inside a transaction palisa
       } finally {
         await locks.close();
         await pool.end();
-      }
-    }));
-
-  for (const [name, open] of Object.entries(drivers)) {
-    it(`${name}: a function that catches a statement the client gave up on — the transaction is refused, nothing kept`, () =>
-      withAccounts(async (s) => {
-        const app = `qt-caught-${name.length}`;
-        const own = open(s.url, app);
-        await own.connect();
-        try {
-          const repo = fencedRepository(own.db, accounts);
-          const a = holder(41);
-          const unlock = await s.lockRow(Y);
-          const outcome = await fencedTransaction(own.db, a, async () => {
-            expect((await repo.with(a).update({ id: X }, { balance: 41 })).status).toBe('applied');
-            const given = await repo
-              .with(a)
-              .update({ id: Y }, { balance: 41 })
-              .catch((err: unknown) => err);
-            expect(given).toBeInstanceOf(DatabaseError);
-            // The row lock goes, and the given-up write ends on the server — before the function returns.
-            await unlock();
-            await s.idle(app);
-            return 'went on';
-          }).catch((err: unknown) => err);
-          // Not committed: the given-up write may still be running on the server. (Refused, or — when the driver's
-          // ROLLBACK, queued behind that write, times out too — the ROLLBACK's own failure.)
-          expect(outcome).toBeInstanceOf(PalisadeError);
-          await own.end();
-          await s.gone(app);
-          expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '0@0']);
-        } finally {
-          await own.end();
-        }
-      }));
-  }
-
-  it('a single node-postgres Client whose BEGIN got no answer is ended: the next call fails, nothing runs in that transaction', () =>
-    withAccounts(async (s) => {
-      const proxy = withholdingProxy(s.url);
-      const own = drivers['a single node-postgres Client'](await proxy.url(), 'qt-begin');
-      await own.connect();
-      try {
-        const repo = fencedRepository(own.db, accounts);
-        const a = holder(41);
-        // The server runs the BEGIN; its answer is held back past query_timeout.
-        proxy.state.withhold = true;
-        const outcome = await fencedTransaction(own.db, a, () => repo.with(a).update({ id: X }, { balance: 41 })).catch(
-          (err: unknown) => err,
-        );
-        expect(outcome).toBeInstanceOf(DatabaseError);
-        proxy.release();
-        // Another caller of the same client: refused, not run (and lost) inside the BEGIN's transaction.
-        const next = await repo.update({ id: Z }, toFence(50), { balance: 50 }).catch((err: unknown) => err);
-        expect(next).toBeInstanceOf(DatabaseError);
-        await own.end();
-        await s.gone('qt-begin');
-        expect(await s.rows()).toEqual(['0@0', '0@0', '100@100', '0@0']);
-      } finally {
-        await own.end();
-        proxy.close();
       }
     }));
 });
