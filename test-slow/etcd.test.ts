@@ -1,7 +1,8 @@
+import { EventEmitter } from 'node:events';
 import { Etcd3 } from 'etcd3';
 import { ConnectionPool } from 'etcd3/lib/connection-pool.js';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { FenceSourceError, InvalidArgumentError, LeaseLostError } from '../src/errors.js';
+import { FenceSourceError, InvalidArgumentError, LeaseLostError, LockServiceError } from '../src/errors.js';
 import { etcdLockBackend } from '../src/fencing/backends/etcd/backend.js';
 import { etcdKeyNames, etcdLeaseSeconds } from '../src/fencing/backends/etcd/keys.js';
 import { etcdLockManager } from '../src/fencing/backends/etcd/manager.js';
@@ -11,7 +12,12 @@ import type { LockManager } from '../src/fencing/lock-manager.js';
 import { fencedRepository } from '../src/repo/repository.js';
 import { describeLockBackend } from '../src/testing/contract.js';
 import type { TestDatabase } from '../test/support/databases.js';
-import { type EtcdCluster, startEtcdCluster } from '../test/support/etcd-cluster.js';
+import {
+  type EtcdCluster,
+  type EtcdClusterOptions,
+  startEtcdCluster,
+  startTcpProxy,
+} from '../test/support/etcd-cluster.js';
 import { builtInContract } from '../test/support/lock-backends.js';
 import type { ManagerConfig } from '../test/support/managers.js';
 import { killAllWorkers, type Message, startWorker, type Worker } from '../test/support/processes.js';
@@ -288,6 +294,117 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)('etcd lock manager on a real 3-
     await after.release();
   });
 
+  // etcd cancelled the loss watch (its start revision compacted while its stream reconnected) at a moment the
+  // cluster had no quorum: the read that decides whether the key is still ours failed, and the watch was never
+  // started again — the signal did not abort when etcd later deleted the key (an attack: reproduced on demand).
+  it('a watch cancelled while the cluster has no quorum is started again once it can read the key', async () => {
+    const [x, y, z] = cluster.members;
+    if (!x || !y || !z) throw new Error('no members');
+    // The holder reaches z alone, through a proxy that can drop its connections.
+    const proxy = await startTcpProxy([z.clientUrl]);
+    opened.push(proxy);
+    const holder = new Etcd3({ hosts: proxy.urls });
+    opened.push(holder);
+    const namespace = uniqueNamespace('etcd');
+    const m = etcdLockManager({ client: holder, namespace, commandTimeoutMs: 3_000 });
+    opened.push(m);
+    const lease = await m.acquire('L', { ttlMs: 120_000 });
+    for (let i = 0; i < 5; i++) await client.put(`bump/${namespace}/${i}`).value('x');
+    const { header } = await client.kv.range({ key: Buffer.from(`bump/${namespace}/0`) });
+    await client.kv.compact({ revision: header.revision, physical: true });
+    await Promise.all([x.kill(), y.kill()]);
+    // The watch's stream reconnects from its compacted start revision to z, which for a moment still
+    // believes it has a leader: z cancels the watch, and the read that follows finds no quorum.
+    proxy.reset();
+    await sleep(8_000); // the outage: several failed reads (3 s each at most)
+    await cluster.heal();
+    expect(lease.signal.aborted).toBe(false);
+    const [kv] = (await client.get(etcdKeyNames(namespace).lock('L')).exec()).kvs;
+    await client.leaseClient.leaseRevoke({ ID: kv?.lease ?? '0' });
+    await aborted(lease, 30_000); // its local deadline is 120 s away
+    expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
+  }, 90_000);
+
+  // commandTimeoutMs bounded each request of an operation, not the operation: a grant (or an extension, an
+  // inspect) that chains several requests took up to about twice the bound over a slow link (an attack: 2×).
+  it('one deadline per operation: every request of a chained grant, extension and inspect ends within commandTimeoutMs of its call', async () => {
+    const timeoutMs = 900; // each attempt gets 300 ms: a request of 250 ms succeeds alone
+    const slow = new Etcd3({ hosts: cluster.endpoints });
+    opened.push(slow);
+    const deadlines: number[] = [];
+    const link =
+      <A, R>(fn: (req: A, o?: { deadline?: number }) => Promise<R>) =>
+      async (req: A, o?: { deadline?: number }): Promise<R> => {
+        const deadline = Number(o?.deadline ?? Number.POSITIVE_INFINITY);
+        deadlines.push(deadline);
+        const left = deadline - Date.now();
+        if (left < 250) {
+          await sleep(Math.max(0, left));
+          throw new Error('4 DEADLINE_EXCEEDED: the slow link did not deliver in time');
+        }
+        await sleep(250);
+        return fn(req, o);
+      };
+    slow.kv.txn = link(slow.kv.txn.bind(slow.kv)) as typeof slow.kv.txn;
+    const lc = slow.leaseClient;
+    lc.leaseGrant = link(lc.leaseGrant.bind(lc)) as typeof lc.leaseGrant;
+    lc.leaseTimeToLive = link(lc.leaseTimeToLive.bind(lc)) as typeof lc.leaseTimeToLive;
+    const keepAlive = lc.leaseKeepAlive.bind(lc);
+    lc.leaseKeepAlive = ((o?: { deadline?: number }) => {
+      deadlines.push(Number(o?.deadline ?? Number.POSITIVE_INFINITY));
+      return keepAlive(o);
+    }) as typeof lc.leaseKeepAlive;
+    const namespace = uniqueNamespace('etcd');
+    const warm = etcdLockBackend({ client, namespace });
+    opened.push(warm);
+    expect(await warm.grant('W', 'token-w', 2_000, null)).not.toBeNull(); // the namespace's source key
+    const backend = etcdLockBackend({ client: slow, namespace, commandTimeoutMs: timeoutMs });
+    const fresh = etcdLockBackend({ client: slow, namespace: uniqueNamespace('etcd'), commandTimeoutMs: timeoutMs });
+    opened.push(backend, fresh);
+    const bounded = async (operation: () => Promise<unknown>) => {
+      deadlines.length = 0;
+      const called = Date.now();
+      await operation().catch((err: unknown) => expect(err).toBeInstanceOf(LockServiceError));
+      expect(deadlines.length).toBeGreaterThan(0);
+      // Date.now() and performance.now() may drift apart by a millisecond or two.
+      for (const d of deadlines) expect(d).toBeLessThanOrEqual(called + timeoutMs + 5);
+    };
+    expect(await backend.grant('L', 'token-a', 20_000, null)).not.toBeNull(); // a lease and a grant: 500 ms
+    await bounded(() => backend.extend('L', 'token-a', 30_000)); // a new lease and the move
+    await bounded(() => backend.extend('L', 'token-a', 30_000)); // a keep-alive, a check (and maybe a move)
+    await bounded(() => backend.inspect('L')); // the keys, then the lease's TTL
+    // A new namespace: its first grant is a lease, a grant, the source key's put and the grant again.
+    await bounded(() => fresh.grant('L', 'token-b', 20_000, null));
+  }, 60_000);
+
+  // The same, answered on demand: a member that renews a lease in its own memory only and answers with the term
+  // it was last leader in (a resumed old leader). Its answer lengthened the lease's local deadline; the cluster
+  // kept counting down the TTL it had.
+  it('a keep-alive answered in an old Raft term is confirmed through etcd before the lease counts on it', async () => {
+    const own = new Etcd3({ hosts: cluster.endpoints });
+    opened.push(own);
+    const namespace = uniqueNamespace('etcd');
+    const m = manager(own, namespace);
+    const lease = await m.acquire('L', { ttlMs: 10_000 });
+    await sleep(3_000); // the TTL etcd keeps runs down meanwhile
+    const lc = own.leaseClient;
+    lc.leaseKeepAlive = (async () => {
+      const stream = new EventEmitter() as EventEmitter & { write(req: { ID: string }): void; end(): void };
+      stream.write = (req) =>
+        setImmediate(() => stream.emit('data', { ID: req.ID, TTL: '10', header: { raft_term: '1' } }));
+      stream.end = () => {};
+      return stream;
+    }) as unknown as typeof lc.leaseKeepAlive;
+    await lease.extend();
+    const [kv] = (await client.get(etcdKeyNames(namespace).lock('L')).exec()).kvs;
+    if (!kv) throw new Error('the lock key is gone');
+    const { TTL } = await client.leaseClient.leaseTimeToLive({ ID: kv.lease, keys: false });
+    // etcd counts whole seconds: up to one more than it reports.
+    expect(lease.expiresAt - performance.now()).toBeLessThanOrEqual((Number(TTL) + 1) * 1_000);
+    expect((await m.inspect('L'))?.fence).toBe(lease.fence);
+    await lease.release();
+  }, 60_000);
+
   describeLockBackend(
     'etcd',
     { describe, it, expect },
@@ -321,8 +438,12 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)(
     }
 
     /** `fn` on a one-member etcd cluster of its own; every client, manager and database it opens is closed after. */
-    async function onOwnCluster(fn: (own: OwnCluster) => Promise<void>): Promise<void> {
-      const cluster = await startEtcdCluster(1);
+    async function onOwnCluster(
+      fn: (own: OwnCluster) => Promise<void>,
+      size = 1,
+      options: EtcdClusterOptions = {},
+    ): Promise<void> {
+      const cluster = await startEtcdCluster(size, 30_000, options);
       const clients: Etcd3[] = [];
       const opened: LockManager[] = [];
       let scenario: Promise<TestDatabase> | undefined;
@@ -377,6 +498,176 @@ describe.runIf(needs('DATABASE_URL') && hasEtcd)(
           expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
           expect(await lease.release()).toBe('lost');
         }),
+      120_000,
+    );
+
+    // The loss watch was started again at most 10 times over the lease's whole life: a lease held long enough,
+    // through compactions and connection resets (a load balancer's idle timeout, a network blip), lost it, and
+    // its signal no longer aborted when etcd deleted the key (an attack: 11 resets sufficed).
+    it(
+      'a long hold through many compactions and connection resets: the signal still aborts when etcd deletes the key',
+      () =>
+        onOwnCluster(async ({ cluster, namespace, client, manager }) => {
+          const admin = client();
+          const proxy = await startTcpProxy(cluster.endpoints);
+          try {
+            const holder = new Etcd3({ hosts: proxy.urls });
+            try {
+              const m = manager(holder);
+              const lease = await m.acquire('L', { ttlMs: 120_000 });
+              for (let cycle = 0; cycle < 14; cycle++) {
+                for (let i = 0; i < 3; i++) await admin.put(`bump/${i}`).value(String(cycle));
+                const { header } = await admin.kv.range({ key: Buffer.from('bump/0') });
+                await admin.kv.compact({ revision: header.revision, physical: true });
+                // The watch's stream reconnects from its compacted start revision: etcd cancels it.
+                proxy.reset();
+                await sleep(1_000); // pacing: the read and the watch again
+              }
+              expect(lease.signal.aborted).toBe(false);
+              await admin.delete().key(etcdKeyNames(namespace).lock('L'));
+              await aborted(lease, 30_000); // its local deadline is 120 s away
+              expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
+              await m.close();
+            } finally {
+              holder.close();
+            }
+          } finally {
+            await proxy.close();
+          }
+        }),
+      120_000,
+    );
+
+    // The floor below which a source's fences are refused was kept for the last source only, per manager: a
+    // manager that granted from another source since (a wipe), or a new manager of the same process, took the
+    // fences of a source restored from an older snapshot without FenceSourceError (an attack: both, every run).
+    it(
+      'a source that went back is refused after another source was seen, and by a new manager of the same process',
+      () =>
+        onOwnCluster(async ({ cluster, namespace, client, manager }) => {
+          const etcd = client();
+          const m = manager(etcd);
+          for (let i = 0; i < 40; i++) await etcd.put(`bump/${i}`).value('x'); // S1's fences run higher
+          const s1 = await m.acquire('L', { ttlMs: 60_000 });
+          const s1Mark = String(s1.lock?.source.split(':').pop());
+          await cluster.wipe();
+          const s2 = await m.acquire('M', { ttlMs: 60_000, waitMs: 20_000 });
+          expect(s2.lock?.source).not.toBe(s1.lock?.source);
+          await s2.release();
+          // S1 back from an older snapshot: revisions below what the process saw of it, its source key with it.
+          await cluster.wipe();
+          await etcd.put(etcdKeyNames(namespace).source).value(s1Mark);
+          await expect(m.acquire('R', { ttlMs: 60_000, waitMs: 5_000 })).rejects.toBeInstanceOf(FenceSourceError);
+          await expect(manager(client()).acquire('Q', { ttlMs: 60_000, waitMs: 5_000 })).rejects.toBeInstanceOf(
+            FenceSourceError,
+          );
+        }),
+      120_000,
+    );
+
+    // A watch served by a member cut off from its peers stays silent: that member sees no deletion. The loss
+    // watch requires a leader, so the member cancels it once it has lost its leader, and it is reconnected to a
+    // member of the majority (an attack: the signal aborted only after the partition healed, 15 s later).
+    it(
+      'the signal aborts when the majority deletes the key while the member serving its watch is cut off from its peers',
+      () =>
+        onOwnCluster(
+          async ({ cluster, namespace }) => {
+            const leader = await cluster.leader();
+            const cut = cluster.members.find((m) => m !== leader);
+            const rest = cluster.members.filter((m) => m !== cut);
+            if (!cut) throw new Error('no follower');
+            ConnectionPool.deterministicOrder = true; // the follower, listed last, first
+            try {
+              const holder = new Etcd3({ hosts: [...rest.map((m) => m.clientUrl), cut.clientUrl] });
+              const operator = new Etcd3({ hosts: rest.map((m) => m.clientUrl) });
+              try {
+                const m = etcdLockManager({ client: holder, namespace });
+                try {
+                  const lease = await m.acquire('L', { ttlMs: 120_000 });
+                  await sleep(500); // the watch is established on the follower
+                  await cluster.isolate(cut);
+                  const [kv] = (await operator.get(etcdKeyNames(namespace).lock('L')).exec()).kvs;
+                  await operator.leaseClient.leaseRevoke({ ID: kv?.lease ?? '0' });
+                  await aborted(lease, 40_000); // still partitioned; its local deadline is 120 s away
+                  expect(lease.signal.reason).toBeInstanceOf(LeaseLostError);
+                } finally {
+                  cluster.rejoin();
+                  await m.close();
+                }
+              } finally {
+                holder.close();
+                operator.close();
+              }
+            } finally {
+              cluster.rejoin();
+              ConnectionPool.deterministicOrder = false;
+            }
+          },
+          3,
+          { partitionable: true },
+        ),
+      120_000,
+    );
+
+    // A leader frozen past an election and resumed still believes it leads until it hears of the new term:
+    // etcd 3.4 renews a lease there in its memory only, so a keep-alive it answered lengthened the lease's local
+    // deadline by a TTL the cluster did not keep — the lease counted on seconds after etcd dropped the key (an
+    // attack: 1 of 5 runs). Here the old leader is also cut off from its peers until it has answered.
+    it(
+      'a keep-alive answered by a resumed old leader does not lengthen the lease beyond what etcd keeps',
+      () =>
+        onOwnCluster(
+          async ({ cluster, namespace, client }) => {
+            const leader = await cluster.leader();
+            const oldLeader = await cluster.memberId(leader);
+            const others = cluster.members.filter((m) => m !== leader);
+            ConnectionPool.deterministicOrder = true; // the leader, listed last, first
+            const holder = new Etcd3({ hosts: [...others.map((m) => m.clientUrl), leader.clientUrl] });
+            const observer = client();
+            const m = etcdLockManager({ client: holder, namespace });
+            try {
+              const lease = await m.acquire('L', { ttlMs: 10_000 });
+              const lc = holder.leaseClient;
+              const keepAlive = lc.leaseKeepAlive.bind(lc);
+              // The old leader hears of the new term only once it has answered the keep-alive.
+              lc.leaseKeepAlive = (async (o?: Parameters<typeof keepAlive>[0]) => {
+                const stream = await keepAlive(o);
+                stream.on('data', () => cluster.rejoin());
+                return stream;
+              }) as typeof lc.leaseKeepAlive;
+              leader.freeze();
+              try {
+                // Wait (bounded) until the others elected a new leader: it restarts the lease's TTL then.
+                for (let i = 0; i < 100; i++) {
+                  const status = await observer.maintenance
+                    .status({ deadline: Date.now() + 500 })
+                    .catch(() => undefined);
+                  if (status && status.leader !== '0' && status.leader !== oldLeader) break;
+                  await sleep(100);
+                }
+                await sleep(3_000);
+                await cluster.isolate(leader);
+              } finally {
+                leader.thaw();
+              }
+              await lease.extend().catch(() => undefined);
+              cluster.rejoin();
+              const [kv] = (await observer.get(etcdKeyNames(namespace).lock('L')).exec()).kvs;
+              if (!kv) throw new Error('the lock key is gone');
+              const { TTL } = await observer.leaseClient.leaseTimeToLive({ ID: kv.lease, keys: false });
+              // etcd counts whole seconds: up to one more than it reports.
+              expect(lease.expiresAt - performance.now()).toBeLessThanOrEqual((Number(TTL) + 1) * 1_000);
+            } finally {
+              cluster.rejoin();
+              ConnectionPool.deterministicOrder = false;
+              await m.close();
+              holder.close();
+            }
+          },
+          3,
+          { partitionable: true },
+        ),
       120_000,
     );
 

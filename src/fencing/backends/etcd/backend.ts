@@ -6,15 +6,17 @@
  * `etcd3` is an optional peer dependency: this module imports only its
  * *types*, and the caller passes a client.
  */
-import type { IKeyValue, IRequestOp, IResponseHeader, ITxnRequest, ITxnResponse, Watcher } from 'etcd3';
+import { performance } from 'node:perf_hooks';
+import type { IKeyValue, IRequestOp, IResponseHeader, ITxnRequest, ITxnResponse } from 'etcd3';
 import { FenceSourceError, LockServiceError } from '../../../errors.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type Fence, toFence } from '../../fence.js';
 import { isTransient, retryingCall, withContext } from './failures.js';
-import { keepAliveOnce } from './keep-alive.js';
+import { type KeepAliveAnswer, keepAliveOnce } from './keep-alive.js';
 import { etcdLeaseSeconds } from './keys.js';
+import { type LossWatch, type LossWatchContext, leaderWatches, startLossWatch } from './loss-watch.js';
 import { checkEtcdOptions, type EtcdLockManagerOptions } from './options.js';
-import { etcdFenceSource, grantRequest, sourceKeyRequest } from './source.js';
+import { etcdFenceSource, grantRequest, revisionFloors, sourceKeyRequest } from './source.js';
 
 /** What the backend remembers of a lease it granted, by token. */
 interface Held {
@@ -24,42 +26,43 @@ interface Held {
   leaseId: string;
   seconds: number;
   readonly lost: AbortController;
-  watcher: Watcher | undefined;
-  /** Watches started again after etcd cancelled one (a compaction): at most {@link MAX_REWATCHES}. */
-  rewatches: number;
+  watch: LossWatch | undefined;
+  /** The lease's local deadline as this backend counts it (`performance.now()`): see the loss watch. */
+  until: number;
   /** The extension under way, if any: the next one starts after it (see `extend`). */
   extending: Promise<unknown>;
 }
 
-const MAX_REWATCHES = 10;
-
 /**
  * The etcd {@link LockBackend} behind `etcdLockManager`, for composing a
- * manager by hand with `createLockManager`.
+ * manager by hand with `createLockManager`. Every public operation has one
+ * deadline, `commandTimeoutMs` from its call, shared by all of its
+ * requests and their retries (an extension queued behind another counts
+ * its wait too).
  * @throws {InvalidArgumentError} for bad options.
  */
 export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
   const { client, keys, timeoutMs } = checkEtcdOptions(options);
   const call = retryingCall(timeoutMs);
+  const watch = leaderWatches(client);
   const held = new Map<string, Held>();
   /** Revision at which a grant last found a lock held: waiters watch from the next one, so no release is missed. */
   const seenHeldAt = new Map<string, bigint>();
   /** Background work (lease revocations, watch cancellations) that `close` waits for. */
   const background = new Set<Promise<unknown>>();
   const waiters = new Set<() => void>();
-  /** The highest revision any response showed this backend: a fresh grant's fence of its source must be above it. */
-  let observed = 0n;
-  /** The source of this backend's last grant: the one `observed` is of. */
-  let observedSource: string | undefined;
+  /**
+   * The source of this backend's last grant: the responses of its other requests (which do not read the
+   * source key) raise that source's floor in {@link revisionFloors}.
+   */
+  let lastSource: string | undefined;
   let closed = false;
 
   const bytes = (s: string) => Buffer.from(s, 'utf8');
+  const deadline = () => performance.now() + timeoutMs;
 
   function observe(header: IResponseHeader | undefined): void {
-    if (header?.revision) {
-      const revision = BigInt(header.revision);
-      if (revision > observed) observed = revision;
-    }
+    if (header?.revision && lastSource !== undefined) revisionFloors.saw(lastSource, BigInt(header.revision));
   }
 
   function later(work: Promise<unknown>): void {
@@ -72,12 +75,13 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     later(call('lease revoke', (o) => client.leaseClient.leaseRevoke({ ID: leaseId }, o)));
   }
 
-  function cancelLater(watcher: Watcher | undefined): void {
-    if (watcher) later(watcher.cancel());
+  function stopWatch(entry: Held): void {
+    entry.watch?.stop();
+    entry.watch = undefined;
   }
 
-  async function newLease(seconds: number): Promise<string> {
-    const res = await call('lease grant', (o) => client.leaseClient.leaseGrant({ TTL: seconds, ID: 0 }, o));
+  async function newLease(seconds: number, until: number): Promise<string> {
+    const res = await call('lease grant', (o) => client.leaseClient.leaseGrant({ TTL: seconds, ID: 0 }, o), until);
     if (res.error) throw new LockServiceError('etcd', `etcd lease grant failed: ${res.error}`);
     return res.ID;
   }
@@ -87,22 +91,26 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
    * a put over the existing key, so its create_revision — the fence — stays.
    * Unary calls only, so the client's retries and member failover apply.
    */
-  async function moveToNewLease(entry: Held, token: string, seconds: number): Promise<boolean> {
+  async function moveToNewLease(entry: Held, token: string, seconds: number, until: number): Promise<boolean> {
     const lock = keys.lock(entry.name);
-    const next = await newLease(seconds);
+    const next = await newLease(seconds, until);
     let res: ITxnResponse;
     try {
-      res = await txn('extend', {
-        compare: [
-          { key: bytes(lock), target: 'Value', result: 'Equal', value: bytes(token) },
-          { key: bytes(lock), target: 'Lease', result: 'Equal', lease: entry.leaseId },
-        ],
-        success: [
-          { request_put: { key: bytes(lock), value: bytes(token), lease: next } },
-          { request_put: { key: bytes(keys.holder(entry.name)), ignore_value: true, lease: next } },
-        ],
-        failure: [],
-      });
+      res = await txn(
+        'extend',
+        {
+          compare: [
+            { key: bytes(lock), target: 'Value', result: 'Equal', value: bytes(token) },
+            { key: bytes(lock), target: 'Lease', result: 'Equal', lease: entry.leaseId },
+          ],
+          success: [
+            { request_put: { key: bytes(lock), value: bytes(token), lease: next } },
+            { request_put: { key: bytes(keys.holder(entry.name)), ignore_value: true, lease: next } },
+          ],
+          failure: [],
+        },
+        until,
+      );
     } catch (err) {
       revokeLater(next);
       throw err;
@@ -117,9 +125,10 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     return true;
   }
 
-  function txn(what: string, request: ITxnRequest): Promise<ITxnResponse> {
-    return call(what, (o) => client.kv.txn(request, o)).then((res) => {
-      observe(res.header);
+  /** A transaction; `observed`: whether its response raises the last grant's source's floor. */
+  function txn(what: string, request: ITxnRequest, until?: number, observed = true): Promise<ITxnResponse> {
+    return call(what, (o) => client.kv.txn(request, o), until).then((res) => {
+      if (observed) observe(res.header);
       return res;
     });
   }
@@ -128,84 +137,64 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
   const firstKv = (res: ITxnResponse, index: number): IKeyValue | undefined =>
     res.responses[index]?.response_range?.kvs?.[0];
 
-  /**
-   * Aborts `lost` when etcd deletes the lock key or someone else re-creates it after `fence`, watching
-   * the key's events from revision `from`.
-   */
-  function watchForLoss(entry: Held, from = entry.fence + 1n): void {
-    const watcher = client
-      .watch()
-      .key(bytes(keys.lock(entry.name)))
-      .startRevision(from.toString())
-      .watcher();
-    const lose = () => {
-      entry.lost.abort();
-      if (entry.watcher) {
-        cancelLater(entry.watcher);
-        entry.watcher = undefined;
-      }
-    };
-    watcher.on('delete', lose);
-    watcher.on('put', (kv) => {
-      if (kv.create_revision !== entry.fence.toString()) lose();
-    });
-    // A broken watch is no verdict on the lease: the local deadline and extend() still decide. But etcd
-    // cancels a watch whose revision it compacted away — one whose stream reconnected resumes from where
-    // it started, and a quiet key's revision is soon compacted — and etcd3 then ends it with 'error': the
-    // key is read afresh and watched again from that read, or the signal would no longer abort when etcd
-    // deletes the key. A read that fails leaves it to the local deadline.
-    watcher.on('error', () => {
-      if (entry.watcher !== watcher) return;
-      entry.watcher = undefined;
-      if (entry.rewatches++ < MAX_REWATCHES) later(watchAgain(entry));
-    });
-    entry.watcher = watcher;
-  }
+  const watchContext: LossWatchContext = {
+    watch,
+    async read(key) {
+      const res = await txn('watch check', { compare: [], success: [rangeOf(key)], failure: [] });
+      return { kv: firstKv(res, 0), revision: BigInt(res.header.revision) };
+    },
+    later,
+    closed: () => closed,
+  };
 
-  async function watchAgain(entry: Held): Promise<void> {
-    const res = await txn('watch check', { compare: [], success: [rangeOf(keys.lock(entry.name))], failure: [] });
-    if (closed || entry.lost.signal.aborted || entry.watcher !== undefined || held.get(entry.token) !== entry) {
-      return;
-    }
-    if (firstKv(res, 0)?.create_revision !== entry.fence.toString()) entry.lost.abort();
-    else watchForLoss(entry, BigInt(res.header.revision) + 1n);
-  }
-
-  async function extendOnce(entry: Held, name: string, token: string, ttlMs: number): Promise<boolean> {
+  async function extendOnce(entry: Held, token: string, ttlMs: number, until: number): Promise<boolean> {
     if (entry.lost.signal.aborted || held.get(token) !== entry) return false;
     const seconds = etcdLeaseSeconds(ttlMs);
     const leaseId = entry.leaseId;
     if (seconds === entry.seconds) {
-      const [renewed, res] = await Promise.all([
-        keepAliveOnce(client, leaseId, timeoutMs).catch((err: unknown) => {
-          if (isTransient(err)) return undefined;
-          throw withContext(err, 'etcd lease keep-alive');
-        }),
-        txn('extend check', { compare: [], success: [rangeOf(keys.lock(name))], failure: [] }),
-      ]);
+      let renewed: KeepAliveAnswer | undefined;
+      try {
+        renewed = await keepAliveOnce(client, leaseId, timeoutMs, until);
+      } catch (err) {
+        // The keep-alive stream failed (its member is down): renew through unary calls instead.
+        if (!isTransient(err)) throw withContext(err, 'etcd lease keep-alive');
+      }
+      if (renewed?.alive === false) return false;
+      // Read after the renewal was answered: a leader frozen through an election and resumed renews in its
+      // own memory only, answering with its old term. A linearizable read answers with the current term:
+      // the same term means the renewal was the current leader's, who has led since.
+      const res = await txn(
+        'extend check',
+        { compare: [], success: [rangeOf(keys.lock(entry.name))], failure: [] },
+        until,
+      );
       const kv = firstKv(res, 0);
-      if (renewed === false || kv?.value.toString('utf8') !== token || kv.lease !== leaseId) return false;
-      if (renewed) return true;
-      // The keep-alive stream failed (its member is down): renew through unary calls instead.
+      if (kv?.value.toString('utf8') !== token || kv.lease !== leaseId) return false;
+      if (renewed && renewed.term !== '' && renewed.term === String(res.header.raft_term)) return true;
+      // Unconfirmed (or not renewed at all): a new lease is granted through Raft, which no stale member fakes.
     }
     // etcd cannot change a lease's TTL (nor renew one without a stream): move the keys to a new lease.
-    return moveToNewLease(entry, token, seconds);
+    return moveToNewLease(entry, token, seconds, until);
   }
 
   const backend: LockBackend = {
     kind: 'etcd',
 
     async grant(name, token, ttlMs, holder): Promise<Grant | null> {
-      const floor = observed;
+      const started = performance.now();
+      const until = started + timeoutMs;
+      // What the process had seen before this grant was sent: a later response may show a higher revision.
+      const floors = revisionFloors.snapshot();
       const seconds = etcdLeaseSeconds(ttlMs);
-      const leaseId = await newLease(seconds);
+      const leaseId = await newLease(seconds, until);
       let res: ITxnResponse;
       try {
-        res = await txn('grant', grantRequest(keys, name, token, leaseId, holder));
+        // Not observed as the last grant's source: the response names its own.
+        res = await txn('grant', grantRequest(keys, name, token, leaseId, holder), until, false);
         // No source key (a new namespace, or data wiped): put one, then grant again. Twice at most.
         for (let i = 0; i < 2 && !res.succeeded && !firstKv(res, 1); i++) {
-          await txn('source', sourceKeyRequest(keys));
-          res = await txn('grant', grantRequest(keys, name, token, leaseId, holder));
+          await txn('source', sourceKeyRequest(keys), until, false);
+          res = await txn('grant', grantRequest(keys, name, token, leaseId, holder), until, false);
         }
       } catch (err) {
         // Unknown outcome: revoking our lease takes the keys with it if the put did land.
@@ -239,22 +228,23 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         if (res.succeeded) revokeLater(granted);
         throw new LockServiceError('etcd', `etcd grant of ${JSON.stringify(name)}: the response named no cluster id`);
       }
-      // Another source than the last grant's (data wiped, or restored with its source key deleted): the
-      // revisions seen were of other data, and the floor starts again from this grant.
-      const sameSource = observedSource === undefined || observedSource === source;
-      if (res.succeeded && fence <= floor && sameSource) {
+      // The floor is per source, for the whole process: revisions of other data (a wipe, a restore with
+      // its source key deleted) say nothing of this one's, and a source seen before stays refused below
+      // what was seen of it, whatever was granted since and by whichever manager.
+      const floor = floors.get(source) ?? 0n;
+      if (res.succeeded && fence <= floor) {
         revokeLater(granted);
         throw new FenceSourceError(
           `etcd issued revision ${fence} after this process had seen revision ${floor}: the cluster went back (restored from an older snapshot); refusing the fence`,
         );
       }
-      if (!sameSource) observed = BigInt(res.header.revision);
-      observedSource = source;
+      revisionFloors.saw(source, BigInt(res.header.revision));
+      lastSource = source;
       seenHeldAt.delete(name);
       const known = held.get(token);
       if (known && known.fence === fence && !known.lost.signal.aborted)
         return { fence, lost: known.lost.signal, source };
-      if (known) cancelLater(known.watcher);
+      if (known) stopWatch(known);
       const entry: Held = {
         token,
         name,
@@ -262,22 +252,33 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         leaseId: granted,
         seconds,
         lost: new AbortController(),
-        watcher: undefined,
-        rewatches: 0,
+        watch: undefined,
+        until: started + ttlMs,
         extending: Promise.resolve(),
       };
       held.set(token, entry);
-      if (!closed) watchForLoss(entry);
+      if (!closed) {
+        const key = keys.lock(name);
+        entry.watch = startLossWatch(watchContext, key, fence, entry.lost, () => entry.until);
+      }
       return { fence, lost: entry.lost.signal, source };
     },
 
-    async extend(name, token, ttlMs) {
+    async extend(_name, token, ttlMs) {
+      const started = performance.now();
       const entry = held.get(token);
       if (!entry || entry.lost.signal.aborted) return false;
       // One at a time per lease: a renewal of the lease the key was on, checked while another extension
       // moved the key to a new lease, passed for the new one — and the lease counted on a TTL etcd did not
       // keep (an attack: 3.0 s kept, 10 s believed).
-      const extension = entry.extending.then(() => extendOnce(entry, name, token, ttlMs));
+      const extension = entry.extending.then(async () => {
+        const ok = await extendOnce(entry, token, ttlMs, started + timeoutMs);
+        if (ok) {
+          entry.until = Math.max(entry.until, started + ttlMs);
+          entry.watch?.revive();
+        }
+        return ok;
+      });
       entry.extending = extension.catch(() => {});
       return extension;
     },
@@ -285,30 +286,32 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     async release(name, token) {
       const entry = held.get(token);
       held.delete(token);
-      if (entry) {
-        cancelLater(entry.watcher);
-        entry.watcher = undefined;
-      }
+      if (entry) stopWatch(entry);
       const lock = keys.lock(name);
-      const res = await txn('release', {
-        compare: [{ key: bytes(lock), target: 'Value', result: 'Equal', value: bytes(token) }],
-        success: [
-          { request_delete_range: { key: bytes(lock) } },
-          { request_delete_range: { key: bytes(keys.holder(name)) } },
-        ],
-        failure: [],
-      });
+      const res = await txn(
+        'release',
+        {
+          compare: [{ key: bytes(lock), target: 'Value', result: 'Equal', value: bytes(token) }],
+          success: [
+            { request_delete_range: { key: bytes(lock) } },
+            { request_delete_range: { key: bytes(keys.holder(name)) } },
+          ],
+          failure: [],
+        },
+        deadline(),
+      );
       // The lease now holds no key of ours (or expired): free it rather than let it run out.
       if (entry) revokeLater(entry.leaseId);
       return res.succeeded;
     },
 
     async inspect(name): Promise<LockInfo | null> {
-      const res = await txn('inspect', {
-        compare: [],
-        success: [rangeOf(keys.lock(name)), rangeOf(keys.holder(name))],
-        failure: [],
-      });
+      const until = deadline();
+      const res = await txn(
+        'inspect',
+        { compare: [], success: [rangeOf(keys.lock(name)), rangeOf(keys.holder(name))], failure: [] },
+        until,
+      );
       const kv = firstKv(res, 0);
       if (!kv) return null;
       const label = firstKv(res, 1);
@@ -323,8 +326,10 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       }
       let remainingMs: number | null = null;
       if (kv.lease !== '0') {
-        const ttl = await call('lease time-to-live', (o) =>
-          client.leaseClient.leaseTimeToLive({ ID: kv.lease, keys: false }, o),
+        const ttl = await call(
+          'lease time-to-live',
+          (o) => client.leaseClient.leaseTimeToLive({ ID: kv.lease, keys: false }, o),
+          until,
         );
         remainingMs = Math.max(0, Number(ttl.TTL)) * 1000;
       }
@@ -333,8 +338,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
 
     waitForRelease(name, ms, signal) {
       if (closed || signal?.aborted || ms <= 0) return Promise.resolve();
-      const builder = client
-        .watch()
+      const builder = watch()
         .key(bytes(keys.lock(name)))
         .only('delete');
       const from = seenHeldAt.get(name);
@@ -346,7 +350,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
           clearTimeout(timer);
           signal?.removeEventListener('abort', done);
           waiters.delete(done);
-          cancelLater(watcher);
+          later(watcher.cancel());
           resolve();
         };
         const timer = setTimeout(done, ms);
@@ -362,10 +366,7 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     async close() {
       closed = true;
       for (const wake of [...waiters]) wake();
-      for (const entry of held.values()) {
-        cancelLater(entry.watcher);
-        entry.watcher = undefined;
-      }
+      for (const entry of held.values()) stopWatch(entry);
       held.clear();
       let timer: NodeJS.Timeout | undefined;
       await Promise.race([

@@ -14,17 +14,28 @@ export interface CallOptions {
   readonly deadline: number;
 }
 
-/** A call retried on transient failures, bounded by the budget it was built with. */
-export type RetryingCall = <T>(what: string, fn: (o: CallOptions) => Promise<T>) => Promise<T>;
+/**
+ * A call retried on transient failures, until `until` (a `performance.now()`
+ * time: the deadline of the public operation the call is part of, shared by
+ * all of its requests) or, without one, for the budget it was built with.
+ */
+export type RetryingCall = <T>(what: string, fn: (o: CallOptions) => Promise<T>, until?: number) => Promise<T>;
 
 /**
- * A {@link RetryingCall} that spends at most `timeoutMs` per operation,
- * retries included, each attempt bounded to a third of it (0.3–2 s).
+ * A {@link RetryingCall} that spends at most `timeoutMs` per call, retries
+ * included, or less when given the deadline of an operation that chains
+ * several calls; each attempt is bounded to a third of `timeoutMs`
+ * (0.3–2 s). A call whose deadline has already passed is not sent.
+ * @throws {LockServiceError} once the deadline passed or the failure is not transient.
  */
 export function retryingCall(timeoutMs: number): RetryingCall {
   const attemptMs = Math.min(Math.max(Math.floor(timeoutMs / 3), 300), 2_000);
-  return async function call<T>(what: string, fn: (o: CallOptions) => Promise<T>): Promise<T> {
-    const until = performance.now() + timeoutMs;
+  return async function call<T>(what: string, fn: (o: CallOptions) => Promise<T>, deadline?: number): Promise<T> {
+    const until = deadline ?? performance.now() + timeoutMs;
+    if (until <= performance.now()) {
+      // An earlier request of the same operation spent the bound: one more would exceed it.
+      throw new LockServiceError('etcd', `etcd ${what} not sent: the operation's commandTimeoutMs ran out`);
+    }
     for (let attempt = 1; ; attempt++) {
       // One attempt gets a share of the budget: a request stuck on a member that lost its leader is
       // abandoned (it may still apply — every operation here tolerates that) and retried elsewhere.

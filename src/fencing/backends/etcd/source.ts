@@ -66,3 +66,40 @@ export function sourceKeyRequest(keys: EtcdKeyNames): ITxnRequest {
     failure: [],
   };
 }
+
+/**
+ * How many fence sources {@link revisionFloors} remembers: past it, the one
+ * seen longest ago is forgotten (its floor with it). A process meets a few
+ * (one per namespace and cluster data); this bounds its memory.
+ */
+export const MAX_REMEMBERED_SOURCES = 1_000;
+
+const floors = new Map<string, bigint>();
+
+/**
+ * The highest revision this process has seen of each fence source, shared
+ * by every etcd backend of the process (so a new manager, and a manager
+ * that has since granted from another source, still refuse a source that
+ * went back); at most {@link MAX_REMEMBERED_SOURCES} sources, the least
+ * recently seen forgotten first. Nothing survives the process.
+ */
+export const revisionFloors = {
+  /**
+   * The floors as they are now, for a grant to compare its fence with what
+   * was seen before it was sent: a response of a later request (another
+   * manager's, say) may carry a higher revision of the same source.
+   */
+  snapshot(): ReadonlyMap<string, bigint> {
+    return new Map(floors);
+  },
+  /** Records that a response of `source` showed `revision`. */
+  saw(source: string, revision: bigint): void {
+    const known = floors.get(source);
+    floors.delete(source); // re-inserted last: the most recently seen
+    floors.set(source, known !== undefined && known > revision ? known : revision);
+    if (floors.size > MAX_REMEMBERED_SOURCES) {
+      const oldest = floors.keys().next().value;
+      if (oldest !== undefined) floors.delete(oldest);
+    }
+  },
+};
