@@ -12,7 +12,7 @@ import { connect, createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Etcd3 } from 'etcd3';
-import { freePorts } from './ports.js';
+import { freePorts, listenOnLoopback } from './ports.js';
 import { binaries } from './services.js';
 import { sleep } from './sleep.js';
 
@@ -363,13 +363,7 @@ export async function startTcpProxy(targets: readonly string[]): Promise<TcpProx
       c.pipe(u);
       u.pipe(c);
     });
-    await new Promise<void>((resolve, reject) => {
-      server.once('error', reject);
-      server.listen(0, '127.0.0.1', () => resolve());
-    });
-    const address = server.address();
-    if (address === null || typeof address === 'string') throw new Error('no TCP address');
-    urls.push(`http://127.0.0.1:${address.port}`);
+    urls.push(`http://127.0.0.1:${await listenOnLoopback(server)}`);
     servers.push(server);
   }
   return {

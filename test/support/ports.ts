@@ -13,13 +13,7 @@ export async function freePorts(count: number): Promise<number[]> {
     for (let i = 0; i < count; i++) {
       const server = createServer();
       servers.push(server);
-      await new Promise<void>((resolve, reject) => {
-        server.once('error', reject);
-        server.listen(0, '127.0.0.1', () => resolve());
-      });
-      const address = server.address();
-      if (address === null || typeof address === 'string') throw new Error('no TCP address');
-      ports.push(address.port);
+      ports.push(await listenOnLoopback(server));
     }
     return ports;
   } finally {
@@ -32,4 +26,15 @@ export async function freePort(): Promise<number> {
   const [port] = await freePorts(1);
   if (port === undefined) throw new Error('no free port');
   return port;
+}
+
+/** Starts `server` on a free loopback port and returns the port. */
+export async function listenOnLoopback(server: Server): Promise<number> {
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => resolve());
+  });
+  const address = server.address();
+  if (address === null || typeof address === 'string') throw new Error('no TCP address');
+  return address.port;
 }
