@@ -336,6 +336,8 @@ export interface TcpProxy {
   readonly urls: string[];
   /** Drops every open connection, as a load balancer's idle timeout or a network blip does. */
   reset(): void;
+  /** Cuts the next connection the proxy accepts `ms` after it accepted it (a second blip, as it reconnects). */
+  cutNext(ms: number): void;
   close(): Promise<void>;
 }
 
@@ -344,6 +346,7 @@ export async function startTcpProxy(targets: readonly string[]): Promise<TcpProx
   const live = new Set<Socket>();
   const servers: Server[] = [];
   const urls: string[] = [];
+  let cut: number | undefined;
   for (const target of targets) {
     const port = Number(new URL(target).port);
     const server = createServer((c) => {
@@ -362,6 +365,8 @@ export async function startTcpProxy(targets: readonly string[]): Promise<TcpProx
       }
       c.pipe(u);
       u.pipe(c);
+      if (cut !== undefined) setTimeout(end, cut).unref();
+      cut = undefined;
     });
     urls.push(`http://127.0.0.1:${await listenOnLoopback(server)}`);
     servers.push(server);
@@ -371,6 +376,9 @@ export async function startTcpProxy(targets: readonly string[]): Promise<TcpProx
     reset() {
       for (const s of [...live]) s.destroy();
       live.clear();
+    },
+    cutNext(ms) {
+      cut = ms;
     },
     async close() {
       for (const s of [...live]) s.destroy();

@@ -7,7 +7,7 @@
  * *types*, and the caller passes a client.
  */
 import { performance } from 'node:perf_hooks';
-import type { IKeyValue, IRequestOp, IResponseHeader, ITxnRequest, ITxnResponse } from 'etcd3';
+import type { IKeyValue, IRequestOp, ITxnRequest, ITxnResponse } from 'etcd3';
 import { FenceSourceError, LockServiceError } from '../../../errors.js';
 import type { Grant, LockBackend, LockInfo } from '../../backend.js';
 import { type Fence, toFence } from '../../fence.js';
@@ -51,19 +51,10 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
   /** Background work (lease revocations, watch cancellations) that `close` waits for. */
   const background = new Set<Promise<unknown>>();
   const waiters = new Set<() => void>();
-  /**
-   * The source of this backend's last grant: the responses of its other requests (which do not read the
-   * source key) raise that source's floor in {@link revisionFloors}.
-   */
-  let lastSource: string | undefined;
   let closed = false;
 
   const bytes = (s: string) => Buffer.from(s, 'utf8');
   const deadline = () => performance.now() + timeoutMs;
-
-  function observe(header: IResponseHeader | undefined): void {
-    if (header?.revision && lastSource !== undefined) revisionFloors.saw(lastSource, BigInt(header.revision));
-  }
 
   function later(work: Promise<unknown>): void {
     const tracked = work.catch(() => {}).finally(() => background.delete(tracked));
@@ -125,13 +116,11 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
     return true;
   }
 
-  /** A transaction; `observed`: whether its response raises the last grant's source's floor. */
-  function txn(what: string, request: ITxnRequest, until?: number, observed = true): Promise<ITxnResponse> {
-    return call(what, (o) => client.kv.txn(request, o), until).then((res) => {
-      if (observed) observe(res.header);
-      return res;
-    });
-  }
+  // Only a grant's response raises a source's floor (revisionFloors): it reads the source key in the revision it
+  // answers at. Any other response may come from other data — a wiped or replaced cluster — than the last grant's,
+  // whose source it would credit with revisions that source never issued (and refuse its correct restore).
+  const txn = (what: string, request: ITxnRequest, until?: number): Promise<ITxnResponse> =>
+    call(what, (o) => client.kv.txn(request, o), until);
 
   const rangeOf = (key: string): IRequestOp => ({ request_range: { key: bytes(key) } });
   const firstKv = (res: ITxnResponse, index: number): IKeyValue | undefined =>
@@ -189,12 +178,11 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
       const leaseId = await newLease(seconds, until);
       let res: ITxnResponse;
       try {
-        // Not observed as the last grant's source: the response names its own.
-        res = await txn('grant', grantRequest(keys, name, token, leaseId, holder), until, false);
+        res = await txn('grant', grantRequest(keys, name, token, leaseId, holder), until);
         // No source key (a new namespace, or data wiped): put one, then grant again. Twice at most.
         for (let i = 0; i < 2 && !res.succeeded && !firstKv(res, 1); i++) {
-          await txn('source', sourceKeyRequest(keys), until, false);
-          res = await txn('grant', grantRequest(keys, name, token, leaseId, holder), until, false);
+          await txn('source', sourceKeyRequest(keys), until);
+          res = await txn('grant', grantRequest(keys, name, token, leaseId, holder), until);
         }
       } catch (err) {
         // Unknown outcome: revoking our lease takes the keys with it if the put did land.
@@ -239,7 +227,6 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
         );
       }
       revisionFloors.saw(source, BigInt(res.header.revision));
-      lastSource = source;
       seenHeldAt.delete(name);
       const known = held.get(token);
       if (known && known.fence === fence && !known.lost.signal.aborted)

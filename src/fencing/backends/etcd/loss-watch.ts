@@ -93,6 +93,18 @@ export function startLossWatch(
       const index = restartedAt === undefined ? -1 : restarts.indexOf(restartedAt);
       if (index >= 0) restarts.splice(index, 1);
     });
+    // etcd3 moves a watch's start past the revision of its 'created' answer at once, before etcd has sent the
+    // older events it asked for: a stream that breaks in between reconnects past a deletion that is never told.
+    // After every reconnect the key is read again.
+    let broken = false;
+    w.on('disconnected', () => {
+      broken = true;
+    });
+    w.on('connected', () => {
+      if (!broken || watcher !== w) return;
+      broken = false;
+      verify();
+    });
     // A broken stream is no verdict on the lease: etcd3 reconnects it. But etcd cancels a watch whose
     // start revision it compacted away, and etcd3 then ends it with 'error'.
     w.on('error', () => {
@@ -101,6 +113,26 @@ export function startLossWatch(
       restart();
     });
     watcher = w;
+  }
+
+  // Reads the key once more (linearizable), retried until the local deadline: gone, or re-created under another
+  // fence, the lease is lost.
+  function verify(): void {
+    ctx.later(
+      (async () => {
+        for (let attempt = 0; attempt < MAX_READS && !done(); attempt++) {
+          try {
+            const { kv } = await ctx.read(key);
+            if (!kv || kv.create_revision !== fence.toString()) lose();
+            return;
+          } catch {
+            if (performance.now() >= until()) return;
+            const pause = Math.min(MAX_PAUSE_MS, MIN_PAUSE_MS * 2 ** attempt);
+            await sleep(pause, undefined, { signal: stopped.signal, ref: false }).catch(() => {});
+          }
+        }
+      })(),
+    );
   }
 
   function restart(): void {
