@@ -104,7 +104,10 @@ export function fencedRepository<T extends FencedTable>(
   // What a write's failure says when the write went out on its own, with no transaction around it: its
   // outcome is unknown unless the server answered (unansweredWrite). In a transaction its end decides.
   const onItsOwn = (on: Database) => (!onTransaction && on === db ? unansweredWrite : undefined);
-  const runWrite = (on: Database, s: Statement): Promise<RawRow[]> => run(on, s).then(undefined, onItsOwn(on));
+  const runWrite = (on: Database, s: Statement): Promise<RawRow[]> => {
+    const failed = onItsOwn(on);
+    return failed ? run(on, s).then(undefined, failed) : run(on, s);
+  };
 
   // The success path: the plain write, and nothing else when it applied (for `status` the statement
   // returns nothing and its row count tells). Otherwise the refusal statement tries the write again

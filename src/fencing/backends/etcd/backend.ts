@@ -16,7 +16,7 @@ import { type KeepAliveAnswer, keepAliveOnce } from './keep-alive.js';
 import { etcdLeaseSeconds } from './keys.js';
 import { type LossWatch, type LossWatchContext, leaderWatches, startLossWatch } from './loss-watch.js';
 import { checkEtcdOptions, type EtcdLockManagerOptions } from './options.js';
-import { etcdFenceSource, grantRequest, revisionFloors, sourceKeyRequest } from './source.js';
+import { bytes, etcdFenceSource, grantRequest, revisionFloors, sourceKeyRequest } from './source.js';
 
 /** What the backend remembers of a lease it granted, by token. */
 interface Held {
@@ -53,7 +53,6 @@ export function etcdLockBackend(options: EtcdLockManagerOptions): LockBackend {
   const waiters = new Set<() => void>();
   let closed = false;
 
-  const bytes = (s: string) => Buffer.from(s, 'utf8');
   const deadline = () => performance.now() + timeoutMs;
 
   function later(work: Promise<unknown>): void {

@@ -115,23 +115,30 @@ export function startLossWatch(
     watcher = w;
   }
 
-  // Reads the key once more (linearizable), retried until the local deadline: gone, or re-created under another
-  // fence, the lease is lost.
+  const ours = (kv: IKeyValue | undefined) => kv?.create_revision === fence.toString();
+
+  // The key, read (linearizable) after `pause` ms, and read again with backoff while that fails (no quorum, say:
+  // the key may be gone or still ours) until the local deadline; undefined once that passed or the watch is done.
+  async function readKey(pause: number): Promise<{ kv: IKeyValue | undefined; revision: bigint } | undefined> {
+    for (let attempt = 0; attempt < MAX_READS; attempt++) {
+      if (pause > 0) await sleep(pause, undefined, { signal: stopped.signal, ref: false }).catch(() => {});
+      if (done()) return undefined;
+      try {
+        return await ctx.read(key);
+      } catch {
+        if (performance.now() >= until()) return undefined;
+        pause = Math.min(MAX_PAUSE_MS, MIN_PAUSE_MS * 2 ** attempt);
+      }
+    }
+    return undefined;
+  }
+
+  // After a reconnect: gone, or re-created under another fence, the lease is lost.
   function verify(): void {
     ctx.later(
-      (async () => {
-        for (let attempt = 0; attempt < MAX_READS && !done(); attempt++) {
-          try {
-            const { kv } = await ctx.read(key);
-            if (!kv || kv.create_revision !== fence.toString()) lose();
-            return;
-          } catch {
-            if (performance.now() >= until()) return;
-            const pause = Math.min(MAX_PAUSE_MS, MIN_PAUSE_MS * 2 ** attempt);
-            await sleep(pause, undefined, { signal: stopped.signal, ref: false }).catch(() => {});
-          }
-        }
-      })(),
+      readKey(0).then((read) => {
+        if (read && !done() && !ours(read.kv)) lose();
+      }),
     );
   }
 
@@ -148,29 +155,15 @@ export function startLossWatch(
     const now = performance.now();
     while (restarts.length > 0 && now - (restarts[0] as number) >= RESTART_WINDOW_MS) restarts.shift();
     // Over budget (etcd keeps cancelling at once): wait rather than spin — and rather than give up.
-    let pause = restarts.length >= MAX_RESTARTS ? (restarts[0] as number) + RESTART_WINDOW_MS - now : 0;
-    for (let attempt = 0; attempt < MAX_READS; attempt++) {
-      if (pause > 0) await sleep(pause, undefined, { signal: stopped.signal, ref: false }).catch(() => {});
-      if (done() || watcher) return;
-      let read: { kv: IKeyValue | undefined; revision: bigint };
-      try {
-        read = await ctx.read(key);
-      } catch {
-        // No quorum, say: the key may be gone or still ours. Read again until the local deadline.
-        if (performance.now() >= until()) return;
-        pause = Math.min(MAX_PAUSE_MS, MIN_PAUSE_MS * 2 ** attempt);
-        continue;
-      }
-      if (done() || watcher) return;
-      if (read.kv?.create_revision !== fence.toString()) {
-        lose();
-        return;
-      }
-      const at = performance.now();
-      restarts.push(at);
-      watchFrom(read.revision + 1n, at);
+    const read = await readKey(restarts.length >= MAX_RESTARTS ? (restarts[0] as number) + RESTART_WINDOW_MS - now : 0);
+    if (!read || done() || watcher) return;
+    if (!ours(read.kv)) {
+      lose();
       return;
     }
+    const at = performance.now();
+    restarts.push(at);
+    watchFrom(read.revision + 1n, at);
   }
 
   watchFrom(from);

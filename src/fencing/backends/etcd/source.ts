@@ -25,7 +25,8 @@ export function etcdFenceSource(header: IResponseHeader | undefined, mark: strin
   return id ? `etcd:${id}:${mark}` : undefined;
 }
 
-const bytes = (s: string) => Buffer.from(s, 'utf8');
+/** @internal A key or value as etcd's gRPC messages take it. */
+export const bytes = (s: string) => Buffer.from(s, 'utf8');
 
 /**
  * The grant's transaction: the lock key and holder label on `leaseId` if
