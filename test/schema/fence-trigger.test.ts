@@ -203,6 +203,35 @@ for (const suite of suites) {
   });
 }
 
+describe.runIf(needs('DATABASE_URL'))('fence trigger: a role that may not raise the tombstone floor', () => {
+  it('cannot delete tombstones either: its DELETE fails and removes nothing', async () => {
+    const test = await postgresDatabase({ migrated: true });
+    const role = `palisade_cleaner_${process.pid}_${Date.now()}`;
+    try {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(10));
+      expect((await repo.delete({ id: 1 }, f(20))).status).toBe('applied');
+      // A cleanup job's role: it may delete from the table, not write palisade's floors.
+      await execute(test.db, sql.raw(`create role ${role}; grant select, delete on ${name} to ${role}`));
+      const refused = await execute(
+        test.db,
+        sql.raw(`do $$ begin set local role ${role}; delete from ${name} where deleted_at is not null; end $$`),
+      ).then(
+        () => undefined,
+        (e: unknown) => e,
+      );
+      expect((refused as DatabaseError).sqlState).toBe('42501');
+      expect(await row(test.db, name)).toEqual({ stock: 5, fence: 20n, deleted: true });
+      expect(await repo.upsert({ id: 1, stock: 1 }, f(15))).toEqual({ status: 'stale', currentFence: 20n });
+    } finally {
+      await execute(test.db, sql.raw(`drop owned by ${role}; drop role if exists ${role}`)).catch(() => {});
+      await test.close();
+    }
+  });
+});
+
 describe('fenceTriggerSql', () => {
   it('is a drizzle-kit migration: statements separated by breakpoints, function before triggers', () => {
     const table = pgTable('accounts', { id: integer('id').primaryKey(), ...fenceColumns() });
