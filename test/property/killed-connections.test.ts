@@ -57,6 +57,10 @@ import { propertyParams, propertyRuns, propertyTimeout } from './support.js';
 const ROWS = 4;
 const MAX_CALLS = 3;
 const SETTLE_MS = 20_000;
+// node-postgres's client-side bound, and how long a `stall` holds the server's answers back: past it, and past
+// the driver's ROLLBACK queued behind a statement it gave up on, which times out in the queue too.
+const QUERY_TIMEOUT_MS = 300;
+const STALL_MS = 900;
 
 type Step =
   | { readonly t: 'write' | 'plain' | 'savepoint' | 'modify'; readonly row: number }
@@ -65,7 +69,7 @@ type Step =
   | { readonly t: 'throw' };
 interface Kill {
   readonly afterMs: number;
-  readonly how: 'one' | 'all' | 'reset' | 'lose' | 'reset-lose';
+  readonly how: 'one' | 'all' | 'reset' | 'lose' | 'reset-lose' | 'stall';
 }
 interface Program {
   readonly calls: readonly (readonly Step[])[];
@@ -98,7 +102,7 @@ const programArb: fc.Arbitrary<Program> = fc.record({
   kills: fc.array(
     fc.record({
       afterMs: fc.integer({ min: 0, max: 40 }),
-      how: fc.constantFrom('one', 'all', 'reset', 'lose', 'reset-lose'),
+      how: fc.constantFrom('one', 'all', 'reset', 'lose', 'reset-lose', 'stall'),
     }),
     {
       minLength: 1,
@@ -141,7 +145,13 @@ const pools = {
     return { db: drizzlePostgres(client) as unknown as Database, end: () => client.end({ timeout: 0.1 }) };
   },
   'node-postgres'(url: string, max: number, application: string): Pool {
-    const pool = new pg.Pool({ connectionString: url, max, application_name: application });
+    // The client gives up on a statement a stall holds past QUERY_TIMEOUT_MS while the server runs it on.
+    const pool = new pg.Pool({
+      connectionString: url,
+      max,
+      application_name: application,
+      query_timeout: QUERY_TIMEOUT_MS,
+    });
     pool.on('error', () => {}); // an idle client's connection killed: the pool replaces it
     return { db: drizzleNodePostgres(pool) as unknown as Database, end: () => pool.end() };
   },
@@ -242,7 +252,13 @@ for (const driver of ['postgres.js', 'node-postgres'] as const) {
             for (const kill of [...program.kills].sort((a, b) => a.afterMs - b.afterMs)) {
               await sleep(Math.max(0, kill.afterMs - (performance.now() - started)));
               if (kill.how === 'lose') lose();
-              else if (kill.how === 'reset' || kill.how === 'reset-lose') {
+              else if (kill.how === 'stall') {
+                // A link that stops delivering the server's answers for a while, then delivers them late.
+                // Awaited: the checks after the calls (and the next transaction) see the link delivering again.
+                proxy.state.withhold = true;
+                await sleep(STALL_MS);
+                proxy.release();
+              } else if (kill.how === 'reset' || kill.how === 'reset-lose') {
                 proxy.reset();
                 if (kill.how === 'reset-lose') setImmediate(() => lose(true));
               } else
