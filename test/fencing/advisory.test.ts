@@ -335,7 +335,8 @@ describe.runIf(needs('DATABASE_URL'))('advisory backend, real Postgres', () => {
           await eventually(async () => {
             const [row] = await execute(
               test.db,
-              sql`select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '/* palisade advisory grant */%'`,
+              sql`select 1 from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'
+                and query like '/* palisade advisory grant */%'`,
             );
             return row !== undefined;
           }),

@@ -174,7 +174,10 @@ describe.runIf(needs('DATABASE_URL'))(
         test.db,
         sql`create table resource (id int primary key, value text, last_fence bigint not null default 0, deleted_at timestamptz)`,
       );
-      await execute(test.db, sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial')`);
+      await execute(
+        test.db,
+        sql`insert into resource (id, value) values (1, 'initial'), (2, 'initial'), (3, 'initial'), (4, 'initial')`,
+      );
     }, 120_000);
     afterAll(async () => test?.close());
 
@@ -187,9 +190,9 @@ describe.runIf(needs('DATABASE_URL'))(
     };
     const soon = (lock: Lock, fence: bigint) => ({ ...live(lock, fence), expiresAt: performance.now() + 1_500 });
 
-    it.each(Object.keys(claims) as (keyof typeof claims)[])(
-      '%s: refused, and its transaction still bounded',
-      async (how) => {
+    it.each((Object.keys(claims) as (keyof typeof claims)[]).map((how, i) => ({ how, row: 2 + i })))(
+      '$how: refused, and its transaction still bounded',
+      async ({ how, row }) => {
         const db = test.db;
         const lock = lockNamed(how);
         await claimLockRegister(db, live(lock, 41n));
@@ -204,11 +207,12 @@ describe.runIf(needs('DATABASE_URL'))(
         });
         await until(() => commitB !== undefined);
         let resume = () => {};
-        const seen: { result?: unknown; bound?: unknown } = {};
+        const seen: { pid?: number; result?: unknown; bound?: unknown } = {};
         // A's transaction is palisade's (a row-scoped modify's), whose connection closing is survived
         // ("When the connection closes inside a transaction"; one of your own would end the process).
         const aDone = fencedRepository(db, resource)
-          .modify({ id: 2 }, toFence(1n) as Fence, async (_row, tx) => {
+          .modify({ id: row }, toFence(1n) as Fence, async (_row, tx) => {
+            seen.pid = Number((await execute(tx, sql`select pg_backend_pid() as pid`))[0]?.pid);
             seen.result = await claims[how](tx, a);
             seen.bound = (
               await execute(tx, sql`select current_setting('idle_in_transaction_session_timeout') as v`)
@@ -219,7 +223,7 @@ describe.runIf(needs('DATABASE_URL'))(
             return { value: 'A' };
           })
           .catch(() => 'ended');
-        await until(async () => (await waitingOn(db)) > 0);
+        await until(async () => seen.pid !== undefined && (await waitingOn(db, seen.pid)));
         commitB?.();
         await b;
         await until(() => seen.bound !== undefined);
@@ -234,9 +238,10 @@ describe.runIf(needs('DATABASE_URL'))(
   },
 );
 
-// Sessions waiting for a lock (A's claim behind B's raise).
-const waitingOn = async (db: Database) =>
-  Number((await execute(db, sql`select count(*)::int as n from pg_locks where not granted`))[0]?.n ?? 0);
+// Whether A's session waits for a lock (its claim behind B's raise); other sessions of the cluster — the
+// suite runs in parallel — do not count.
+const waitingOn = async (db: Database, pid: number) =>
+  (await execute(db, sql`select count(*)::int as n from pg_locks where pid = ${pid} and not granted`))[0]?.n !== 0;
 
 // Polls `ready` every 10 ms, at most 3,000 times.
 async function until(ready: () => boolean | Promise<boolean>): Promise<void> {
