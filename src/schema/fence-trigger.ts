@@ -68,7 +68,10 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * {@link FENCE_TRIGGER_SQLSTATE} and change nothing. A `DELETE` of
  * tombstones raises the table's tombstone floor in its own statement, so
  * the deleting role needs to write `palisade.tombstone_floors` (or the
- * delete fails, and removes nothing).
+ * delete fails, and removes nothing) — through the partitioned table or
+ * any of its partitions; a partition that joined the tree after the install
+ * refuses deletes of its tombstones until the install runs again (README,
+ * "The fence trigger").
  *
  * Does not: check that a raised fence was ever issued by a lock manager (a
  * writer that invents `last_fence = last_fence + 1` passes, and may then
@@ -100,7 +103,6 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
   const floorFn = schema === undefined ? ident(FLOOR_TRIGGER_NAME) : `${ident(schema)}.${ident(FLOOR_TRIGGER_NAME)}`;
   const updateTrigger = ident(`${FENCE_TRIGGER_NAME}_update`);
   const deleteTrigger = ident(`${FENCE_TRIGGER_NAME}_delete`);
-  const floorTrigger = ident(FLOOR_TRIGGER_NAME);
   const statements = [
     `CREATE OR REPLACE FUNCTION ${fn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
 BEGIN
@@ -122,6 +124,19 @@ BEGIN
                        TG_TABLE_SCHEMA, TG_TABLE_NAME),
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
   END IF;
+  -- A partition that joined the tree after the install has the row triggers (cloned) but no floor trigger.
+  -- Checked once per partition and transaction (a purge deletes thousands of rows).
+  IF pg_partition_root(TG_RELID) IS NOT NULL
+     AND current_setting('palisade.floor_checked_' || TG_RELID::oid, true) IS DISTINCT FROM 'yes'
+     AND set_config('palisade.floor_checked_' || TG_RELID::oid, 'yes', true) = 'yes' AND EXISTS (
+    SELECT 1 FROM pg_partition_ancestors(TG_RELID) a WHERE NOT EXISTS (
+      SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = a.relid AND t.tgname = '${FLOOR_TRIGGER_NAME}')) THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
+      MESSAGE = format('delete of tombstones from %I.%I refused: a table of its partition tree joined it after the fence trigger was installed, and would not raise the tombstone floor',
+                       TG_TABLE_SCHEMA, TG_TABLE_NAME),
+      HINT = 'install the fence trigger on the partitioned table again';
+  END IF;
   RETURN OLD;
 END
 $palisade$`,
@@ -142,7 +157,10 @@ $palisade$`,
   if (guardDeletes) {
     statements.push(
       `CREATE TRIGGER ${deleteTrigger} BEFORE DELETE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}()`,
-      `CREATE TRIGGER ${floorTrigger} AFTER DELETE ON ${qualified} REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT EXECUTE FUNCTION ${floorFn}()`,
+      onEveryMember(
+        qualified,
+        `EXECUTE format('CREATE TRIGGER %I AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(FLOOR_TRIGGER_NAME)}, member, ${literal(floorFn)});`,
+      ),
     );
   }
   return statements;
@@ -158,8 +176,44 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
   return [
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_update`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_delete`)} ON ${qualified}`,
-    `DROP TRIGGER IF EXISTS ${ident(FLOOR_TRIGGER_NAME)} ON ${qualified}`,
+    onEveryMember(
+      qualified,
+      `EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', ${literal(FLOOR_TRIGGER_NAME)}, member);`,
+    ),
   ];
+}
+
+/**
+ * A `DO` block that runs `action` (PL/pgSQL, with `member` bound) for the
+ * table and each table of its partition tree as it stands now. The floor
+ * trigger goes on every one of them: a statement trigger fires only on the
+ * table a statement names, and Postgres clones only row triggers to
+ * partitions — with the trigger on the parent alone, a `DELETE` through a
+ * partition's own name removed tombstones and raised no floor. Foreign
+ * tables are skipped (they take no transition tables).
+ */
+function onEveryMember(qualified: string, action: string): string {
+  const table = `${literal(qualified)}::regclass`;
+  const body = `
+DECLARE member regclass;
+BEGIN
+  FOR member IN
+    SELECT tree.t FROM (SELECT ${table} AS t UNION SELECT relid FROM pg_partition_tree(${table})) tree
+    JOIN pg_catalog.pg_class c ON c.oid = tree.t WHERE c.relkind IN ('r', 'p')
+  LOOP
+    ${action}
+  END LOOP;
+END
+`;
+  // A dollar-quote tag that the body (which holds the table's name) does not contain.
+  let tag = '$palisade$';
+  for (let i = 1; body.includes(tag); i++) tag = `$palisade${i}$`;
+  return `DO ${tag}${body}${tag}`;
+}
+
+/** `text` as an SQL string literal. */
+function literal(text: string): string {
+  return `'${text.replaceAll("'", "''")}'`;
 }
 
 /** Anything with drizzle's `execute` (a database or a transaction of any Postgres driver). */

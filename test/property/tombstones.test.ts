@@ -56,6 +56,7 @@ import { migrate } from '../../src/migrate.js';
 import { fencedRepository } from '../../src/repo/repository.js';
 import type { WriteResult } from '../../src/repo/result.js';
 import { fenceColumns } from '../../src/schema/fence-columns.js';
+import { FENCE_TRIGGER_SQLSTATE, fenceTriggerStatements } from '../../src/schema/fence-trigger.js';
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
@@ -104,8 +105,28 @@ function tableFor(route: Route, keyPartition: number): typeof docs {
   }
 }
 
-/** Plain operations run once, autocommit; blockers hold the row in a transaction until released. */
-export type OpKind = 'update' | 'upsert' | 'delete' | 'modify' | 'purge' | 'lock' | 'del' | 'res';
+/** The SQL name of `route` (see {@link tableFor}), for the erase operation's plain statement. */
+function routeName(route: Route, keyPartition: number): string {
+  switch (route) {
+    case 'name':
+      return 'palisade_prop_tombs';
+    case 'qualified':
+      return `${SCHEMA}.palisade_prop_tombs`;
+    case 'partition':
+      return partitionName(keyPartition);
+    case 'sibling':
+      return partitionName((keyPartition + 1) % PARTITIONS);
+  }
+}
+
+const refusedByTrigger = (error: unknown) => (error as { code?: unknown })?.code === FENCE_TRIGGER_SQLSTATE;
+
+/**
+ * Plain operations run once, autocommit; blockers hold the row in a transaction until released.
+ * `erase` is an operator's plain `DELETE … WHERE id = key`, not through palisade: only on a table with
+ * the fence trigger, which refuses it on a live row and raises the floor when it removes a tombstone.
+ */
+export type OpKind = 'update' | 'upsert' | 'delete' | 'modify' | 'purge' | 'erase' | 'lock' | 'del' | 'res';
 export interface OpSpec {
   readonly kind: OpKind;
   /** Relative fence 1…9 (the run adds a base above every earlier run's fences). */
@@ -127,34 +148,38 @@ const isBlocker = (k: OpKind) => k === 'lock' || k === 'del' || k === 'res';
 const routesOf = (layout: TableLayout): Route[] =>
   layout === 'plain' ? ['name', 'qualified'] : ['name', 'qualified', 'partition', 'sibling'];
 
-const opArb = (layout: TableLayout): fc.Arbitrary<OpSpec> =>
+const opArb = (layout: TableLayout, trigger: boolean): fc.Arbitrary<OpSpec> =>
   fc
     .record({
       kind: fc.oneof(
         { weight: 3, arbitrary: fc.constantFrom<OpKind>('update', 'upsert', 'delete', 'modify') },
-        { weight: 1, arbitrary: fc.constant<OpKind>('purge') },
+        { weight: 1, arbitrary: trigger ? fc.constantFrom<OpKind>('purge', 'erase') : fc.constant<OpKind>('purge') },
         { weight: 2, arbitrary: fc.constantFrom<OpKind>('lock', 'del', 'res') },
       ),
       fence: fc.integer({ min: 1, max: 9 }),
       commit: fc.boolean(),
       via: fc.constantFrom(...routesOf(layout)),
     })
-    // Only a purge goes through a partition that does not hold the row.
-    .map((op) => (op.via === 'sibling' && op.kind !== 'purge' ? { ...op, via: 'partition' as const } : op));
+    // Only a purge or an erase goes through a partition that does not hold the row.
+    .map((op) => (op.via === 'sibling' && !removes(op.kind) ? { ...op, via: 'partition' as const } : op));
 
-export const scenarioArb = (layout: TableLayout): fc.Arbitrary<Scenario> =>
+/** The operations that remove rows: purge and erase. */
+const removes = (k: OpKind) => k === 'purge' || k === 'erase';
+
+export const scenarioArb = (layout: TableLayout, trigger = false): fc.Arbitrary<Scenario> =>
   fc.record({
     init: fc.record({
       state: fc.constantFrom('absent' as const, 'live' as const, 'tomb' as const),
       fence: fc.integer({ min: 1, max: 5 }),
     }),
-    ops: fc.array(opArb(layout), { minLength: 2, maxLength: MAX_OPS }),
+    ops: fc.array(opArb(layout, trigger), { minLength: 2, maxLength: MAX_OPS }),
   });
 
 type Observed =
   | WriteResult<DocRow>
   | { status: 'error'; error: unknown }
   | { status: 'purged'; count: number }
+  | { status: 'erased'; count: number }
   | { status: 'locked' };
 
 interface OpRun {
@@ -207,6 +232,8 @@ export interface Harness {
   nextBase: bigint;
   keySeq: number;
   readonly layout: TableLayout;
+  /** The fence trigger is installed on the table (its floor trigger too): the erase operation runs. */
+  readonly trigger: boolean;
   /**
    * `false` turns the refusal statement into a read only (its write CTE
    * selects nothing): what the repository would do if it did not try the
@@ -257,7 +284,11 @@ function pausingClient(client: Sql, slot: () => Slot, h: () => Harness): Sql {
  */
 export type TableLayout = 'plain' | 'partitioned';
 
-export async function openHarness(test: TestDatabase, layout: TableLayout = 'plain'): Promise<Harness> {
+export async function openHarness(
+  test: TestDatabase,
+  layout: TableLayout = 'plain',
+  { trigger = false } = {},
+): Promise<Harness> {
   await test.db.execute(sql.raw(`create schema if not exists ${SCHEMA}`));
   const connect = (max: number) =>
     postgres(test.url as string, { max, onnotice: () => {}, connection: { search_path: `${SCHEMA}, public` } });
@@ -292,9 +323,24 @@ export async function openHarness(test: TestDatabase, layout: TableLayout = 'pla
   await main.execute(sql`drop trigger if exists audit on palisade_prop_tombs`);
   await main.execute(sql`create trigger audit after insert or update or delete on palisade_prop_tombs
       for each row execute function palisade_prop_tombs_audit()`);
+  if (trigger) {
+    for (const statement of fenceTriggerStatements({ schema: SCHEMA, name: 'palisade_prop_tombs' })) {
+      await main.execute(sql.raw(statement));
+    }
+  }
   const probe = connect(1);
   const slots: Slot[] = [];
-  const harness: Harness = { mainClient, main, probe, slots, nextBase: 0n, keySeq: 0, layout, reattempt: true };
+  const harness: Harness = {
+    mainClient,
+    main,
+    probe,
+    slots,
+    nextBase: 0n,
+    keySeq: 0,
+    layout,
+    trigger,
+    reattempt: true,
+  };
   for (let i = 0; i < MAX_OPS; i++) {
     const client = connect(1);
     const [row] = await client`select pg_backend_pid() as pid`;
@@ -463,6 +509,16 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
             count: await repo.purgeTombstones(new Date(Date.now() + 3_600_000)),
           }));
           break;
+        case 'erase':
+          await capture(async () => ({
+            status: 'erased',
+            count: (
+              await slot.client.unsafe(`delete from ${routeName(run.spec.via ?? 'name', keyPartition)} where id = $1`, [
+                key,
+              ])
+            ).count,
+          }));
+          break;
         default: {
           // A blocker: its statement, then hold the transaction until the scheduler releases it.
           let held = false;
@@ -535,6 +591,8 @@ interface ModelState {
 
 type Expect =
   | { status: 'applied'; fence: bigint; n: number }
+  | { status: 'erased'; count: number }
+  | { status: 'refused by the trigger' }
   | { status: 'stale'; currentFence: bigint }
   | { status: 'duplicate' | 'missing' | 'none' };
 
@@ -552,6 +610,15 @@ function step(m: ModelState, run: OpRun): { expect: Expect; writes: AuditRow[] }
       if (m.fence > m.floor) m.floor = m.fence;
       m.state = 'absent';
       return { expect: { status: 'none' }, writes: [{ op: 'purge', fence: m.fence, deleted: true }] };
+    case 'erase':
+      if (m.state === 'live' && run.spec.via !== 'sibling')
+        return { expect: { status: 'refused by the trigger' }, writes: [] };
+      if (m.state !== 'tomb' || run.spec.via === 'sibling')
+        return { expect: { status: 'erased', count: 0 }, writes: [] };
+      // Its floor trigger raises the table's floor as a purge does.
+      if (m.fence > m.floor) m.floor = m.fence;
+      m.state = 'absent';
+      return { expect: { status: 'erased', count: 1 }, writes: [{ op: 'purge', fence: m.fence, deleted: true }] };
     case 'update':
     case 'modify':
     case 'delete':
@@ -587,6 +654,8 @@ function matches(run: OpRun, want: Expect, hasPurge: boolean): boolean {
   if (!got) return false;
   if (run.spec.kind === 'purge') return got.status === 'purged';
   if (run.spec.kind === 'lock') return got.status === 'locked';
+  if (want.status === 'refused by the trigger') return got.status === 'error' && refusedByTrigger(got.error);
+  if (want.status === 'erased') return got.status === 'erased' && got.count === want.count;
   // A write racing a purge may be told to retry; it wrote nothing (the audit and final row check that).
   if (got.status === 'error') return hasPurge && got.error instanceof RetryableWriteError;
   if (run.spec.kind === 'modify' && run.fnCalled !== (got.status === 'applied')) return false;
@@ -612,9 +681,10 @@ const sameAudit = (a: AuditRow | undefined, b: AuditRow) =>
  */
 export function explain(o: Outcome, scenario: Scenario): string | undefined {
   const committed = o.runs.filter((r) => !isBlocker(r.spec.kind) || r.committed === true);
-  const hasPurge = scenario.ops.some((op) => op.kind === 'purge');
+  const hasPurge = scenario.ops.some((op) => removes(op.kind));
   for (const r of o.runs) {
-    if (r.result?.status === 'error' && !(r.result.error instanceof RetryableWriteError)) {
+    const expected = r.result?.status === 'error' && r.spec.kind === 'erase' && refusedByTrigger(r.result.error);
+    if (r.result?.status === 'error' && !expected && !(r.result.error instanceof RetryableWriteError)) {
       return `${r.tag}: unexpected error ${String(r.result.error)}`;
     }
   }
@@ -684,8 +754,8 @@ export function describeOutcome(o: Outcome, scenario: Scenario): string {
             ? `stale (current ${rel(res.currentFence)})`
             : res.status === 'error'
               ? `error ${String(res.error)}`
-              : res.status === 'purged'
-                ? `purged ${res.count}`
+              : res.status === 'purged' || res.status === 'erased'
+                ? `${res.status} ${res.count}`
                 : res.status;
     const extra = [
       isBlocker(r.spec.kind) ? (r.committed ? 'committed' : 'rolled back') : '',
@@ -721,7 +791,7 @@ async function searchInterleavings(h: Harness, numRuns: number): Promise<void> {
   let refusedRuns = 0;
   let rereadRuns = 0;
   await fc.assert(
-    fc.asyncProperty(fc.scheduler(), scenarioArb(h.layout), async (s, scenario) => {
+    fc.asyncProperty(fc.scheduler(), scenarioArb(h.layout, h.trigger), async (s, scenario) => {
       const o = await playAndCheck(h, s, scenario);
       runs++;
       if (o.waited) waitedRuns++;
@@ -775,6 +845,43 @@ describe.runIf(needs('DATABASE_URL'))(
         expect(o.runs.map((r) => r.result?.status)).toEqual(['purged', 'locked', 'missing', 'missing', 'purged']);
       }
     }, 120_000);
+  },
+);
+
+describe.runIf(needs('DATABASE_URL'))(
+  'tombstone life cycle under interleavings, partitioned table with the fence trigger (real Postgres)',
+  () => {
+    let pg: TestDatabase;
+    let h: Harness;
+    beforeAll(async () => {
+      pg = await postgresDatabase();
+      h = await openHarness(pg, 'partitioned', { trigger: true });
+    });
+    afterAll(async () => {
+      await closeHarness(h);
+      await pg?.close();
+    });
+
+    it("an operator's plain DELETE beside palisade's writes and purges, through every name: every outcome is a serial one", async () => {
+      await searchInterleavings(h, 100);
+    }, 300_000);
+
+    it("a plain DELETE of the tombstone through its partition's own name keeps a lower fence from recreating the row", async () => {
+      // Found by the property: the floor trigger sat on the parent only, and a statement trigger fires only on
+      // the table a statement names — the row came back at the erased tombstone's own fence.
+      const scenario: Scenario = {
+        init: { state: 'tomb', fence: 4 },
+        ops: [
+          { kind: 'erase', fence: 1, commit: true, via: 'partition' },
+          { kind: 'upsert', fence: 4, commit: true },
+        ],
+      };
+      const o = await playAndCheck(h, fc.schedulerFor([1, 2]), scenario);
+      expect(o.runs.map((r) => r.result)).toEqual([
+        { status: 'erased', count: 1 },
+        { status: 'stale', currentFence: o.base + 4n },
+      ]);
+    });
   },
 );
 

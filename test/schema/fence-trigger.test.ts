@@ -164,6 +164,90 @@ for (const suite of suites) {
       expect(await repo.upsert({ id: 1, stock: 3 }, f(21))).toEqual({ status: 'stale', currentFence: 22n });
     });
 
+    it("a DELETE of tombstones through a partition's own name, at any level of the tree, raises the table's floor", async () => {
+      const name = `parts_${++tableCount}`;
+      const columns =
+        'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
+      await execute(test.db, sql.raw(`create table ${name} (${columns}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_low partition of ${name} for values from (0) to (10)`));
+      await execute(
+        test.db,
+        sql.raw(`create table ${name}_high partition of ${name} for values from (10) to (100) partition by range (id)`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`create table ${name}_high_a partition of ${name}_high for values from (10) to (100)`),
+      );
+      const table = pgTable(name, {
+        id: integer('id').primaryKey(),
+        stock: integer('stock').notNull(),
+        ...fenceColumns(),
+      });
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      const tombstone = async (id: number, fence: number) => {
+        await execute(test.db, sql.raw(`insert into ${name} (id, stock) values (${id}, 1)`));
+        expect((await repo.delete({ id }, f(fence))).status).toBe('applied');
+      };
+      // Through a leaf, an intermediate partition and a leaf below it: each statement names a partition, whose
+      // floor trigger raises the floor of the whole tree.
+      await tombstone(1, 30);
+      await execute(test.db, sql.raw(`delete from ${name}_low where id = 1`));
+      expect(await repo.upsert({ id: 1, stock: 2 }, f(29))).toEqual({ status: 'stale', currentFence: 30n });
+      await tombstone(11, 40);
+      await execute(test.db, sql.raw(`delete from ${name}_high where id = 11`));
+      expect(await repo.upsert({ id: 11, stock: 2 }, f(39))).toEqual({ status: 'stale', currentFence: 40n });
+      await tombstone(12, 50);
+      await execute(test.db, sql.raw(`delete from ${name}_high_a where id = 12`));
+      expect(await repo.upsert({ id: 12, stock: 2 }, f(49))).toEqual({ status: 'stale', currentFence: 50n });
+      expect(await row(test.db, name, 12)).toBeUndefined();
+      // A live row is refused through a partition as through the parent.
+      await execute(test.db, sql.raw(`insert into ${name} (id, stock) values (2, 1)`));
+      await refusal(test.db, `delete from ${name}_low where id = 2`);
+    });
+
+    it('a partition that joined the table after the install refuses deletes of its tombstones until the install runs again', async () => {
+      const name = `late_parts_${++tableCount}`;
+      const columns =
+        'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
+      await execute(test.db, sql.raw(`create table ${name} (${columns}) partition by list (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_1 partition of ${name} for values in (1)`));
+      const table = pgTable(name, {
+        id: integer('id').primaryKey(),
+        stock: integer('stock').notNull(),
+        ...fenceColumns(),
+      });
+      await installFenceTrigger(test.db, table);
+      // Postgres gives the new partition the row triggers, not the statement trigger that raises the floor.
+      await execute(test.db, sql.raw(`create table ${name}_2 partition of ${name} for values in (2)`));
+      const repo = fencedRepository(test.db, table);
+      await execute(test.db, sql.raw(`insert into ${name} (id, stock) values (2, 1)`));
+      expect((await repo.delete({ id: 2 }, f(20))).status).toBe('applied');
+      for (const through of [`${name}_2`, name]) {
+        const error = await refusal(test.db, `delete from ${through} where id = 2`);
+        expect(error.message).toMatch(/install|fence trigger/);
+      }
+      expect(await row(test.db, name, 2)).toEqual({ stock: 1, fence: 20n, deleted: true });
+      await installFenceTrigger(test.db, table);
+      await execute(test.db, sql.raw(`delete from ${name}_2 where id = 2`));
+      expect(await repo.upsert({ id: 2, stock: 2 }, f(19))).toEqual({ status: 'stale', currentFence: 20n });
+    });
+
+    it('takes a table whose name holds the dollar quote its SQL uses', async () => {
+      const name = 'odd$palisade$name';
+      await execute(
+        test.db,
+        sql.raw(
+          `create table "${name}" (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
+        ),
+      );
+      await installFenceTrigger(test.db, { name });
+      await execute(test.db, sql.raw(`insert into "${name}" (id, stock, deleted_at) values (1, 5, now())`));
+      await refusal(test.db, `update "${name}" set stock = 1`);
+      await execute(test.db, sql.raw(`delete from "${name}" where id = 1`));
+      for (const s of dropFenceTriggerStatements({ name })) await execute(test.db, sql.raw(s));
+    });
+
     it("sameFence 'allow' accepts an equal fence; guardDeletes false leaves DELETE alone", async () => {
       const { name, table } = await freshTable(test.db);
       await installFenceTrigger(test.db, table, { sameFence: 'allow', guardDeletes: false });
@@ -244,7 +328,10 @@ describe('fenceTriggerSql', () => {
     expect(parts[5]).toMatch(
       /BEFORE UPDATE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\('reject'\)/,
     );
-    expect(parts[7]).toMatch(/AFTER DELETE ON "accounts" REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
+    // On the table and every partition of its tree.
+    expect(parts[7]).toMatch(/^\s*DO \$palisade\$/);
+    expect(parts[7]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
+    expect(parts[7]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
     expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(6);
   });
 
