@@ -32,6 +32,8 @@ export const FENCE_TRIGGER_SQLSTATE = 'PF001';
 export const FENCE_TRIGGER_NAME = 'palisade_fence_guard';
 /** Name of the function that raises the tombstone floor after a delete, and of its trigger. */
 const FLOOR_TRIGGER_NAME = 'palisade_fence_floor';
+/** Name of the trigger that refuses a change of a row's primary key. */
+const KEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_key`;
 
 /** Options of {@link fenceTriggerSql} and {@link installFenceTrigger}. */
 export interface FenceTriggerOptions {
@@ -63,22 +65,23 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * table without a schema, the first schema of the `search_path`).
  *
  * Guarantees: once installed, no `UPDATE` — from any client, role or
- * service — leaves `last_fence` where it was or lowers it, and (by default)
- * no `DELETE` removes a live row; such statements fail with SQLSTATE
- * {@link FENCE_TRIGGER_SQLSTATE} and change nothing. A `DELETE` of
- * tombstones raises the table's tombstone floor in its own statement, so
- * the deleting role needs to write `palisade.tombstone_floors` (or the
- * delete fails, and removes nothing) — through the partitioned table or
- * any of its partitions; a partition that joined the tree after the install
- * refuses deletes of its tombstones until the install runs again (README,
- * "The fence trigger").
+ * service — leaves `last_fence` where it was or lowers it, or changes a
+ * row's primary key, and (by default) no `DELETE` removes a live row; such
+ * statements fail with SQLSTATE {@link FENCE_TRIGGER_SQLSTATE} and change
+ * nothing. A `DELETE` of tombstones raises the table's tombstone floor in
+ * its own statement, through any name of the table (README, "The fence
+ * trigger"), so the deleting role needs to write `palisade.tombstone_floors`
+ * (or the delete fails, and removes nothing). Run it in one transaction: it
+ * drops the triggers before it creates them.
  *
  * Does not: check that a raised fence was ever issued by a lock manager (a
  * writer that invents `last_fence = last_fence + 1` passes, and may then
  * fence out honest holders); guard `INSERT` (a new row starts at fence 0,
  * which any holder may overwrite) or `TRUNCATE`; fire when triggers are
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
- * replica`) — which is also the escape hatch for a deliberate manual fix.
+ * replica`) — which is also the escape hatch for a deliberate manual fix;
+ * hold against a session that sets palisade's transaction-local settings
+ * (`palisade.floor_statements`) itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -105,8 +108,18 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
   const deleteTrigger = ident(`${FENCE_TRIGGER_NAME}_delete`);
   const statements = [
     `CREATE OR REPLACE FUNCTION ${fn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
+DECLARE
+  floor_key text;
+  pending bigint;
 BEGIN
   IF TG_OP = 'UPDATE' THEN
+    IF TG_ARGV[0] = 'key' THEN
+      RAISE EXCEPTION USING
+        ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
+        MESSAGE = format('update of the primary key of a row of %I.%I refused: its old key would be left without its fence',
+                         TG_TABLE_SCHEMA, TG_TABLE_NAME),
+        HINT = 'a fenced row keeps its key: delete it fenced, and write the new key with a fence';
+    END IF;
     IF NEW.last_fence IS NULL OR NEW.last_fence < OLD.last_fence
        OR (NEW.last_fence = OLD.last_fence AND TG_ARGV[0] IS DISTINCT FROM 'allow') THEN
       RAISE EXCEPTION USING
@@ -124,42 +137,77 @@ BEGIN
                        TG_TABLE_SCHEMA, TG_TABLE_NAME),
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
   END IF;
-  -- A partition that joined the tree after the install has the row triggers (cloned) but no floor trigger.
-  -- Checked once per partition and transaction (a purge deletes thousands of rows).
-  IF pg_partition_root(TG_RELID) IS NOT NULL
-     AND current_setting('palisade.floor_checked_' || TG_RELID::oid, true) IS DISTINCT FROM 'yes'
-     AND set_config('palisade.floor_checked_' || TG_RELID::oid, 'yes', true) = 'yes' AND EXISTS (
-    SELECT 1 FROM pg_partition_ancestors(TG_RELID) a WHERE NOT EXISTS (
-      SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = a.relid AND t.tgname = '${FLOOR_TRIGGER_NAME}')) THEN
-    RAISE EXCEPTION USING
-      ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
-      MESSAGE = format('delete of tombstones from %I.%I refused: a table of its partition tree joined it after the fence trigger was installed, and would not raise the tombstone floor',
-                       TG_TABLE_SCHEMA, TG_TABLE_NAME),
-      HINT = 'install the fence trigger on the partitioned table again';
+  -- A tombstone goes. While a DELETE of a table that shares this row's floor runs (its floor is on the stack),
+  -- its end raises the floor, this row's fence included (pending); otherwise — a partition made after the
+  -- install, a DELETE through an inheritance parent — this row raises it now.
+  floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
+  IF position(',' || floor_key || ',' IN coalesce(current_setting('palisade.floor_statements', true), '') || ',') > 0 THEN
+    -- Written only when it rises (a purge's rows rarely do).
+    pending := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
+    IF pending IS NULL OR OLD.last_fence > pending THEN
+      PERFORM set_config('palisade.floor_pending_' || floor_key, OLD.last_fence::text, true);
+    END IF;
+  ELSE
+    INSERT INTO palisade.tombstone_floors (fenced_table, floor)
+      VALUES (palisade.floor_table(TG_RELID::regclass), OLD.last_fence)
+      ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
   END IF;
   RETURN OLD;
 END
 $palisade$`,
-    // Once per statement, after it (a purge raises the same floor in its own statement: raised twice, the
-    // greater wins), and at its end, where the purge raises it: a row trigger would take the floor's row
-    // lock at the first row, and two purges of overlapping batches would each wait for the other.
+    // The statement triggers of a DELETE. Before it, its table's floor goes on a transaction-local stack: the
+    // row trigger above then leaves the floor to this statement's end, noting the fences of rows deleted
+    // meanwhile by statements nested in it (a function its WHERE calls) as pending. After it, the floor rises
+    // to the highest fence removed, once (a purge raises the same floor in its own statement: raised twice,
+    // the greater wins), at the end, where the purge raises it: a row trigger raising it would take the
+    // floor's row lock at the first row, and two purges of overlapping batches would each wait for the other.
     `CREATE OR REPLACE FUNCTION ${floorFn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
+DECLARE
+  floor_key text := palisade.floor_table(TG_RELID::regclass)::oid::text;
+  entry text := ',' || floor_key;
+  stack text := coalesce(current_setting('palisade.floor_statements', true), '');
+  pending bigint := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
 BEGIN
+  IF TG_WHEN = 'BEFORE' THEN
+    PERFORM set_config('palisade.floor_statements', stack || entry, true);
+    RETURN NULL;
+  END IF;
   INSERT INTO palisade.tombstone_floors (fenced_table, floor)
-    SELECT palisade.floor_table(TG_RELID::regclass), max(gone.last_fence) FROM palisade_gone gone HAVING count(*) > 0
+    SELECT palisade.floor_table(TG_RELID::regclass), greatest(max(gone.last_fence), pending) FROM palisade_gone gone
+    HAVING count(*) > 0 OR pending IS NOT NULL
     ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
+  PERFORM set_config('palisade.floor_pending_' || floor_key, '', true);
+  IF right(stack, length(entry)) = entry THEN
+    PERFORM set_config('palisade.floor_statements', left(stack, length(stack) - length(entry)), true);
+  END IF;
   RETURN NULL;
 END
 $palisade$`,
     ...dropFenceTriggerStatements({ name, ...(schema === undefined ? {} : { schema }) }),
     `CREATE TRIGGER ${updateTrigger} BEFORE UPDATE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}('${sameFence}')`,
+    // On the primary key's columns, fired only when one changes (Postgres evaluates WHEN itself). A table
+    // without a primary key gets none: a fenced repository needs one.
+    doBlock(
+      'columns text; changed text;',
+      `SELECT string_agg(format('%I', a.attname), ', ' ORDER BY k.n),
+         string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
+    INTO columns, changed
+    FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
+    JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+    WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary;
+  IF columns IS NOT NULL THEN
+    EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
+                   ${literal(KEY_TRIGGER_NAME)}, columns, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
+  END IF;`,
+    ),
   ];
   if (guardDeletes) {
     statements.push(
       `CREATE TRIGGER ${deleteTrigger} BEFORE DELETE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}()`,
       onEveryMember(
         qualified,
-        `EXECUTE format('CREATE TRIGGER %I AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(FLOOR_TRIGGER_NAME)}, member, ${literal(floorFn)});`,
+        `EXECUTE format('CREATE TRIGGER %I BEFORE DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(`${FLOOR_TRIGGER_NAME}_before`)}, member, ${literal(floorFn)});
+    EXECUTE format('CREATE TRIGGER %I AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(FLOOR_TRIGGER_NAME)}, member, ${literal(floorFn)});`,
       ),
     );
   }
@@ -176,9 +224,11 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
   return [
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_update`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_delete`)} ON ${qualified}`,
+    `DROP TRIGGER IF EXISTS ${ident(KEY_TRIGGER_NAME)} ON ${qualified}`,
     onEveryMember(
       qualified,
-      `EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', ${literal(FLOOR_TRIGGER_NAME)}, member);`,
+      `EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', ${literal(FLOOR_TRIGGER_NAME)}, member);
+    EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', ${literal(`${FLOOR_TRIGGER_NAME}_before`)}, member);`,
     ),
   ];
 }
@@ -186,29 +236,37 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
 /**
  * A `DO` block that runs `action` (PL/pgSQL, with `member` bound) for the
  * table and each table of its partition tree as it stands now. The floor
- * trigger goes on every one of them: a statement trigger fires only on the
+ * triggers go on every one of them: a statement trigger fires only on the
  * table a statement names, and Postgres clones only row triggers to
- * partitions — with the trigger on the parent alone, a `DELETE` through a
- * partition's own name removed tombstones and raised no floor. Foreign
- * tables are skipped (they take no transition tables).
+ * partitions — with them on the parent alone, every tombstone a `DELETE`
+ * through a partition's own name removed would raise the floor row by row.
+ * Foreign tables are skipped (they take no transition tables).
  */
 function onEveryMember(qualified: string, action: string): string {
   const table = `${literal(qualified)}::regclass`;
-  const body = `
-DECLARE member regclass;
-BEGIN
-  FOR member IN
+  return doBlock(
+    'member regclass;',
+    `FOR member IN
     SELECT tree.t FROM (SELECT ${table} AS t UNION SELECT relid FROM pg_partition_tree(${table})) tree
     JOIN pg_catalog.pg_class c ON c.oid = tree.t WHERE c.relkind IN ('r', 'p')
   LOOP
     ${action}
-  END LOOP;
+  END LOOP;`,
+  );
+}
+
+/** A `DO` block: PL/pgSQL `body` (which holds the table's name), with the variables of `declare`. */
+function doBlock(declare: string, body: string): string {
+  const text = `
+DECLARE ${declare}
+BEGIN
+  ${body}
 END
 `;
-  // A dollar-quote tag that the body (which holds the table's name) does not contain.
+  // A dollar-quote tag that the text does not contain.
   let tag = '$palisade$';
-  for (let i = 1; body.includes(tag); i++) tag = `$palisade${i}$`;
-  return `DO ${tag}${body}${tag}`;
+  for (let i = 1; text.includes(tag); i++) tag = `$palisade${i}$`;
+  return `DO ${tag}${text}${tag}`;
 }
 
 /** `text` as an SQL string literal. */

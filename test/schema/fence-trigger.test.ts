@@ -206,7 +206,7 @@ for (const suite of suites) {
       await refusal(test.db, `delete from ${name}_low where id = 2`);
     });
 
-    it('a partition that joined the table after the install refuses deletes of its tombstones until the install runs again', async () => {
+    it('a partition that joined the table after the install raises the floor row by row, until the install runs again', async () => {
       const name = `late_parts_${++tableCount}`;
       const columns =
         'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
@@ -218,19 +218,116 @@ for (const suite of suites) {
         ...fenceColumns(),
       });
       await installFenceTrigger(test.db, table);
-      // Postgres gives the new partition the row triggers, not the statement trigger that raises the floor.
-      await execute(test.db, sql.raw(`create table ${name}_2 partition of ${name} for values in (2)`));
-      const repo = fencedRepository(test.db, table);
-      await execute(test.db, sql.raw(`insert into ${name} (id, stock) values (2, 1)`));
-      expect((await repo.delete({ id: 2 }, f(20))).status).toBe('applied');
-      for (const through of [`${name}_2`, name]) {
-        const error = await refusal(test.db, `delete from ${through} where id = 2`);
-        expect(error.message).toMatch(/install|fence trigger/);
+      // Postgres gives the new partitions the row triggers, not the statement triggers that raise the floor.
+      for (const id of [2, 3]) {
+        await execute(test.db, sql.raw(`create table ${name}_${id} partition of ${name} for values in (${id})`));
       }
-      expect(await row(test.db, name, 2)).toEqual({ stock: 1, fence: 20n, deleted: true });
-      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      for (const [id, fence] of [
+        [2, 20],
+        [3, 30],
+      ] as const) {
+        await execute(test.db, sql.raw(`insert into ${name} (id, stock) values (${id}, 1)`));
+        expect((await repo.delete({ id }, f(fence))).status).toBe('applied');
+      }
       await execute(test.db, sql.raw(`delete from ${name}_2 where id = 2`));
       expect(await repo.upsert({ id: 2, stock: 2 }, f(19))).toEqual({ status: 'stale', currentFence: 20n });
+      // Inside a statement of a table that has them (a function run by the DELETE's WHERE) as well.
+      await execute(
+        test.db,
+        sql.raw(`create function ${name}_sweep() returns boolean language plpgsql as $$
+          begin delete from ${name}_3 where id = 3; return true; end $$`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at) values (1, 1, 5, now())`),
+      );
+      await execute(test.db, sql.raw(`delete from ${name}_1 where ${name}_sweep() and id = 1`));
+      expect([await row(test.db, name, 1), await row(test.db, name, 3)]).toEqual([undefined, undefined]);
+      expect(await repo.upsert({ id: 3, stock: 2 }, f(29))).toEqual({ status: 'stale', currentFence: 30n });
+      await installFenceTrigger(test.db, table);
+      expect(await repo.upsert({ id: 2, stock: 3 }, f(31))).toMatchObject({ status: 'applied' });
+      expect((await repo.delete({ id: 2 }, f(40))).status).toBe('applied');
+      await execute(test.db, sql.raw(`delete from ${name}_2 where id = 2`));
+      expect(await repo.upsert({ id: 2, stock: 4 }, f(39))).toEqual({ status: 'stale', currentFence: 40n });
+    });
+
+    it("refuses an UPDATE of a row's primary key, which would leave the old key without its fence", async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(10));
+      await repo.upsert({ id: 2, stock: 5 }, f(10));
+      expect((await repo.delete({ id: 2 }, f(12))).status).toBe('applied');
+      // Raising the fence does not make it a fenced write: a live row and a tombstone alike.
+      await refusal(test.db, `update ${name} set id = 100, last_fence = last_fence + 1 where id = 1`);
+      await refusal(test.db, `update ${name} set id = 200, last_fence = last_fence + 1 where id = 2`);
+      await refusal(
+        test.db,
+        `merge into ${name} t using (select 2 as k) s on t.id = s.k
+           when matched then update set id = 300, last_fence = t.last_fence + 1`,
+      );
+      expect(await row(test.db, name, 1)).toEqual({ stock: 5, fence: 10n, deleted: false });
+      expect(await repo.upsert({ id: 2, stock: 1 }, f(11))).toEqual({ status: 'stale', currentFence: 12n });
+      // The same key written back is no change.
+      await execute(test.db, sql.raw(`update ${name} set id = 1, stock = 6, last_fence = 11 where id = 1`));
+      expect(await row(test.db, name, 1)).toEqual({ stock: 6, fence: 11n, deleted: false });
+    });
+
+    it('refuses an UPDATE that would move a row to another partition (a new key)', async () => {
+      const name = `moving_${++tableCount}`;
+      const columns =
+        'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
+      await execute(test.db, sql.raw(`create table ${name} (${columns}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_lo partition of ${name} for values from (0) to (100)`));
+      await execute(test.db, sql.raw(`create table ${name}_hi partition of ${name} for values from (100) to (1000)`));
+      const table = pgTable(name, {
+        id: integer('id').primaryKey(),
+        stock: integer('stock').notNull(),
+        ...fenceColumns(),
+      });
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 5, stock: 1 }, f(5));
+      expect((await repo.delete({ id: 5 }, f(10))).status).toBe('applied');
+      await refusal(test.db, `update ${name} set id = 500, last_fence = last_fence + 1 where id = 5`);
+      await refusal(test.db, `update ${name}_lo set id = 50, last_fence = last_fence + 1 where id = 5`);
+      expect(await repo.upsert({ id: 5, stock: 2 }, f(7))).toEqual({ status: 'stale', currentFence: 10n });
+    });
+
+    it("a DELETE through an inheritance parent raises each child's own floor", async () => {
+      const parent = `stock_all_${++tableCount}`;
+      await execute(
+        test.db,
+        sql.raw(
+          `create table ${parent} (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
+        ),
+      );
+      await execute(test.db, sql.raw(`create table ${parent}_kid (primary key (id)) inherits (${parent})`));
+      const kid = pgTable(`${parent}_kid`, {
+        id: integer('id').primaryKey(),
+        stock: integer('stock').notNull(),
+        ...fenceColumns(),
+      });
+      const parentTable = pgTable(parent, {
+        id: integer('id').primaryKey(),
+        stock: integer('stock').notNull(),
+        ...fenceColumns(),
+      });
+      // On the child alone, then on both: the parent's own floor trigger must not stand in for the child's.
+      for (const installed of [[kid], [kid, parentTable]]) {
+        for (const t of installed) await installFenceTrigger(test.db, t);
+        const repo = fencedRepository(test.db, kid);
+        const id = installed.length;
+        await repo.upsert({ id, stock: 1 }, f(10 * id));
+        expect((await repo.delete({ id }, f(10 * id + 5))).status).toBe('applied');
+        await execute(test.db, sql.raw(`delete from ${parent} where deleted_at is not null`));
+        expect(await row(test.db, `${parent}_kid`, id)).toBeUndefined();
+        expect(await repo.upsert({ id, stock: 2 }, f(10 * id + 1))).toEqual({
+          status: 'stale',
+          currentFence: BigInt(10 * id + 5),
+        });
+      }
     });
 
     it('takes a table whose name holds the dollar quote its SQL uses', async () => {
@@ -322,17 +419,18 @@ describe('fenceTriggerSql', () => {
     const text = fenceTriggerSql(table);
     const parts = text.split('--> statement-breakpoint');
     expect(parts.map((p) => p.trim())).toEqual(fenceTriggerStatements(table));
-    expect(parts).toHaveLength(8);
+    expect(parts).toHaveLength(10);
     expect(parts[0]).toMatch(/^CREATE OR REPLACE FUNCTION "palisade_fence_guard"\(\)/);
     expect(parts[1]).toMatch(/^\s*CREATE OR REPLACE FUNCTION "palisade_fence_floor"\(\)/);
-    expect(parts[5]).toMatch(
+    expect(parts[6]).toMatch(
       /BEFORE UPDATE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\('reject'\)/,
     );
+    expect(parts[7]).toMatch(/BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN/);
     // On the table and every partition of its tree.
-    expect(parts[7]).toMatch(/^\s*DO \$palisade\$/);
-    expect(parts[7]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
-    expect(parts[7]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
-    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(6);
+    expect(parts[9]).toMatch(/^\s*DO \$palisade\$/);
+    expect(parts[9]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
+    expect(parts[9]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
+    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(8);
   });
 
   it('refuses a table without fence columns, and bad options', () => {
