@@ -25,17 +25,17 @@ import { needs } from '../support/services.js';
 const f = (n: number) => toFence(n);
 let tableCount = 0;
 
+/** The columns of every table here, as SQL, and the drizzle table of that shape named `name`. */
+const COLUMNS =
+  'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
+const gadgets = (name: string) =>
+  pgTable(name, { id: integer('id').primaryKey(), stock: integer('stock').notNull(), ...fenceColumns() });
+
 /** A fresh fenced table of this test's own (one PGlite serves the whole file). */
 async function freshTable(db: Database) {
   const name = `gadgets_${++tableCount}`;
-  await execute(
-    db,
-    sql.raw(
-      `create table ${name} (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
-    ),
-  );
-  const table = pgTable(name, { id: integer('id').primaryKey(), stock: integer('stock').notNull(), ...fenceColumns() });
-  return { name, table };
+  await execute(db, sql.raw(`create table ${name} (${COLUMNS})`));
+  return { name, table: gadgets(name) };
 }
 
 async function refusal(db: Database, query: string): Promise<DatabaseError> {
@@ -166,9 +166,7 @@ for (const suite of suites) {
 
     it("a DELETE of tombstones through a partition's own name, at any level of the tree, raises the table's floor", async () => {
       const name = `parts_${++tableCount}`;
-      const columns =
-        'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
-      await execute(test.db, sql.raw(`create table ${name} (${columns}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
       await execute(test.db, sql.raw(`create table ${name}_low partition of ${name} for values from (0) to (10)`));
       await execute(
         test.db,
@@ -178,11 +176,7 @@ for (const suite of suites) {
         test.db,
         sql.raw(`create table ${name}_high_a partition of ${name}_high for values from (10) to (100)`),
       );
-      const table = pgTable(name, {
-        id: integer('id').primaryKey(),
-        stock: integer('stock').notNull(),
-        ...fenceColumns(),
-      });
+      const table = gadgets(name);
       await installFenceTrigger(test.db, table);
       const repo = fencedRepository(test.db, table);
       const tombstone = async (id: number, fence: number) => {
@@ -208,15 +202,9 @@ for (const suite of suites) {
 
     it('a partition that joined the table after the install raises the floor row by row, until the install runs again', async () => {
       const name = `late_parts_${++tableCount}`;
-      const columns =
-        'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
-      await execute(test.db, sql.raw(`create table ${name} (${columns}) partition by list (id)`));
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by list (id)`));
       await execute(test.db, sql.raw(`create table ${name}_1 partition of ${name} for values in (1)`));
-      const table = pgTable(name, {
-        id: integer('id').primaryKey(),
-        stock: integer('stock').notNull(),
-        ...fenceColumns(),
-      });
+      const table = gadgets(name);
       await installFenceTrigger(test.db, table);
       // Postgres gives the new partitions the row triggers, not the statement triggers that raise the floor.
       for (const id of [2, 3]) {
@@ -276,16 +264,10 @@ for (const suite of suites) {
 
     it('refuses an UPDATE that would move a row to another partition (a new key)', async () => {
       const name = `moving_${++tableCount}`;
-      const columns =
-        'id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz';
-      await execute(test.db, sql.raw(`create table ${name} (${columns}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
       await execute(test.db, sql.raw(`create table ${name}_lo partition of ${name} for values from (0) to (100)`));
       await execute(test.db, sql.raw(`create table ${name}_hi partition of ${name} for values from (100) to (1000)`));
-      const table = pgTable(name, {
-        id: integer('id').primaryKey(),
-        stock: integer('stock').notNull(),
-        ...fenceColumns(),
-      });
+      const table = gadgets(name);
       await installFenceTrigger(test.db, table);
       const repo = fencedRepository(test.db, table);
       await repo.upsert({ id: 5, stock: 1 }, f(5));
@@ -297,23 +279,10 @@ for (const suite of suites) {
 
     it("a DELETE through an inheritance parent raises each child's own floor", async () => {
       const parent = `stock_all_${++tableCount}`;
-      await execute(
-        test.db,
-        sql.raw(
-          `create table ${parent} (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
-        ),
-      );
+      await execute(test.db, sql.raw(`create table ${parent} (${COLUMNS})`));
       await execute(test.db, sql.raw(`create table ${parent}_kid (primary key (id)) inherits (${parent})`));
-      const kid = pgTable(`${parent}_kid`, {
-        id: integer('id').primaryKey(),
-        stock: integer('stock').notNull(),
-        ...fenceColumns(),
-      });
-      const parentTable = pgTable(parent, {
-        id: integer('id').primaryKey(),
-        stock: integer('stock').notNull(),
-        ...fenceColumns(),
-      });
+      const kid = gadgets(`${parent}_kid`);
+      const parentTable = gadgets(parent);
       // On the child alone, then on both: the parent's own floor trigger must not stand in for the child's.
       for (const installed of [[kid], [kid, parentTable]]) {
         for (const t of installed) await installFenceTrigger(test.db, t);
@@ -332,12 +301,7 @@ for (const suite of suites) {
 
     it('takes a table whose name holds the dollar quote its SQL uses', async () => {
       const name = 'odd$palisade$name';
-      await execute(
-        test.db,
-        sql.raw(
-          `create table "${name}" (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
-        ),
-      );
+      await execute(test.db, sql.raw(`create table "${name}" (${COLUMNS})`));
       await installFenceTrigger(test.db, { name });
       await execute(test.db, sql.raw(`insert into "${name}" (id, stock, deleted_at) values (1, 5, now())`));
       await refusal(test.db, `update "${name}" set stock = 1`);
@@ -371,12 +335,7 @@ for (const suite of suites) {
 
     it('works for a table in another schema, named by string', async () => {
       await execute(test.db, sql`create schema if not exists "Inventory ""Q"""`);
-      await execute(
-        test.db,
-        sql.raw(
-          `create table "Inventory ""Q"""."Stock Items" (id integer primary key, stock integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
-        ),
-      );
+      await execute(test.db, sql.raw(`create table "Inventory ""Q"""."Stock Items" (${COLUMNS})`));
       await installFenceTrigger(test.db, { schema: 'Inventory "Q"', name: 'Stock Items' });
       await execute(test.db, sql.raw(`insert into "Inventory ""Q"""."Stock Items" (id, stock) values (1, 5)`));
       await refusal(test.db, `update "Inventory ""Q"""."Stock Items" set stock = 1`);
