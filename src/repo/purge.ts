@@ -39,8 +39,15 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // `skipLocked` is for a batch after one that found everything it chose gone: another purge was
   // ahead of it on the same rows (it would be again, and again) or writers held them. Locking costs a
   // write per row, so only such a batch pays it.
-  return sql`with picked as materialized (
-      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}${skipLocked ? sql` for update skip locked` : sql``}
+  // `purging` tells the fence trigger (../schema/fence-trigger.ts), for this statement only, that the floor
+  // of every row it removes is raised here: a row whose statement raises no floor of its own (a partition
+  // made after the trigger's install) would otherwise raise it from its trigger, a command that writes the
+  // floor row before `raised` does, which Postgres refuses (21000).
+  return sql`with purging as materialized (
+      select set_config('palisade.purging', statement_timestamp()::text, true) as at
+    ),
+    picked as materialized (
+      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} and (select at from purging) is not null limit ${batchSize}${skipLocked ? sql` for update skip locked` : sql``}
     ),
     gone as (delete from ${t} where ctid = any(array(select palisade_row from picked))
       and ((tableoid, ctid) in (select palisade_table, palisade_row from picked)) is true

@@ -81,7 +81,7 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
  * replica`) — which is also the escape hatch for a deliberate manual fix;
  * hold against a session that sets palisade's transaction-local settings
- * (`palisade.floor_statements`) itself.
+ * (`palisade.floor_open_…`, `palisade.purging`) itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -137,17 +137,18 @@ BEGIN
                        TG_TABLE_SCHEMA, TG_TABLE_NAME),
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
   END IF;
-  -- A tombstone goes. While a DELETE of a table that shares this row's floor runs (its floor is on the stack),
-  -- its end raises the floor, this row's fence included (pending); otherwise — a partition made after the
+  -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
+  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). A
+  -- palisade purge raises the floor of every row it removes itself. Otherwise — a partition made after the
   -- install, a DELETE through an inheritance parent — this row raises it now.
   floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
-  IF position(',' || floor_key || ',' IN coalesce(current_setting('palisade.floor_statements', true), '') || ',') > 0 THEN
+  IF coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0) > 0 THEN
     -- Written only when it rises (a purge's rows rarely do).
     pending := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
     IF pending IS NULL OR OLD.last_fence > pending THEN
       PERFORM set_config('palisade.floor_pending_' || floor_key, OLD.last_fence::text, true);
     END IF;
-  ELSE
+  ELSIF current_setting('palisade.purging', true) IS DISTINCT FROM statement_timestamp()::text THEN
     INSERT INTO palisade.tombstone_floors (fenced_table, floor)
       VALUES (palisade.floor_table(TG_RELID::regclass), OLD.last_fence)
       ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
@@ -155,21 +156,22 @@ BEGIN
   RETURN OLD;
 END
 $palisade$`,
-    // The statement triggers of a DELETE. Before it, its table's floor goes on a transaction-local stack: the
-    // row trigger above then leaves the floor to this statement's end, noting the fences of rows deleted
-    // meanwhile by statements nested in it (a function its WHERE calls) as pending. After it, the floor rises
-    // to the highest fence removed, once (a purge raises the same floor in its own statement: raised twice,
-    // the greater wins), at the end, where the purge raises it: a row trigger raising it would take the
-    // floor's row lock at the first row, and two purges of overlapping batches would each wait for the other.
+    // The statement triggers of a DELETE. Before it, the open DELETEs of its table's floor count one more
+    // (transaction-local): the row trigger above then leaves the floor to their ends, noting the fences of rows
+    // deleted meanwhile by statements nested in one (a function its WHERE calls) as pending. After it, the
+    // floor rises to the highest fence removed, once (a purge raises the same floor in its own statement:
+    // raised twice, the greater wins), at the end, where the purge raises it: a row trigger raising it would
+    // take the floor's row lock at the first row, and two purges of overlapping batches would each wait for
+    // the other. A count, not a stack: the statement triggers of one query's DELETEs (data-modifying CTEs)
+    // end in no fixed order.
     `CREATE OR REPLACE FUNCTION ${floorFn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
 DECLARE
   floor_key text := palisade.floor_table(TG_RELID::regclass)::oid::text;
-  entry text := ',' || floor_key;
-  stack text := coalesce(current_setting('palisade.floor_statements', true), '');
+  open int := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
   pending bigint := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
 BEGIN
   IF TG_WHEN = 'BEFORE' THEN
-    PERFORM set_config('palisade.floor_statements', stack || entry, true);
+    PERFORM set_config('palisade.floor_open_' || floor_key, (open + 1)::text, true);
     RETURN NULL;
   END IF;
   INSERT INTO palisade.tombstone_floors (fenced_table, floor)
@@ -177,9 +179,7 @@ BEGIN
     HAVING count(*) > 0 OR pending IS NOT NULL
     ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
   PERFORM set_config('palisade.floor_pending_' || floor_key, '', true);
-  IF right(stack, length(entry)) = entry THEN
-    PERFORM set_config('palisade.floor_statements', left(stack, length(stack) - length(entry)), true);
-  END IF;
+  PERFORM set_config('palisade.floor_open_' || floor_key, greatest(open - 1, 0)::text, true);
   RETURN NULL;
 END
 $palisade$`,

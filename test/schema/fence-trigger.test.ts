@@ -299,6 +299,91 @@ for (const suite of suites) {
       }
     });
 
+    it('DELETEs of two tables in one statement (data-modifying CTEs) leave no floor to a later statement', async () => {
+      // Their statement triggers end in no fixed order: a stack of open DELETEs kept the second table's entry,
+      // and a later tombstone of it, through its inheritance parent, left its fence to a trigger that never ran.
+      const one = await freshTable(test.db);
+      const parent = `cte_parent_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${parent} (${COLUMNS})`));
+      await execute(test.db, sql.raw(`create table ${parent}_kid (primary key (id)) inherits (${parent})`));
+      const kid = gadgets(`${parent}_kid`);
+      await installFenceTrigger(test.db, one.table);
+      await installFenceTrigger(test.db, kid);
+      await execute(
+        test.db,
+        sql.raw(`insert into ${one.name} (id, stock, last_fence, deleted_at) values (1, 1, 5, now())`),
+      );
+      await execute(
+        test.db,
+        sql.raw(
+          `insert into ${parent}_kid (id, stock, last_fence, deleted_at) values (1, 1, 10, now()), (2, 1, 20, now())`,
+        ),
+      );
+      await test.db.transaction(async (tx) => {
+        const t = tx as unknown as Database;
+        await execute(
+          t,
+          sql.raw(`with a as (delete from ${one.name} where id = 1) delete from ${parent}_kid where id = 1`),
+        );
+        await execute(t, sql.raw(`delete from ${parent} where id = 2`));
+      });
+      const repo = fencedRepository(test.db, kid);
+      expect(await repo.upsert({ id: 2, stock: 2 }, f(15))).toEqual({ status: 'stale', currentFence: 20n });
+      expect(await fencedRepository(test.db, one.table).upsert({ id: 1, stock: 2 }, f(4))).toEqual({
+        status: 'stale',
+        currentFence: 5n,
+      });
+    });
+
+    it('purgeTombstones goes through a partition made after the install and through an inheritance parent', async () => {
+      const name = `late_purge_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by list (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_1 partition of ${name} for values in (1)`));
+      await installFenceTrigger(test.db, gadgets(name));
+      await execute(test.db, sql.raw(`create table ${name}_2 partition of ${name} for values in (2)`));
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at) values (2, 1, 20, now())`),
+      );
+      const later = new Date(Date.now() + 3_600_000);
+      expect(await fencedRepository(test.db, gadgets(`${name}_2`)).purgeTombstones(later)).toBe(1);
+      expect(await fencedRepository(test.db, gadgets(name)).upsert({ id: 2, stock: 2 }, f(19))).toEqual({
+        status: 'stale',
+        currentFence: 20n,
+      });
+      const parent = `purge_parent_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${parent} (${COLUMNS})`));
+      await execute(test.db, sql.raw(`create table ${parent}_kid (primary key (id)) inherits (${parent})`));
+      await installFenceTrigger(test.db, gadgets(`${parent}_kid`));
+      await execute(
+        test.db,
+        sql.raw(`insert into ${parent}_kid (id, stock, last_fence, deleted_at) values (1, 1, 30, now())`),
+      );
+      expect(await fencedRepository(test.db, gadgets(parent)).purgeTombstones(later)).toBe(1);
+      expect(await fencedRepository(test.db, gadgets(`${parent}_kid`)).upsert({ id: 1, stock: 2 }, f(29))).toEqual({
+        status: 'stale',
+        currentFence: 30n,
+      });
+      // The purge's mark holds for its own statement only: a plain DELETE after it in one transaction raises.
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at) values (2, 1, 40, now())`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at) values (1, 1, 1, now())`),
+      );
+      await test.db.transaction(async (tx) => {
+        const t = tx as unknown as Database;
+        expect(await fencedRepository(t, gadgets(`${name}_1`)).purgeTombstones(later)).toBe(1);
+        await execute(t, sql.raw(`delete from ${name}_2 where id = 2`));
+      });
+      expect(await fencedRepository(test.db, gadgets(name)).upsert({ id: 2, stock: 2 }, f(39))).toEqual({
+        status: 'stale',
+        currentFence: 40n,
+      });
+    });
+
     it('takes a table whose name holds the dollar quote its SQL uses', async () => {
       const name = 'odd$palisade$name';
       await execute(test.db, sql.raw(`create table "${name}" (${COLUMNS})`));
