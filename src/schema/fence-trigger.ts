@@ -138,9 +138,10 @@ BEGIN
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
   END IF;
   -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
-  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). A
-  -- palisade purge raises the floor of every row it removes itself. Otherwise — a partition made after the
-  -- install, a DELETE through an inheritance parent — this row raises it now.
+  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). A palisade
+  -- purge raises the floor of every row it removes itself (its own rows: those of its statement, at the
+  -- first trigger depth). Otherwise — a partition made after the install, a DELETE through an inheritance
+  -- parent — this row raises it now.
   floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
   IF coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0) > 0 THEN
     -- Written only when it rises (a purge's rows rarely do).
@@ -148,7 +149,8 @@ BEGIN
     IF pending IS NULL OR OLD.last_fence > pending THEN
       PERFORM set_config('palisade.floor_pending_' || floor_key, OLD.last_fence::text, true);
     END IF;
-  ELSIF current_setting('palisade.purging', true) IS DISTINCT FROM statement_timestamp()::text THEN
+  ELSIF current_setting('palisade.purging', true) IS DISTINCT FROM statement_timestamp()::text
+        OR pg_trigger_depth() <> 1 THEN
     INSERT INTO palisade.tombstone_floors (fenced_table, floor)
       VALUES (palisade.floor_table(TG_RELID::regclass), OLD.last_fence)
       ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
