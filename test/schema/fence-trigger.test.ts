@@ -384,6 +384,41 @@ for (const suite of suites) {
       });
     });
 
+    it('a DELETE whose partition moves to another tree while it runs still closes what it opened', async () => {
+      // Its statement triggers once worked out the floor each on their own: the DELETE opened the old tree's
+      // floor and closed the new one's, and a later tombstone of the old tree, through a partition made after
+      // the install, left its fence to a close that never came (an attack; there with DETACH … CONCURRENTLY
+      // from another session, here in one transaction).
+      const name = `moved_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_1 partition of ${name} for values from (0) to (100)`));
+      await installFenceTrigger(test.db, gadgets(name));
+      await execute(test.db, sql.raw(`create table ${name}_late partition of ${name} for values from (100) to (200)`));
+      await execute(test.db, sql.raw(`create table ${name}_outer (${COLUMNS}) partition by range (id)`));
+      await execute(
+        test.db,
+        sql.raw(`create function ${name}_move() returns boolean language plpgsql as $$ begin
+          if not exists (select 1 from pg_inherits where inhrelid = '${name}'::regclass) then
+            alter table ${name}_outer attach partition ${name} for values from (0) to (1000);
+          end if;
+          return true; end $$`),
+      );
+      const repo = fencedRepository(test.db, gadgets(name));
+      await execute(
+        test.db,
+        sql.raw(
+          `insert into ${name} (id, stock, last_fence, deleted_at) values (1, 1, 11, now()), (150, 1, 60, now())`,
+        ),
+      );
+      await test.db.transaction(async (tx) => {
+        const t = tx as unknown as Database;
+        await execute(t, sql.raw(`delete from ${name}_1 where id = 1 and ${name}_move()`));
+        await execute(t, sql.raw(`alter table ${name}_outer detach partition ${name}`));
+        await execute(t, sql.raw(`delete from ${name}_late where id = 150`));
+      });
+      expect(await repo.upsert({ id: 150, stock: 2 }, f(55))).toEqual({ status: 'stale', currentFence: 60n });
+    });
+
     it('takes a table whose name holds the dollar quote its SQL uses', async () => {
       const name = 'odd$palisade$name';
       await execute(test.db, sql.raw(`create table "${name}" (${COLUMNS})`));
