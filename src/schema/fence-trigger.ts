@@ -168,21 +168,21 @@ $palisade$`,
     // end in no fixed order.
     `CREATE OR REPLACE FUNCTION ${floorFn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
 DECLARE
-  -- The floor the statement began with: a partition detached or attached while it ran has another now.
-  floor_key text := coalesce(nullif(current_setting('palisade.floor_of_' || TG_RELID, true), ''),
-                             palisade.floor_table(TG_RELID::regclass)::oid::text);
+  floor_key text;
   open int;
   pending bigint;
 BEGIN
   IF TG_WHEN = 'BEFORE' THEN
     floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
     PERFORM set_config('palisade.floor_of_' || TG_RELID, floor_key, true);
-  END IF;
-  open := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
-  IF TG_WHEN = 'BEFORE' THEN
+    open := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
     PERFORM set_config('palisade.floor_open_' || floor_key, (open + 1)::text, true);
     RETURN NULL;
   END IF;
+  -- The floor the statement began with: a partition detached or attached while it ran has another now.
+  floor_key := coalesce(nullif(current_setting('palisade.floor_of_' || TG_RELID, true), ''),
+                        palisade.floor_table(TG_RELID::regclass)::oid::text);
+  open := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
   pending := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
   INSERT INTO palisade.tombstone_floors (fenced_table, floor)
     SELECT floor_key::oid::regclass, greatest(max(gone.last_fence), pending) FROM palisade_gone gone

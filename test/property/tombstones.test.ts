@@ -45,7 +45,7 @@
  */
 import { fc } from '@fast-check/vitest';
 import { sql } from 'drizzle-orm';
-import { integer, pgSchema, pgTable, text } from 'drizzle-orm/pg-core';
+import { getTableConfig, integer, pgSchema, pgTable, text } from 'drizzle-orm/pg-core';
 import { drizzle } from 'drizzle-orm/postgres-js';
 import postgres, { type Sql } from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -105,18 +105,10 @@ function tableFor(route: Route, keyPartition: number): typeof docs {
   }
 }
 
-/** The SQL name of `route` (see {@link tableFor}), for the erase operation's plain statement. */
+/** The SQL name of `route`'s table (see {@link tableFor}), for the erase operation's plain statement. */
 function routeName(route: Route, keyPartition: number): string {
-  switch (route) {
-    case 'name':
-      return 'palisade_prop_tombs';
-    case 'qualified':
-      return `${SCHEMA}.palisade_prop_tombs`;
-    case 'partition':
-      return partitionName(keyPartition);
-    case 'sibling':
-      return partitionName((keyPartition + 1) % PARTITIONS);
-  }
+  const { schema, name } = getTableConfig(tableFor(route, keyPartition));
+  return schema === undefined ? name : `${schema}.${name}`;
 }
 
 const refusedByTrigger = (error: unknown) => (error as { code?: unknown })?.code === FENCE_TRIGGER_SQLSTATE;
