@@ -39,21 +39,19 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // `skipLocked` is for a batch after one that found everything it chose gone: another purge was
   // ahead of it on the same rows (it would be again, and again) or writers held them. Locking costs a
   // write per row, so only such a batch pays it.
-  // `purging` tells the fence trigger (../schema/fence-trigger.ts), for this statement only, that the floor
-  // of every row it removes is raised here: a row whose statement raises no floor of its own (a partition
-  // made after the trigger's install) would otherwise raise it from its trigger, a command that writes the
-  // floor row before `raised` does, which Postgres refuses (21000).
-  return sql`with purging as materialized (
-      select set_config('palisade.purging', statement_timestamp()::text, true) as at
-    ),
-    picked as materialized (
-      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} and (select at from purging) is not null limit ${batchSize}${skipLocked ? sql` for update skip locked` : sql``}
+  // The floor is raised by palisade.raise_floor (migration 0013), a statement of its own, once per table the
+  // batch removed rows of: once the DELETE is done (an aggregate over all of `gone`), and as a command after
+  // every one nested in it — the fence trigger's, for a row of a partition made after its install or a row a
+  // user's trigger removed, may have written the same floor row, which an INSERT … ON CONFLICT of this
+  // statement's own command could not see, and Postgres would refuse it (21000).
+  return sql`with picked as materialized (
+      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}${skipLocked ? sql` for update skip locked` : sql``}
     ),
     gone as (delete from ${t} where ctid = any(array(select palisade_row from picked))
       and ((tableoid, ctid) in (select palisade_table, palisade_row from picked)) is true
       returning tableoid as palisade_table, ${t.lastFence} as fence),
-    raised as (insert into palisade.tombstone_floors (fenced_table, floor)
-      select palisade.floor_table(palisade_table::regclass), max(fence) from gone group by 1
-      on conflict (fenced_table) do update set floor = greatest(palisade.tombstone_floors.floor, excluded.floor))
-    select count(*) as n, (select count(*) from picked) as picked from gone`;
+    removed as (select palisade_table, max(fence) as fence, count(*) as n from gone group by 1)
+    select coalesce(sum(n), 0)::int8 as n, (select count(*) from picked) as picked,
+      bool_and(palisade.raise_floor(palisade.floor_table(palisade_table::regclass), fence)) as raised
+    from removed`;
 }

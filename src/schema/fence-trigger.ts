@@ -32,8 +32,9 @@ export const FENCE_TRIGGER_SQLSTATE = 'PF001';
 export const FENCE_TRIGGER_NAME = 'palisade_fence_guard';
 /** Name of the function that raises the tombstone floor after a delete, and of its trigger. */
 const FLOOR_TRIGGER_NAME = 'palisade_fence_floor';
-/** Name of the trigger that refuses a change of a row's primary key. */
+/** Names of the triggers that refuse a change of a row's primary key: the statement's, and any other trigger's. */
 const KEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_key`;
+const REKEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_rekey`;
 
 /** Options of {@link fenceTriggerSql} and {@link installFenceTrigger}. */
 export interface FenceTriggerOptions {
@@ -81,7 +82,7 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
  * replica`) — which is also the escape hatch for a deliberate manual fix;
  * hold against a session that sets palisade's transaction-local settings
- * (`palisade.floor_open_…`, `palisade.purging`) itself.
+ * (`palisade.floor_open_…`) itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -138,10 +139,9 @@ BEGIN
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
   END IF;
   -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
-  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). A palisade
-  -- purge raises the floor of every row it removes itself (its own rows: those of its statement, at the
-  -- first trigger depth). Otherwise — a partition made after the install, a DELETE through an inheritance
-  -- parent — this row raises it now.
+  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). Otherwise —
+  -- a partition made after the install, a DELETE through an inheritance parent — this row raises it now (a
+  -- command of its own: a purge's raise, a later one, sees it).
   floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
   IF coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0) > 0 THEN
     -- Written only when it rises (a purge's rows rarely do).
@@ -149,11 +149,8 @@ BEGIN
     IF pending IS NULL OR OLD.last_fence > pending THEN
       PERFORM set_config('palisade.floor_pending_' || floor_key, OLD.last_fence::text, true);
     END IF;
-  ELSIF current_setting('palisade.purging', true) IS DISTINCT FROM statement_timestamp()::text
-        OR pg_trigger_depth() <> 1 THEN
-    INSERT INTO palisade.tombstone_floors (fenced_table, floor)
-      VALUES (palisade.floor_table(TG_RELID::regclass), OLD.last_fence)
-      ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
+  ELSE
+    PERFORM palisade.raise_floor(palisade.floor_table(TG_RELID::regclass), OLD.last_fence);
   END IF;
   RETURN OLD;
 END
@@ -164,30 +161,37 @@ $palisade$`,
     // floor rises to the highest fence removed, once (a purge raises the same floor in its own statement:
     // raised twice, the greater wins), at the end, where the purge raises it: a row trigger raising it would
     // take the floor's row lock at the first row, and two purges of overlapping batches would each wait for
-    // the other. A count, not a stack: the statement triggers of one query's DELETEs (data-modifying CTEs)
-    // end in no fixed order.
+    // the other. Open DELETEs are counted per floor, not stacked: the statement triggers of one query's
+    // DELETEs of several tables (data-modifying CTEs) end in no fixed order. The floor each one opened is
+    // stacked per table, which fires its statement triggers once per query: a DELETE of one table nested in
+    // another's (a function its WHERE calls) begins and ends inside it, and may find another floor (a
+    // partition attached meanwhile) — kept in one setting per table, the nested one's overwrote the outer's,
+    // whose end closed the wrong floor and left its own count open to the end of the transaction.
     `CREATE OR REPLACE FUNCTION ${floorFn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
 DECLARE
   floor_key text;
+  opened text := 'palisade.floor_of_' || TG_RELID;
+  stack text := nullif(current_setting(opened, true), '');
   open int;
   pending bigint;
+  top bigint;
 BEGIN
   IF TG_WHEN = 'BEFORE' THEN
     floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
-    PERFORM set_config('palisade.floor_of_' || TG_RELID, floor_key, true);
+    PERFORM set_config(opened, concat_ws(' ', stack, floor_key), true);
     open := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
     PERFORM set_config('palisade.floor_open_' || floor_key, (open + 1)::text, true);
     RETURN NULL;
   END IF;
   -- The floor the statement began with: a partition detached or attached while it ran has another now.
-  floor_key := coalesce(nullif(current_setting('palisade.floor_of_' || TG_RELID, true), ''),
-                        palisade.floor_table(TG_RELID::regclass)::oid::text);
+  floor_key := coalesce(substring(stack from '[0-9]+$'), palisade.floor_table(TG_RELID::regclass)::oid::text);
+  PERFORM set_config(opened, coalesce(substring(stack from '^(.*) [0-9]+$'), ''), true);
   open := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
   pending := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
-  INSERT INTO palisade.tombstone_floors (fenced_table, floor)
-    SELECT floor_key::oid::regclass, greatest(max(gone.last_fence), pending) FROM palisade_gone gone
-    HAVING count(*) > 0 OR pending IS NOT NULL
-    ON CONFLICT (fenced_table) DO UPDATE SET floor = greatest(palisade.tombstone_floors.floor, excluded.floor);
+  top := greatest((SELECT max(gone.last_fence) FROM palisade_gone gone), pending);
+  IF top IS NOT NULL THEN
+    PERFORM palisade.raise_floor(floor_key::oid::regclass, top);
+  END IF;
   PERFORM set_config('palisade.floor_pending_' || floor_key, '', true);
   PERFORM set_config('palisade.floor_open_' || floor_key, greatest(open - 1, 0)::text, true);
   RETURN NULL;
@@ -196,18 +200,27 @@ $palisade$`,
     ...dropFenceTriggerStatements({ name, ...(schema === undefined ? {} : { schema }) }),
     `CREATE TRIGGER ${updateTrigger} BEFORE UPDATE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}('${sameFence}')`,
     // On the primary key's columns, fired only when one changes (Postgres evaluates WHEN itself). A table
-    // without a primary key gets none: a fenced repository needs one.
+    // without a primary key gets none: a fenced repository needs one. Two triggers: before the update, for
+    // a key the statement sets — a row it moves to another partition is deleted and inserted, and fires no
+    // AFTER UPDATE trigger — and after it, for a key another BEFORE trigger (the table's own) changed, or a
+    // generated column's, which a BEFORE trigger's WHEN may not read.
     doBlock(
-      'columns text; changed text;',
-      `SELECT string_agg(format('%I', a.attname), ', ' ORDER BY k.n),
+      'columns text; changed text; every_changed text;',
+      `SELECT string_agg(format('%I', a.attname), ', ' ORDER BY k.n) FILTER (WHERE a.attgenerated = ''),
          string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
-    INTO columns, changed
+           FILTER (WHERE a.attgenerated = ''),
+         string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
+    INTO columns, changed, every_changed
     FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
     JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
     WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary;
   IF columns IS NOT NULL THEN
     EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
                    ${literal(KEY_TRIGGER_NAME)}, columns, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
+  END IF;
+  IF every_changed IS NOT NULL THEN
+    EXECUTE format('CREATE TRIGGER %I AFTER UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
+                   ${literal(REKEY_TRIGGER_NAME)}, ${literal(qualified)}, every_changed, ${literal(fn)}, 'key');
   END IF;`,
     ),
   ];
@@ -235,6 +248,7 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_update`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_delete`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(KEY_TRIGGER_NAME)} ON ${qualified}`,
+    `DROP TRIGGER IF EXISTS ${ident(REKEY_TRIGGER_NAME)} ON ${qualified}`,
     onEveryMember(
       qualified,
       `EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', ${literal(FLOOR_TRIGGER_NAME)}, member);

@@ -419,6 +419,148 @@ for (const suite of suites) {
       expect(await repo.upsert({ id: 150, stock: 2 }, f(55))).toEqual({ status: 'stale', currentFence: 60n });
     });
 
+    it('a DELETE nested in another of the same partition, after the tree changed, closes what the outer one opened', async () => {
+      // The floor a DELETE opened was kept in one setting per table: the nested DELETE (run by a function the
+      // outer one's WHERE calls, once it attached the tree to another) overwrote the outer's, whose end then
+      // closed the other tree's floor and left its own count open — and a later tombstone of a partition made
+      // after the install left its fence pending to a close that never came (an attack).
+      const name = `nested_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_1 partition of ${name} for values from (0) to (100)`));
+      await installFenceTrigger(test.db, gadgets(name));
+      await execute(test.db, sql.raw(`create table ${name}_late partition of ${name} for values from (100) to (200)`));
+      await execute(test.db, sql.raw(`create table ${name}_outer (${COLUMNS}) partition by range (id)`));
+      await execute(
+        test.db,
+        sql.raw(`create function ${name}_move() returns boolean language plpgsql as $$ begin
+          if not exists (select 1 from pg_inherits where inhrelid = '${name}'::regclass) then
+            alter table ${name}_outer attach partition ${name} for values from (0) to (1000);
+            delete from ${name}_1 where id = 2;
+          end if;
+          return true; end $$`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at)
+          values (1, 1, 11, now()), (2, 1, 12, now()), (150, 1, 60, now())`),
+      );
+      await test.db.transaction(async (tx) => {
+        const t = tx as unknown as Database;
+        await execute(t, sql.raw(`delete from ${name}_1 where id = 1 and ${name}_move()`));
+        await execute(t, sql.raw(`alter table ${name}_outer detach partition ${name}`));
+        await execute(t, sql.raw(`delete from ${name}_late where id = 150`));
+      });
+      const repo = fencedRepository(test.db, gadgets(name));
+      expect(await repo.upsert({ id: 150, stock: 2 }, f(55))).toEqual({ status: 'stale', currentFence: 60n });
+    });
+
+    it('a purge leaves no mark behind: a plain DELETE right after it in one transaction raises the floor', async () => {
+      // The purge once marked its statement by statement_timestamp(), and the trigger left the rows of the
+      // marked statement to it; on PGlite that clock moves in whole milliseconds, and a DELETE through a
+      // partition made after the install, in the same millisecond, passed for the purge (an attack: one to
+      // ten tries in a hundred). Whatever the clock: nothing of the purge's is left set once it returned.
+      const name = `marked_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by list (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_1 partition of ${name} for values in (1)`));
+      await installFenceTrigger(test.db, gadgets(name));
+      await execute(test.db, sql.raw(`create table ${name}_2 partition of ${name} for values in (2)`));
+      const later = new Date(Date.now() + 3_600_000);
+      const repo = fencedRepository(test.db, gadgets(name));
+      for (let i = 1; i <= 40; i++) {
+        await execute(
+          test.db,
+          sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at)
+            values (1, 1, ${100 * i - 1}, now()), (2, 1, ${100 * i}, now())`),
+        );
+        await test.db.transaction(async (tx) => {
+          const t = tx as unknown as Database;
+          expect(await fencedRepository(t, gadgets(`${name}_1`)).purgeTombstones(later)).toBe(1);
+          const [left] = await execute(t, sql.raw(`select current_setting('palisade.purging', true) as mark`));
+          expect(left?.mark ?? '').toBe('');
+          await execute(t, sql.raw(`delete from ${name}_2 where id = 2`));
+        });
+        expect(await repo.upsert({ id: 2, stock: 2 }, f(100 * i - 1)), `try ${i}`).toEqual({
+          status: 'stale',
+          currentFence: BigInt(100 * i),
+        });
+        await execute(test.db, sql.raw(`delete from ${name}`));
+      }
+    });
+
+    it("purgeTombstones works beside the table's own trigger that removes more tombstones of it", async () => {
+      // The nested DELETE's floor row came first, in a later command than the purge's own, whose
+      // INSERT … ON CONFLICT could not see it: Postgres refused the purge (21000), which removed nothing.
+      const name = `nodes_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}, parent integer)`));
+      const table = pgTable(name, {
+        id: integer('id').primaryKey(),
+        stock: integer('stock').notNull(),
+        parent: integer('parent'),
+        ...fenceColumns(),
+      });
+      await installFenceTrigger(test.db, table);
+      await execute(
+        test.db,
+        sql.raw(`create function ${name}_children() returns trigger language plpgsql as $$ begin
+          delete from ${name} where parent = OLD.id and deleted_at is not null; return OLD; end $$`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`create trigger a_children before delete on ${name} for each row execute function ${name}_children()`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, parent, last_fence, deleted_at)
+          values (1, 1, null, 10, now() - interval '2 hours'), (2, 1, 1, 20, now())`),
+      );
+      const repo = fencedRepository(test.db, table);
+      expect(await repo.purgeTombstones(new Date(Date.now() - 3_600_000))).toBe(1);
+      expect(await row(test.db, name, 2)).toBeUndefined();
+      expect(await repo.upsert({ id: 2, stock: 2 }, f(19))).toEqual({ status: 'stale', currentFence: 20n });
+    });
+
+    it.each([
+      ['runs before the guard', 'archive'],
+      ['runs after the guard', 'zz_archive'],
+    ])("refuses a key change made by the table's own trigger, whichever %s", async (_when, trigger) => {
+      // The guard fired only on an UPDATE that named a key column: a key moved by another BEFORE trigger left
+      // the old key without its fence, and a stale upsert of it landed (an attack).
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      await execute(
+        test.db,
+        sql.raw(`create function ${name}_archive() returns trigger language plpgsql as $$ begin
+          if NEW.stock < 0 then NEW.id := OLD.id + 1000000; end if; return NEW; end $$`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`create trigger ${trigger} before update on ${name} for each row execute function ${name}_archive()`),
+      );
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(100));
+      await expect(repo.update({ id: 1 }, f(200), { stock: -1 })).rejects.toMatchObject({
+        sqlState: FENCE_TRIGGER_SQLSTATE,
+      });
+      expect(await row(test.db, name, 1)).toEqual({ stock: 5, fence: 100n, deleted: false });
+      expect(await repo.update({ id: 1 }, f(200), { stock: 4 })).toMatchObject({ status: 'applied' });
+    });
+
+    it('guards a primary key that is a generated column', async () => {
+      // A BEFORE trigger's WHEN may not read a generated column: the install failed outright.
+      const name = `generated_${++tableCount}`;
+      await execute(
+        test.db,
+        sql.raw(`create table ${name} (raw text not null, id text generated always as (lower(raw)) stored primary key,
+          last_fence bigint not null default 0, deleted_at timestamptz)`),
+      );
+      await installFenceTrigger(test.db, { name });
+      await execute(test.db, sql.raw(`insert into ${name} (raw, last_fence) values ('ABC', 10)`));
+      await execute(test.db, sql.raw(`update ${name} set raw = 'abc', last_fence = 11 where id = 'abc'`));
+      await refusal(test.db, `update ${name} set raw = 'XYZ', last_fence = 12 where id = 'abc'`);
+      const [kept] = await execute(test.db, sql.raw(`select id, last_fence from ${name}`));
+      expect({ id: kept?.id, fence: int8(kept?.last_fence) }).toEqual({ id: 'abc', fence: 11n });
+    });
+
     it('takes a table whose name holds the dollar quote its SQL uses', async () => {
       const name = 'odd$palisade$name';
       await execute(test.db, sql.raw(`create table "${name}" (${COLUMNS})`));
@@ -498,18 +640,19 @@ describe('fenceTriggerSql', () => {
     const text = fenceTriggerSql(table);
     const parts = text.split('--> statement-breakpoint');
     expect(parts.map((p) => p.trim())).toEqual(fenceTriggerStatements(table));
-    expect(parts).toHaveLength(10);
+    expect(parts).toHaveLength(11);
     expect(parts[0]).toMatch(/^CREATE OR REPLACE FUNCTION "palisade_fence_guard"\(\)/);
     expect(parts[1]).toMatch(/^\s*CREATE OR REPLACE FUNCTION "palisade_fence_floor"\(\)/);
-    expect(parts[6]).toMatch(
+    expect(parts[7]).toMatch(
       /BEFORE UPDATE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\('reject'\)/,
     );
-    expect(parts[7]).toMatch(/BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN/);
+    expect(parts[8]).toMatch(/BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN/);
+    expect(parts[8]).toMatch(/AFTER UPDATE ON %s FOR EACH ROW WHEN/);
     // On the table and every partition of its tree.
-    expect(parts[9]).toMatch(/^\s*DO \$palisade\$/);
-    expect(parts[9]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
-    expect(parts[9]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
-    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(8);
+    expect(parts[10]).toMatch(/^\s*DO \$palisade\$/);
+    expect(parts[10]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
+    expect(parts[10]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
+    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(9);
   });
 
   it('refuses a table without fence columns, and bad options', () => {
