@@ -36,6 +36,14 @@
  * floor kept per spelled name instead of per table lets a stale upsert
  * through one name re-create a row purged through another.
  *
+ * With the fence trigger installed (partitioned table), an operator's plain
+ * `DELETE` of the key (`erase`) joins them: alone, with a `DELETE` of a
+ * bystander nested in it (a function its `WHERE` calls) or beside one in a
+ * data-modifying CTE, each through any name; and the last partition stands
+ * for one made after the install (no statement triggers of its own), so its
+ * rows raise the floor row by row or leave their fences pending to an open
+ * `DELETE` of the tree.
+ *
  * The check: some serial order of the committed operations — one that
  * respects real time (an operation that finished before another started
  * comes first), puts a blocker before every operation seen waiting for it to
@@ -111,6 +119,45 @@ function routeName(route: Route, keyPartition: number): string {
   return schema === undefined ? name : `${schema}.${name}`;
 }
 
+/**
+ * Runs an erase (see {@link OpSpec.form}) on `client`; how many rows of the key it removed. Bystanders' ids
+ * begin with `b_`.
+ */
+async function erase(
+  client: Sql,
+  { via = 'name', form = 'plain', other = 'name' }: OpSpec,
+  keyPartition: number,
+  key: string,
+): Promise<number> {
+  const table = routeName(via, keyPartition);
+  const bystanders = routeName(other, keyPartition);
+  const oneBystander = `(select id from ${bystanders} where left(id, 2) = 'b_' limit 1)`;
+  switch (form) {
+    case 'plain':
+      return (await client.unsafe(`delete from ${table} where id = $1`, [key])).count;
+    case 'cte':
+      // The one-time filter reads the CTE, which runs (and opens its DELETE) before the key's is done.
+      return (
+        await client.unsafe(
+          `with other as (delete from ${bystanders} where id = ${oneBystander} returning 1)
+           delete from ${table} where id = $1 and (select count(*) from other) >= 0`,
+          [key],
+        )
+      ).count;
+    case 'nested': {
+      // The function runs once, in the one-time filter the outer DELETE checks before it scans (after its
+      // statement triggers opened it), rows or none; it leaves its count in a session setting, read next.
+      await client.unsafe(`select set_config('palisade_prop.erased', '-1', false)`);
+      await client.unsafe(
+        `delete from ${bystanders} where (select palisade_prop_erase_key('${table}', $1)) and id = ${oneBystander}`,
+        [key],
+      );
+      const [row] = await client.unsafe(`select current_setting('palisade_prop.erased') as n`);
+      return Number(row?.n);
+    }
+  }
+}
+
 const refusedByTrigger = (error: unknown) => (error as { code?: unknown })?.code === FENCE_TRIGGER_SQLSTATE;
 
 /**
@@ -127,7 +174,18 @@ export interface OpSpec {
   readonly commit: boolean;
   /** The name it goes through (`name` when absent). */
   readonly via?: Route;
+  /**
+   * An erase's statement (`plain` when absent): `nested` — a DELETE of a bystander tombstone through
+   * `other`, whose condition calls a function that deletes the key (a DELETE nested in it); `cte` — a
+   * data-modifying CTE deletes a bystander through `other` first, in the same query. Either way the key
+   * goes while another DELETE of its floor is open: one through the last partition (no statement triggers
+   * of its own) leaves its fence pending to that DELETE's end.
+   */
+  readonly form?: EraseForm;
+  /** The name the bystander's DELETE of a `nested` or `cte` erase goes through. */
+  readonly other?: Route;
 }
+export type EraseForm = 'plain' | 'nested' | 'cte';
 export interface Scenario {
   readonly init: { readonly state: 'absent' | 'live' | 'tomb'; readonly fence: number };
   readonly ops: readonly OpSpec[];
@@ -152,9 +210,15 @@ const opArb = (layout: TableLayout, trigger: boolean): fc.Arbitrary<OpSpec> =>
       fence: fc.integer({ min: 1, max: 9 }),
       commit: fc.boolean(),
       via: fc.constantFrom(...routesOf(layout)),
+      form: fc.constantFrom<EraseForm>('plain', 'nested', 'cte'),
+      other: fc.constantFrom(...routesOf(layout)),
     })
-    // Only a purge or an erase goes through a partition that does not hold the row.
-    .map((op) => (op.via === 'sibling' && !removes(op.kind) ? { ...op, via: 'partition' as const } : op));
+    // Only a purge or an erase goes through a partition that does not hold the row; only an erase has a form.
+    .map(({ form, other, ...op }) => ({
+      ...op,
+      ...(op.via === 'sibling' && !removes(op.kind) ? { via: 'partition' as const } : {}),
+      ...(op.kind === 'erase' && form !== 'plain' ? { form, other } : {}),
+    }));
 
 /** The operations that remove rows: purge and erase. */
 const removes = (k: OpKind) => k === 'purge' || k === 'erase';
@@ -320,6 +384,21 @@ export async function openHarness(
     for (const statement of fenceTriggerStatements({ schema: SCHEMA, name: 'palisade_prop_tombs' })) {
       await main.execute(sql.raw(statement));
     }
+    // The last partition stands for one made after the install: without its own statement triggers, a DELETE
+    // through its name raises the floor row by row, or leaves its rows' fences pending to a DELETE of the tree
+    // that is open (a nested or CTE erase), whose end raises them.
+    if (layout === 'partitioned') {
+      for (const t of ['palisade_fence_floor', 'palisade_fence_floor_before'])
+        await main.execute(sql.raw(`drop trigger ${t} on ${partitionName(PARTITIONS - 1)}`));
+    }
+    // A nested erase's function: deletes key `k` through the table named `t`, and keeps the count.
+    await main.execute(sql`create or replace function palisade_prop_erase_key(t text, k text) returns boolean
+      language plpgsql as $$ declare n int; begin
+        execute format('delete from %s where id = $1', t) using k;
+        get diagnostics n = row_count;
+        perform set_config('palisade_prop.erased', n::text, false);
+        return true;
+      end $$`);
   }
   const probe = connect(1);
   const slots: Slot[] = [];
@@ -505,11 +584,7 @@ export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Pro
         case 'erase':
           await capture(async () => ({
             status: 'erased',
-            count: (
-              await slot.client.unsafe(`delete from ${routeName(run.spec.via ?? 'name', keyPartition)} where id = $1`, [
-                key,
-              ])
-            ).count,
+            count: await erase(slot.client, run.spec, keyPartition, key),
           }));
           break;
         default: {
