@@ -1,14 +1,11 @@
 -- Custom SQL migration: one function raises a tombstone floor, in a command of its own.
 --
 -- A purge raised the floor with an INSERT … ON CONFLICT DO UPDATE in its own statement. A floor row
--- that a command nested in that statement had written first — the fence trigger's, for a tombstone a
--- user's BEFORE DELETE trigger removed, or one of a partition made after the trigger's install — is
--- invisible to the purge's command, and Postgres refused the purge (21000) rather than update it. A
--- purge therefore marked its statement (palisade.purging), and the trigger left such rows to it; on
--- PGlite, whose statement_timestamp() has millisecond resolution, the next statement of the same
--- millisecond passed for the purge too, and a tombstone it removed raised no floor. A statement of a
--- VOLATILE function runs as a command of its own, after every command before it: the purge, and the
--- fence trigger, raise through this one, and need no mark.
+-- that a command nested in that statement had written first — the fence trigger's, for a tombstone that
+-- a user's BEFORE DELETE trigger removed while the purge ran — is invisible to the purge's command, and
+-- Postgres refused the purge (21000) rather than update it. A statement of a VOLATILE function runs as a
+-- command of its own, after every command before it: the purge, and the fence trigger, raise through
+-- this one.
 CREATE FUNCTION "palisade"."raise_floor"(floor_of regclass, fence bigint)
 RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
 BEGIN

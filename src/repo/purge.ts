@@ -40,18 +40,28 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // ahead of it on the same rows (it would be again, and again) or writers held them. Locking costs a
   // write per row, so only such a batch pays it.
   // The floor is raised by palisade.raise_floor (migration 0013), a statement of its own, once per table the
-  // batch removed rows of: once the DELETE is done (an aggregate over all of `gone`), and as a command after
-  // every one nested in it — the fence trigger's, for a row of a partition made after its install or a row a
-  // user's trigger removed, may have written the same floor row, which an INSERT … ON CONFLICT of this
-  // statement's own command could not see, and Postgres would refuse it (21000).
-  return sql`with picked as materialized (
-      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} limit ${batchSize}${skipLocked ? sql` for update skip locked` : sql``}
+  // batch removed rows of: once the DELETE is done (an aggregate over all of `gone`), as a command after every
+  // one nested in it — a user's trigger that removes more tombstones makes the fence trigger write the same
+  // floor row from such a command, which an INSERT … ON CONFLICT of this statement's own command could not
+  // see: Postgres would refuse it (21000).
+  // `purging` tells the fence trigger (../schema/fence-trigger.ts) that this statement raises the floor of
+  // every row it removes: a row whose statement raises no floor of its own (a partition made after the
+  // trigger's install, an inheritance child) would otherwise raise it from its row trigger, taking the
+  // floor's row lock at the first row — and two purges of overlapping batches would each wait for the other.
+  // The final projection clears it, once the raise is done: it holds for this statement alone (a mark by
+  // statement_timestamp() alone also covered the next statement on PGlite, whose clock moves in whole ms).
+  return sql`with purging as materialized (
+      select set_config('palisade.purging', statement_timestamp()::text, true) as at
+    ),
+    picked as materialized (
+      select tableoid as palisade_table, ctid as palisade_row from ${t} where ${lt(t.deletedAt, olderThan)} and (select at from purging) is not null limit ${batchSize}${skipLocked ? sql` for update skip locked` : sql``}
     ),
     gone as (delete from ${t} where ctid = any(array(select palisade_row from picked))
       and ((tableoid, ctid) in (select palisade_table, palisade_row from picked)) is true
       returning tableoid as palisade_table, ${t.lastFence} as fence),
     removed as (select palisade_table, max(fence) as fence, count(*) as n from gone group by 1)
     select coalesce(sum(n), 0)::int8 as n, (select count(*) from picked) as picked,
-      bool_and(palisade.raise_floor(palisade.floor_table(palisade_table::regclass), fence)) as raised
+      bool_and(palisade.raise_floor(palisade.floor_table(palisade_table::regclass), fence)) as raised,
+      set_config('palisade.purging', '', true) as purged
     from removed`;
 }

@@ -32,9 +32,10 @@ export const FENCE_TRIGGER_SQLSTATE = 'PF001';
 export const FENCE_TRIGGER_NAME = 'palisade_fence_guard';
 /** Name of the function that raises the tombstone floor after a delete, and of its trigger. */
 const FLOOR_TRIGGER_NAME = 'palisade_fence_floor';
-/** Names of the triggers that refuse a change of a row's primary key: the statement's, and any other trigger's. */
+/** Name of the trigger that refuses a change of a row's primary key made by the statement. */
 const KEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_key`;
-const REKEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_rekey`;
+/** Name of the trigger that checks the row once every BEFORE trigger of the table had its say. */
+const AFTER_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_after`;
 
 /** Options of {@link fenceTriggerSql} and {@link installFenceTrigger}. */
 export interface FenceTriggerOptions {
@@ -82,7 +83,7 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
  * replica`) — which is also the escape hatch for a deliberate manual fix;
  * hold against a session that sets palisade's transaction-local settings
- * (`palisade.floor_open_…`) itself.
+ * (`palisade.floor_open_…`, `palisade.purging`) itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -114,6 +115,13 @@ DECLARE
   pending bigint;
 BEGIN
   IF TG_OP = 'UPDATE' THEN
+    IF TG_ARGV[0] = 'after' THEN
+      RAISE EXCEPTION USING
+        ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
+        MESSAGE = format('update of %I.%I refused once the table''s own triggers ran: the row''s primary key changed, or its last_fence did not rise',
+                         TG_TABLE_SCHEMA, TG_TABLE_NAME),
+        HINT = 'a BEFORE UPDATE trigger of the table must leave the key and last_fence as palisade wrote them';
+    END IF;
     IF TG_ARGV[0] = 'key' THEN
       RAISE EXCEPTION USING
         ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
@@ -139,9 +147,11 @@ BEGIN
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
   END IF;
   -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
-  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). Otherwise —
-  -- a partition made after the install, a DELETE through an inheritance parent — this row raises it now (a
-  -- command of its own: a purge's raise, a later one, sees it).
+  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). A palisade
+  -- purge raises the floor of every row it removes itself, at its end (its own rows: those of its statement,
+  -- marked until its end, at the first trigger depth). Otherwise — a partition made after the install, a
+  -- DELETE through an inheritance parent — this row raises it now (a command of its own, which a purge's
+  -- raise, a later command, sees).
   floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
   IF coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0) > 0 THEN
     -- Written only when it rises (a purge's rows rarely do).
@@ -149,7 +159,8 @@ BEGIN
     IF pending IS NULL OR OLD.last_fence > pending THEN
       PERFORM set_config('palisade.floor_pending_' || floor_key, OLD.last_fence::text, true);
     END IF;
-  ELSE
+  ELSIF current_setting('palisade.purging', true) IS DISTINCT FROM statement_timestamp()::text
+        OR pg_trigger_depth() <> 1 THEN
     PERFORM palisade.raise_floor(palisade.floor_table(TG_RELID::regclass), OLD.last_fence);
   END IF;
   RETURN OLD;
@@ -200,10 +211,11 @@ $palisade$`,
     ...dropFenceTriggerStatements({ name, ...(schema === undefined ? {} : { schema }) }),
     `CREATE TRIGGER ${updateTrigger} BEFORE UPDATE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}('${sameFence}')`,
     // On the primary key's columns, fired only when one changes (Postgres evaluates WHEN itself). A table
-    // without a primary key gets none: a fenced repository needs one. Two triggers: before the update, for
-    // a key the statement sets — a row it moves to another partition is deleted and inserted, and fires no
-    // AFTER UPDATE trigger — and after it, for a key another BEFORE trigger (the table's own) changed, or a
-    // generated column's, which a BEFORE trigger's WHEN may not read.
+    // without a primary key gets none: a fenced repository needs one. Then the row as every BEFORE trigger
+    // left it — the table's own may run after the guards (triggers of one kind fire in name order) and
+    // change the key or last_fence — checked after the update: the key (a generated one too, which a BEFORE
+    // trigger's WHEN may not read) and last_fence. Not instead of the checks before it: a row the update
+    // moves to another partition is deleted and inserted there, and fires no AFTER UPDATE trigger.
     doBlock(
       'columns text; changed text; every_changed text;',
       `SELECT string_agg(format('%I', a.attname), ', ' ORDER BY k.n) FILTER (WHERE a.attgenerated = ''),
@@ -218,10 +230,10 @@ $palisade$`,
     EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
                    ${literal(KEY_TRIGGER_NAME)}, columns, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
   END IF;
-  IF every_changed IS NOT NULL THEN
-    EXECUTE format('CREATE TRIGGER %I AFTER UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
-                   ${literal(REKEY_TRIGGER_NAME)}, ${literal(qualified)}, every_changed, ${literal(fn)}, 'key');
-  END IF;`,
+  EXECUTE format('CREATE TRIGGER %I AFTER UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
+                 ${literal(AFTER_TRIGGER_NAME)}, ${literal(qualified)},
+                 concat_ws(' OR ', every_changed, ${literal(`NEW.last_fence IS NULL OR NEW.last_fence ${sameFence === 'allow' ? '<' : '<='} OLD.last_fence`)}),
+                 ${literal(fn)}, 'after');`,
     ),
   ];
   if (guardDeletes) {
@@ -248,7 +260,7 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_update`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_delete`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(KEY_TRIGGER_NAME)} ON ${qualified}`,
-    `DROP TRIGGER IF EXISTS ${ident(REKEY_TRIGGER_NAME)} ON ${qualified}`,
+    `DROP TRIGGER IF EXISTS ${ident(AFTER_TRIGGER_NAME)} ON ${qualified}`,
     onEveryMember(
       qualified,
       `EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', ${literal(FLOOR_TRIGGER_NAME)}, member);

@@ -145,13 +145,15 @@ async function erase(
         )
       ).count;
     case 'nested': {
-      // The function runs once, in the one-time filter the outer DELETE checks before it scans (after its
-      // statement triggers opened it), rows or none; it leaves its count in a session setting, read next.
+      // The function deletes the key from the outer DELETE's RETURNING, once it removed a bystander (its
+      // statement triggers opened it); alone when no bystander is left. It keeps its count in a session
+      // setting, read next.
       await client.unsafe(`select set_config('palisade_prop.erased', '-1', false)`);
-      await client.unsafe(
-        `delete from ${bystanders} where (select palisade_prop_erase_key('${table}', $1)) and id = ${oneBystander}`,
-        [key],
-      );
+      const eraseKey = `palisade_prop_erase_key('${table}', $1)`;
+      const outer = await client.unsafe(`delete from ${bystanders} where id = ${oneBystander} returning ${eraseKey}`, [
+        key,
+      ]);
+      if (outer.count === 0) await client.unsafe(`select ${eraseKey}`, [key]);
       const [row] = await client.unsafe(`select current_setting('palisade_prop.erased') as n`);
       return Number(row?.n);
     }
@@ -159,6 +161,14 @@ async function erase(
 }
 
 const refusedByTrigger = (error: unknown) => (error as { code?: unknown })?.code === FENCE_TRIGGER_SQLSTATE;
+/**
+ * A nested or CTE erase deletes a bystander and the key in its own order, a purge in another: Postgres may
+ * end either statement as a deadlock, which writes nothing (the audit and the final row check that).
+ */
+const deadlockedErase = (run: OpRun, error: unknown) =>
+  run.spec.kind === 'erase' &&
+  (run.spec.form ?? 'plain') !== 'plain' &&
+  (error as { code?: unknown })?.code === '40P01';
 
 /**
  * Plain operations run once, autocommit; blockers hold the row in a transaction until released.
@@ -176,7 +186,7 @@ export interface OpSpec {
   readonly via?: Route;
   /**
    * An erase's statement (`plain` when absent): `nested` — a DELETE of a bystander tombstone through
-   * `other`, whose condition calls a function that deletes the key (a DELETE nested in it); `cte` — a
+   * `other`, whose RETURNING calls a function that deletes the key (a DELETE nested in it); `cte` — a
    * data-modifying CTE deletes a bystander through `other` first, in the same query. Either way the key
    * goes while another DELETE of its floor is open: one through the last partition (no statement triggers
    * of its own) leaves its fence pending to that DELETE's end.
@@ -189,6 +199,12 @@ export type EraseForm = 'plain' | 'nested' | 'cte';
 export interface Scenario {
   readonly init: { readonly state: 'absent' | 'live' | 'tomb'; readonly fence: number };
   readonly ops: readonly OpSpec[];
+  /**
+   * With the fence trigger: the key lives in the partition that stands for one made after the install
+   * (else in another). An erase of it through that partition, nested in another DELETE or beside one in a
+   * CTE, leaves its fence pending to the other's end.
+   */
+  readonly late?: boolean;
 }
 
 const MAX_OPS = 5;
@@ -230,6 +246,7 @@ export const scenarioArb = (layout: TableLayout, trigger = false): fc.Arbitrary<
       fence: fc.integer({ min: 1, max: 5 }),
     }),
     ops: fc.array(opArb(layout, trigger), { minLength: 2, maxLength: MAX_OPS }),
+    late: trigger ? fc.boolean() : fc.constant(false),
   });
 
 type Observed =
@@ -444,18 +461,25 @@ export async function closeHarness(h: Harness | undefined): Promise<void> {
 export async function play(h: Harness, s: fc.Scheduler, scenario: Scenario): Promise<Outcome> {
   const base = h.nextBase;
   h.nextBase += 100n;
-  const key = `k${process.pid}_${h.keySeq++}_${Date.now().toString(36)}`;
+  const stem = `k${process.pid}_${h.keySeq++}_${Date.now().toString(36)}`;
   // Fresh partitions: this run's row versions take the first row positions of their partition.
   if (h.layout === 'partitioned') await execute(h.main, sql`truncate palisade_prop_tombs`);
-  const [{ i: keyPartition } = { i: 0 }] = (
+  // With the trigger, a key of the late partition or of another, as the scenario asks (of 64 candidates).
+  const [{ k: key, i: keyPartition } = { k: stem, i: 0 }] = (
     h.layout === 'partitioned'
       ? await execute(
           h.main,
-          sql`select i from generate_series(0, ${PARTITIONS - 1}) i
-              where satisfies_hash_partition('palisade_prop_tombs'::regclass, ${PARTITIONS}, i, ${key}::text)`,
+          h.trigger
+            ? sql`select c.k, i from (select ${stem} || '_' || g as k, g from generate_series(1, 64) g) c,
+                  generate_series(0, ${PARTITIONS - 1}) i
+                where satisfies_hash_partition('palisade_prop_tombs'::regclass, ${PARTITIONS}, i, c.k)
+                  and (i = ${PARTITIONS - 1}) = ${scenario.late === true}
+                order by c.g limit 1`
+            : sql`select ${stem} as k, i from generate_series(0, ${PARTITIONS - 1}) i
+                where satisfies_hash_partition('palisade_prop_tombs'::regclass, ${PARTITIONS}, i, ${stem}::text)`,
         )
       : []
-  ) as { i: number }[];
+  ) as { k: string; i: number }[];
   if (scenario.init.state !== 'absent') {
     // Written before the trigger matters: the audit rows of the set-up carry op 'insert' and are skipped below.
     await execute(
@@ -722,6 +746,7 @@ function matches(run: OpRun, want: Expect, hasPurge: boolean): boolean {
   if (!got) return false;
   if (run.spec.kind === 'purge') return got.status === 'purged';
   if (run.spec.kind === 'lock') return got.status === 'locked';
+  if (got.status === 'error' && deadlockedErase(run, got.error)) return true;
   if (want.status === 'refused by the trigger') return got.status === 'error' && refusedByTrigger(got.error);
   if (want.status === 'erased') return got.status === 'erased' && got.count === want.count;
   // A write racing a purge may be told to retry; it wrote nothing (the audit and final row check that).
@@ -751,7 +776,9 @@ export function explain(o: Outcome, scenario: Scenario): string | undefined {
   const committed = o.runs.filter((r) => !isBlocker(r.spec.kind) || r.committed === true);
   const hasPurge = scenario.ops.some((op) => removes(op.kind));
   for (const r of o.runs) {
-    const expected = r.result?.status === 'error' && r.spec.kind === 'erase' && refusedByTrigger(r.result.error);
+    const expected =
+      r.result?.status === 'error' &&
+      ((r.spec.kind === 'erase' && refusedByTrigger(r.result.error)) || deadlockedErase(r, r.result.error));
     if (r.result?.status === 'error' && !expected && !(r.result.error instanceof RetryableWriteError)) {
       return `${r.tag}: unexpected error ${String(r.result.error)}`;
     }
@@ -933,6 +960,30 @@ describe.runIf(needs('DATABASE_URL'))(
     it("an operator's plain DELETE beside palisade's writes and purges, through every name: every outcome is a serial one", async () => {
       await searchInterleavings(h, 200);
     }, 300_000);
+
+    it.each([
+      ['nested in a DELETE of a bystander through the parent', 'nested', 'name'],
+      ['beside a CTE that deletes a bystander through another partition', 'cte', 'sibling'],
+    ] as const)(
+      "an erase of a late partition's tombstone %s: its pending fence keeps a lower one out",
+      async (_how, form, other) => {
+        // The key's partition has no statement triggers of its own (one made after the install): its row trigger
+        // leaves the fence pending to the other DELETE, open meanwhile, whose end raises the floor to it.
+        const scenario: Scenario = {
+          init: { state: 'tomb', fence: 4 },
+          late: true,
+          ops: [
+            { kind: 'erase', fence: 1, commit: true, via: 'partition', form, other },
+            { kind: 'upsert', fence: 3, commit: true },
+          ],
+        };
+        const o = await playAndCheck(h, fc.schedulerFor([1, 2]), scenario);
+        expect(o.runs.map((r) => r.result)).toEqual([
+          { status: 'erased', count: 1 },
+          { status: 'stale', currentFence: o.base + 4n },
+        ]);
+      },
+    );
 
     it("a plain DELETE of the tombstone through its partition's own name keeps a lower fence from recreating the row", async () => {
       // Found by the property: the floor trigger sat on the parent only, and a statement trigger fires only on

@@ -5,6 +5,8 @@
  */
 import { sql } from 'drizzle-orm';
 import { integer, pgSchema, pgTable } from 'drizzle-orm/pg-core';
+import { drizzle } from 'drizzle-orm/postgres-js';
+import postgres from 'postgres';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { type Database, execute, int8 } from '../../src/driver.js';
 import { DatabaseError, InvalidArgumentError } from '../../src/errors.js';
@@ -21,6 +23,16 @@ import {
 } from '../../src/schema/fence-trigger.js';
 import { pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
+import { outcomeOrStillWaiting } from '../support/still-waiting.js';
+
+// Polls `ready` every 10 ms, at most 3,000 times.
+async function until(ready: () => boolean | Promise<boolean>): Promise<void> {
+  for (let i = 0; i < 3_000; i++) {
+    if (await ready()) return;
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+  throw new Error('the state the test waits for never came');
+}
 
 const f = (n: number) => toFence(n);
 let tableCount = 0;
@@ -515,6 +527,34 @@ for (const suite of suites) {
       expect(await repo.update({ id: 1 }, f(200), { stock: 4 })).toMatchObject({ status: 'applied' });
     });
 
+    it.each([
+      ['keeps', 'OLD.last_fence'],
+      ['lowers', '0'],
+    ])("refuses an UPDATE whose last_fence the table's own later trigger %s", async (_what, value) => {
+      // The guard checked last_fence where it ran, in name order: a trigger of the table's own that runs after
+      // it (one that protects system columns, say) put the old fence back, or a lower one, and a stale holder's
+      // write then applied (an attack).
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      await execute(
+        test.db,
+        sql.raw(`create function ${name}_keep() returns trigger language plpgsql as $$ begin
+          NEW.last_fence := ${value}; return NEW; end $$`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`create trigger zz_keep_fence before update on ${name} for each row execute function ${name}_keep()`),
+      );
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(10));
+      await refusal(test.db, `update ${name} set stock = 77, last_fence = last_fence + 1 where id = 1`);
+      await expect(repo.update({ id: 1 }, f(20), { stock: 6 })).rejects.toMatchObject({
+        sqlState: FENCE_TRIGGER_SQLSTATE,
+      });
+      expect(await row(test.db, name, 1)).toEqual({ stock: 5, fence: 10n, deleted: false });
+      expect(await repo.update({ id: 1 }, f(3), { stock: 3 })).toMatchObject({ status: 'stale', currentFence: 10n });
+    });
+
     it('guards a primary key that is a generated column', async () => {
       // A BEFORE trigger's WHEN may not read a generated column: the install failed outright.
       const name = `generated_${++tableCount}`;
@@ -599,6 +639,69 @@ describe.runIf(needs('DATABASE_URL'))('fence trigger: a role that may not raise 
       expect(await repo.upsert({ id: 1, stock: 1 }, f(15))).toEqual({ status: 'stale', currentFence: 20n });
     } finally {
       await execute(test.db, sql.raw(`drop owned by ${role}; drop role if exists ${role}`)).catch(() => {});
+      await test.close();
+    }
+  });
+});
+
+describe.runIf(needs('DATABASE_URL'))('fence trigger: purges beside one another', () => {
+  it('two purges of overlapping batches through a partition made after the install both finish', async () => {
+    // Without the purge's mark, each purge's first row raised the floor from its row trigger and held the
+    // floor's row lock while the purge went on: A waited for a row B held, B for the floor A held (40P01, an
+    // attack). The purge raises the floor at its end, which the mark keeps for it.
+    const test = await postgresDatabase({ migrated: true });
+    const sessions = Array.from({ length: 3 }, () => postgres(test.url as string, { max: 1, onnotice: () => {} }));
+    try {
+      const name = `overlap_${++tableCount}`;
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_0 partition of ${name} for values from (0) to (100)`));
+      await installFenceTrigger(test.db, gadgets(name));
+      await execute(test.db, sql.raw(`create table ${name}_late partition of ${name} for values from (100) to (200)`));
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at) values
+          (101, 0, 10, now() - interval '1 hour'), (102, 0, 11, now() - interval '1 hour'),
+          (103, 0, 12, now() - interval '3 hours'), (104, 0, 13, now() - interval '3 hours')`),
+      );
+      const [x, a, b] = sessions as [postgres.Sql, postgres.Sql, postgres.Sql];
+      const pidOf = async (c: postgres.Sql) => Number((await c`select pg_backend_pid() as pid`)[0]?.pid);
+      const [pidA, pidB] = [await pidOf(a), await pidOf(b)];
+      const waiting = async (pid: number) =>
+        (await execute(test.db, sql`select count(*)::int as n from pg_locks where pid = ${pid} and not granted`))[0]
+          ?.n !== 0;
+      const late = (c: postgres.Sql) => fencedRepository(drizzle(c) as unknown as Database, gadgets(`${name}_late`));
+      // X, a writer, holds tombstone 102 until released.
+      let release = () => {};
+      const held = new Promise<void>((resolve) => {
+        release = resolve;
+      });
+      let locked = () => {};
+      const isLocked = new Promise<void>((resolve) => {
+        locked = resolve;
+      });
+      const xDone = x.begin(async (tx) => {
+        await tx`select 1 from ${x(`${name}_late`)} where id = 102 for update`;
+        locked();
+        await held;
+      });
+      await isLocked;
+      // A purges all four (it removes 101, then waits at 102); B the two older ones, 103 and 104.
+      const purgeA = late(a).purgeTombstones(new Date());
+      await until(() => waiting(pidA));
+      const purgeB = late(b).purgeTombstones(new Date(Date.now() - 2 * 3_600_000));
+      await until(
+        async () => (await waiting(pidB)) || (await outcomeOrStillWaiting(purgeB, 0)) !== 'still waiting after 0 s',
+      );
+      release();
+      await xDone;
+      expect(await Promise.all([purgeA, purgeB])).toEqual([2, 2]);
+      expect(await execute(test.db, sql.raw(`select id from ${name}`))).toEqual([]);
+      expect(await fencedRepository(test.db, gadgets(name)).upsert({ id: 104, stock: 1 }, f(13))).toEqual({
+        status: 'stale',
+        currentFence: 13n,
+      });
+    } finally {
+      for (const c of sessions) await c.end();
       await test.close();
     }
   });
