@@ -25,6 +25,7 @@ import { fenceColumns } from '../../src/schema/fence-columns.js';
 import { everyTransactionDriver, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { createResource, uniqueNamespace } from '../support/scenario.js';
 import { needs } from '../support/services.js';
+import { until, waitingForLock } from '../support/still-waiting.js';
 
 const resource = pgTable('resource', { id: integer('id').primaryKey(), value: text('value'), ...fenceColumns() });
 
@@ -223,7 +224,7 @@ describe.runIf(needs('DATABASE_URL'))(
             return { value: 'A' };
           })
           .catch(() => 'ended');
-        await until(async () => seen.pid !== undefined && (await waitingOn(db, seen.pid)));
+        await until(async () => seen.pid !== undefined && (await waitingForLock(db, seen.pid)));
         commitB?.();
         await b;
         await until(() => seen.bound !== undefined);
@@ -237,17 +238,3 @@ describe.runIf(needs('DATABASE_URL'))(
     );
   },
 );
-
-// Whether A's session waits for a lock (its claim behind B's raise); other sessions of the cluster — the
-// suite runs in parallel — do not count.
-const waitingOn = async (db: Database, pid: number) =>
-  (await execute(db, sql`select count(*)::int as n from pg_locks where pid = ${pid} and not granted`))[0]?.n !== 0;
-
-// Polls `ready` every 10 ms, at most 3,000 times.
-async function until(ready: () => boolean | Promise<boolean>): Promise<void> {
-  for (let i = 0; i < 3_000; i++) {
-    if (await ready()) return;
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
-  throw new Error('the state the test waits for never came');
-}

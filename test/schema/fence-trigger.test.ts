@@ -23,16 +23,7 @@ import {
 } from '../../src/schema/fence-trigger.js';
 import { pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
-import { outcomeOrStillWaiting } from '../support/still-waiting.js';
-
-// Polls `ready` every 10 ms, at most 3,000 times.
-async function until(ready: () => boolean | Promise<boolean>): Promise<void> {
-  for (let i = 0; i < 3_000; i++) {
-    if (await ready()) return;
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
-  throw new Error('the state the test waits for never came');
-}
+import { outcomeOrStillWaiting, until, waitingForLock } from '../support/still-waiting.js';
 
 const f = (n: number) => toFence(n);
 let tableCount = 0;
@@ -666,9 +657,7 @@ describe.runIf(needs('DATABASE_URL'))('fence trigger: purges beside one another'
       const [x, a, b] = sessions as [postgres.Sql, postgres.Sql, postgres.Sql];
       const pidOf = async (c: postgres.Sql) => Number((await c`select pg_backend_pid() as pid`)[0]?.pid);
       const [pidA, pidB] = [await pidOf(a), await pidOf(b)];
-      const waiting = async (pid: number) =>
-        (await execute(test.db, sql`select count(*)::int as n from pg_locks where pid = ${pid} and not granted`))[0]
-          ?.n !== 0;
+      const waiting = (pid: number) => waitingForLock(test.db, pid);
       const late = (c: postgres.Sql) => fencedRepository(drizzle(c) as unknown as Database, gadgets(`${name}_late`));
       // X, a writer, holds tombstone 102 until released.
       let release = () => {};
