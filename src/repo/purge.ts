@@ -44,12 +44,15 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // one nested in it — a user's trigger that removes more tombstones makes the fence trigger write the same
   // floor row from such a command, which an INSERT … ON CONFLICT of this statement's own command could not
   // see: Postgres would refuse it (21000).
-  // `purging` tells the fence trigger (../schema/fence-trigger.ts) that this statement raises the floor of
-  // every row it removes: a row whose statement raises no floor of its own (a partition made after the
-  // trigger's install, an inheritance child) would otherwise raise it from its row trigger, taking the
-  // floor's row lock at the first row — and two purges of overlapping batches would each wait for the other.
-  // The final projection clears it, once the raise is done: it holds for this statement alone (a mark by
-  // statement_timestamp() alone also covered the next statement on PGlite, whose clock moves in whole ms).
+  // `purging` tells the fence trigger (../schema/fence-trigger.ts) that this statement raises the floor at its
+  // end: a row whose statement raises no floor of its own (a partition made after the trigger's install, an
+  // inheritance child) would otherwise raise it from its row trigger, taking the floor's row lock at the first
+  // row — and two purges of overlapping batches would each wait for the other. The trigger leaves such a
+  // row's fence to it, per floor (`palisade.purge_floors`, `palisade.purge_pending_<floor>`): its own rows,
+  // and rows that code it runs removes (a row security policy's function), which `gone` does not return.
+  // The final projection raises those and clears them and the mark, once the DELETE is done: they hold for
+  // this statement alone (a mark by statement_timestamp() alone covered the next statement on PGlite, whose
+  // clock moves in whole milliseconds).
   return sql`with purging as materialized (
       select set_config('palisade.purging', statement_timestamp()::text, true) as at
     ),
@@ -62,6 +65,10 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
     removed as (select palisade_table, max(fence) as fence, count(*) as n from gone group by 1)
     select coalesce(sum(n), 0)::int8 as n, (select count(*) from picked) as picked,
       bool_and(palisade.raise_floor(palisade.floor_table(palisade_table::regclass), fence)) as raised,
+      (select count(case when palisade.raise_floor(f::oid::regclass, current_setting('palisade.purge_pending_' || f)::int8)
+                    then set_config('palisade.purge_pending_' || f, '', true) end)
+       from unnest(string_to_array(nullif(current_setting('palisade.purge_floors', true), ''), ' ')) f) as pending,
+      set_config('palisade.purge_floors', '', true) as listed,
       set_config('palisade.purging', '', true) as purged
     from removed`;
 }

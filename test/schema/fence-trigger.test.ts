@@ -460,6 +460,55 @@ for (const suite of suites) {
       }
     });
 
+    it("a tombstone that a row security policy's function removes during a purge raises the floor too", async () => {
+      // The row trigger took every row removed at the first trigger depth during a purge's statement for one of
+      // the purge's own, and left its floor to the purge — which raises only what its own DELETE returned. The
+      // policy's function runs in the purge's statement, outside any trigger (an attack).
+      const name = `policed_${++tableCount}`;
+      const role = `palisade_policed_${process.pid}_${tableCount}`;
+      await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
+      await execute(test.db, sql.raw(`create table ${name}_0 partition of ${name} for values from (0) to (100)`));
+      await installFenceTrigger(test.db, gadgets(name));
+      await execute(test.db, sql.raw(`create table ${name}_late partition of ${name} for values from (100) to (200)`));
+      await execute(
+        test.db,
+        sql.raw(`insert into ${name} (id, stock, last_fence, deleted_at)
+          values (101, 0, 50, now() - interval '1 hour'), (102, 0, 60, now())`),
+      );
+      // Removing 101 removes its companion 102 too (a hook in the DELETE policy).
+      for (const statement of [
+        `create function ${name}_cleanup(i int) returns boolean language plpgsql volatile as $$
+           begin if i = 101 then delete from ${name}_late where id = 102; end if; return true; end $$`,
+        `alter table ${name}_late enable row level security`,
+        `create policy see on ${name}_late for select using (true)`,
+        `create policy go on ${name}_late for delete using (${name}_cleanup(id))`,
+        `create role ${role}`,
+        `grant usage on schema palisade to ${role}`,
+        `grant select, insert, update on palisade.tombstone_floors to ${role}`,
+        `grant select, delete on ${name}, ${name}_late to ${role}`,
+      ])
+        await execute(test.db, sql.raw(statement));
+      try {
+        // Row security binds a role that is not the table's owner, nor a superuser.
+        await test.db.transaction(async (tx) => {
+          const t = tx as unknown as Database;
+          await execute(t, sql.raw(`set local role ${role}`));
+          const purged = await fencedRepository(t, gadgets(`${name}_late`)).purgeTombstones(
+            new Date(Date.now() - 60_000),
+          );
+          expect(purged).toBe(1);
+        });
+        expect(await row(test.db, name, 102)).toBeUndefined();
+        expect(await fencedRepository(test.db, gadgets(name)).upsert({ id: 102, stock: 9 }, f(55))).toEqual({
+          status: 'stale',
+          currentFence: 60n,
+        });
+      } finally {
+        await execute(test.db, sql.raw(`drop owned by ${role}`));
+        await execute(test.db, sql.raw(`drop role ${role}`));
+      }
+    });
+
     it("purgeTombstones works beside the table's own trigger that removes more tombstones of it", async () => {
       // The nested DELETE's floor row came first, in a later command than the purge's own, whose
       // INSERT … ON CONFLICT could not see it: Postgres refused the purge (21000), which removed nothing.
