@@ -50,9 +50,11 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // row — and two purges of overlapping batches would each wait for the other. The trigger leaves such a
   // row's fence to it, per floor (`palisade.purge_floors`, `palisade.purge_pending_<floor>`): its own rows,
   // and rows that code it runs removes (a row security policy's function), which `gone` does not return.
-  // The final projection raises those and clears them and the mark, once the DELETE is done: they hold for
-  // this statement alone (a mark by statement_timestamp() alone covered the next statement on PGlite, whose
-  // clock moves in whole milliseconds).
+  // The final projection, once the DELETE is done, first clears the mark — a row removed from here on (by
+  // code the raises below run: a policy on the floors table) raises its floor itself — then raises what was
+  // left to it and clears that: the mark holds for this statement alone (a mark by statement_timestamp()
+  // alone covered the next statement on PGlite, whose clock moves in whole milliseconds). Postgres evaluates
+  // the columns in order, the sub-select when its column is.
   return sql`with purging as materialized (
       select set_config('palisade.purging', statement_timestamp()::text, true) as at
     ),
@@ -65,10 +67,10 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
     removed as (select palisade_table, max(fence) as fence, count(*) as n from gone group by 1)
     select coalesce(sum(n), 0)::int8 as n, (select count(*) from picked) as picked,
       bool_and(palisade.raise_floor(palisade.floor_table(palisade_table::regclass), fence)) as raised,
+      set_config('palisade.purging', '', true) as purged,
       (select count(case when palisade.raise_floor(f::oid::regclass, current_setting('palisade.purge_pending_' || f)::int8)
                     then set_config('palisade.purge_pending_' || f, '', true) end)
        from unnest(string_to_array(nullif(current_setting('palisade.purge_floors', true), ''), ' ')) f) as pending,
-      set_config('palisade.purge_floors', '', true) as listed,
-      set_config('palisade.purging', '', true) as purged
+      set_config('palisade.purge_floors', '', true) as listed
     from removed`;
 }

@@ -113,6 +113,7 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
 DECLARE
   floor_key text;
   pending bigint;
+  listed text;
 BEGIN
   IF TG_OP = 'UPDATE' THEN
     IF TG_ARGV[0] = 'after' THEN
@@ -164,9 +165,9 @@ BEGIN
   ELSIF current_setting('palisade.purging', true) IS NOT DISTINCT FROM statement_timestamp()::text
         AND pg_trigger_depth() = 1 THEN
     pending := nullif(current_setting('palisade.purge_pending_' || floor_key, true), '')::bigint;
-    IF pending IS NULL THEN
-      PERFORM set_config('palisade.purge_floors',
-                         concat_ws(' ', nullif(current_setting('palisade.purge_floors', true), ''), floor_key), true);
+    listed := coalesce(current_setting('palisade.purge_floors', true), '');
+    IF position(' ' || floor_key || ' ' IN ' ' || listed || ' ') = 0 THEN
+      PERFORM set_config('palisade.purge_floors', concat_ws(' ', nullif(listed, ''), floor_key), true);
     END IF;
     IF pending IS NULL OR OLD.last_fence > pending THEN
       PERFORM set_config('palisade.purge_pending_' || floor_key, OLD.last_fence::text, true);

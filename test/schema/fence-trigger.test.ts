@@ -509,6 +509,64 @@ for (const suite of suites) {
       }
     });
 
+    it('a tombstone removed while the purge raises the floors left to it raises its own floor', async () => {
+      // The purge's mark held until its very end: a row removed while its last step raised the floors left to it
+      // (here by a policy on palisade's floors table, which that raise runs) was left to a list already read —
+      // and its fence, left behind, kept its floor off the list for the rest of the transaction (an attack).
+      const a = `hooked_a_${++tableCount}`;
+      const b = `hooked_b_${tableCount}`;
+      const role = `palisade_hooked_${process.pid}_${tableCount}`;
+      for (const name of [a, b]) {
+        await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
+        await execute(test.db, sql.raw(`create table ${name}_0 partition of ${name} for values from (0) to (100)`));
+        await installFenceTrigger(test.db, gadgets(name));
+        await execute(
+          test.db,
+          sql.raw(`create table ${name}_late partition of ${name} for values from (100) to (200)`),
+        );
+      }
+      await execute(
+        test.db,
+        sql.raw(`insert into ${a} (id, stock, last_fence, deleted_at) values (101, 0, 50, now() - interval '1 hour')`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`insert into ${b} (id, stock, last_fence, deleted_at) values (102, 0, 70, now())`),
+      );
+      const policies = [
+        `create function ${b}_hook() returns boolean language plpgsql volatile as $$
+           begin delete from ${b}_late where id = 102; return true; end $$`,
+        'alter table palisade.tombstone_floors enable row level security',
+        `create policy ${role}_s on palisade.tombstone_floors for select using (true)`,
+        `create policy ${role}_i on palisade.tombstone_floors for insert with check (true)`,
+        `create policy ${role}_u on palisade.tombstone_floors for update using (${b}_hook())`,
+        `create role ${role}`,
+        `grant usage on schema palisade to ${role}`,
+        `grant select, insert, update on palisade.tombstone_floors to ${role}`,
+        `grant select, delete on ${a}, ${a}_late, ${b}, ${b}_late to ${role}`,
+      ];
+      for (const statement of policies) await execute(test.db, sql.raw(statement));
+      try {
+        await test.db.transaction(async (tx) => {
+          const t = tx as unknown as Database;
+          await execute(t, sql.raw(`set local role ${role}`));
+          const later = new Date(Date.now() - 60_000);
+          expect(await fencedRepository(t, gadgets(`${a}_late`)).purgeTombstones(later)).toBe(1);
+        });
+      } finally {
+        await execute(test.db, sql.raw('alter table palisade.tombstone_floors disable row level security'));
+        for (const policy of ['s', 'i', 'u'])
+          await execute(test.db, sql.raw(`drop policy ${role}_${policy} on palisade.tombstone_floors`));
+        await execute(test.db, sql.raw(`drop owned by ${role}`));
+        await execute(test.db, sql.raw(`drop role ${role}`));
+      }
+      expect(await row(test.db, b, 102)).toBeUndefined();
+      expect(await fencedRepository(test.db, gadgets(b)).upsert({ id: 102, stock: 9 }, f(60))).toEqual({
+        status: 'stale',
+        currentFence: 70n,
+      });
+    });
+
     it("purgeTombstones works beside the table's own trigger that removes more tombstones of it", async () => {
       // The nested DELETE's floor row came first, in a later command than the purge's own, whose
       // INSERT … ON CONFLICT could not see it: Postgres refused the purge (21000), which removed nothing.
