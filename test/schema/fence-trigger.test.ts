@@ -600,57 +600,34 @@ for (const suite of suites) {
     });
 
     it.each([
-      ['runs before the guard', 'archive'],
-      ['runs after the guard', 'zz_archive'],
-    ])("refuses a key change made by the table's own trigger, whichever %s", async (_when, trigger) => {
-      // The guard fired only on an UPDATE that named a key column: a key moved by another BEFORE trigger left
-      // the old key without its fence, and a stale upsert of it landed (an attack).
+      ['changes the key, running before the guard', 'archive', 'NEW.id := OLD.id + 1000000'],
+      ['changes the key, running after the guard', 'zz_archive', 'NEW.id := OLD.id + 1000000'],
+      ['keeps last_fence, running after the guard', 'zz_keep_fence', 'NEW.last_fence := OLD.last_fence'],
+      ['lowers last_fence, running after the guard', 'zz_keep_fence', 'NEW.last_fence := 0'],
+    ])("refuses an UPDATE whose row the table's own trigger %s", async (_what, trigger, change) => {
+      // The guards checked the row where they ran, in name order, and the key only when the statement named it: a
+      // key moved by another BEFORE trigger left the old key without its fence, and one that runs after them put
+      // the old fence back, or a lower one — either way a stale upsert or update then applied (two attacks).
       const { name, table } = await freshTable(test.db);
       await installFenceTrigger(test.db, table);
       await execute(
         test.db,
-        sql.raw(`create function ${name}_archive() returns trigger language plpgsql as $$ begin
-          if NEW.stock < 0 then NEW.id := OLD.id + 1000000; end if; return NEW; end $$`),
+        sql.raw(`create function ${name}_own() returns trigger language plpgsql as $$ begin
+          if NEW.stock < 0 then ${change}; end if; return NEW; end $$`),
       );
       await execute(
         test.db,
-        sql.raw(`create trigger ${trigger} before update on ${name} for each row execute function ${name}_archive()`),
+        sql.raw(`create trigger ${trigger} before update on ${name} for each row execute function ${name}_own()`),
       );
       const repo = fencedRepository(test.db, table);
       await repo.upsert({ id: 1, stock: 5 }, f(100));
+      await refusal(test.db, `update ${name} set stock = -77, last_fence = last_fence + 1 where id = 1`);
       await expect(repo.update({ id: 1 }, f(200), { stock: -1 })).rejects.toMatchObject({
         sqlState: FENCE_TRIGGER_SQLSTATE,
       });
       expect(await row(test.db, name, 1)).toEqual({ stock: 5, fence: 100n, deleted: false });
+      expect(await repo.update({ id: 1 }, f(3), { stock: 3 })).toMatchObject({ status: 'stale', currentFence: 100n });
       expect(await repo.update({ id: 1 }, f(200), { stock: 4 })).toMatchObject({ status: 'applied' });
-    });
-
-    it.each([
-      ['keeps', 'OLD.last_fence'],
-      ['lowers', '0'],
-    ])("refuses an UPDATE whose last_fence the table's own later trigger %s", async (_what, value) => {
-      // The guard checked last_fence where it ran, in name order: a trigger of the table's own that runs after
-      // it (one that protects system columns, say) put the old fence back, or a lower one, and a stale holder's
-      // write then applied (an attack).
-      const { name, table } = await freshTable(test.db);
-      await installFenceTrigger(test.db, table);
-      await execute(
-        test.db,
-        sql.raw(`create function ${name}_keep() returns trigger language plpgsql as $$ begin
-          NEW.last_fence := ${value}; return NEW; end $$`),
-      );
-      await execute(
-        test.db,
-        sql.raw(`create trigger zz_keep_fence before update on ${name} for each row execute function ${name}_keep()`),
-      );
-      const repo = fencedRepository(test.db, table);
-      await repo.upsert({ id: 1, stock: 5 }, f(10));
-      await refusal(test.db, `update ${name} set stock = 77, last_fence = last_fence + 1 where id = 1`);
-      await expect(repo.update({ id: 1 }, f(20), { stock: 6 })).rejects.toMatchObject({
-        sqlState: FENCE_TRIGGER_SQLSTATE,
-      });
-      expect(await row(test.db, name, 1)).toEqual({ stock: 5, fence: 10n, deleted: false });
-      expect(await repo.update({ id: 1 }, f(3), { stock: 3 })).toMatchObject({ status: 'stale', currentFence: 10n });
     });
 
     it('guards a primary key that is a generated column', async () => {
