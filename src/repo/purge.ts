@@ -48,8 +48,10 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
   // end: a row whose statement raises no floor of its own (a partition made after the trigger's install, an
   // inheritance child) would otherwise raise it from its row trigger, taking the floor's row lock at the first
   // row — and two purges of overlapping batches would each wait for the other. The trigger leaves such a
-  // row's fence to it, per floor (`palisade.purge_floors`, `palisade.purge_pending_<floor>`): its own rows,
-  // and rows that code it runs removes (a row security policy's function), which `gone` does not return.
+  // row's fence pending to it, as to an open DELETE (`palisade.floor_pending_<floor>`), and lists the floor
+  // (`palisade.purge_floors`): its own rows, and rows that code it runs removes (a row security policy's
+  // function), which `gone` does not return. A DELETE's end that raised and cleared a pending fence first
+  // leaves nothing to raise here.
   // The final projection, once the DELETE is done, first clears the mark — a row removed from here on (by
   // code the raises below run: a policy on the floors table) raises its floor itself — then raises what was
   // left to it and clears that: the mark holds for this statement alone (a mark by statement_timestamp()
@@ -68,9 +70,11 @@ export function purgeStatement(info: TableInfo, olderThan: unknown, batchSize: u
     select coalesce(sum(n), 0)::int8 as n, (select count(*) from picked) as picked,
       bool_and(palisade.raise_floor(palisade.floor_table(palisade_table::regclass), fence)) as raised,
       set_config('palisade.purging', '', true) as purged,
-      (select count(case when palisade.raise_floor(f::oid::regclass, current_setting('palisade.purge_pending_' || f)::int8)
-                    then set_config('palisade.purge_pending_' || f, '', true) end)
-       from unnest(string_to_array(nullif(current_setting('palisade.purge_floors', true), ''), ' ')) f) as pending,
+      (select count(case when palisade.raise_floor(f::oid::regclass, p.fence)
+                    then set_config('palisade.floor_pending_' || f, '', true) end)
+       from unnest(string_to_array(nullif(current_setting('palisade.purge_floors', true), ''), ' ')) f,
+         lateral (select nullif(current_setting('palisade.floor_pending_' || f, true), '')::int8 as fence) p
+       where p.fence is not null) as pending,
       set_config('palisade.purge_floors', '', true) as listed
     from removed`;
 }

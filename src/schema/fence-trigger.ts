@@ -83,7 +83,7 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
  * replica`) — which is also the escape hatch for a deliberate manual fix;
  * hold against a session that sets palisade's transaction-local settings
- * (`palisade.floor_open_…`, `palisade.purging`, `palisade.purge_…`) itself.
+ * (`palisade.floor_open_…`, `palisade.purging`, `palisade.purge_floors`) itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -114,6 +114,7 @@ DECLARE
   floor_key text;
   pending bigint;
   listed text;
+  purging boolean;
 BEGIN
   IF TG_OP = 'UPDATE' THEN
     IF TG_ARGV[0] = 'after' THEN
@@ -148,29 +149,27 @@ BEGIN
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
   END IF;
   -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
-  -- triggers count it), that DELETE's end raises the floor, this row's fence included (pending). During a
-  -- palisade purge's statement (marked until its end; rows at the first trigger depth: the purge's own, or
-  -- removed by code it runs, a row security policy's function), its end raises the floor: the fence is left
-  -- to it, per floor (purge_floors names them). Otherwise — a partition made after the install, a DELETE
-  -- through an inheritance parent — this row raises it now (a command of its own: a raise at a purge's end,
-  -- a later command, sees it). Neither is taken at the first row: two purges of overlapping batches would
-  -- each hold the floor's row lock and wait for the other's rows.
+  -- triggers count it), or a palisade purge's statement runs (marked until its end; rows at the first
+  -- trigger depth: the purge's own, or removed by code it runs, a row security policy's function), the
+  -- fence is left pending to the first of their ends that raises the floor (a purge's end raises the floors
+  -- it lists). Otherwise — a partition made after the install, a DELETE through an inheritance parent —
+  -- this row raises it now (a command of its own: a raise at a later end sees it). Not taken at the first
+  -- row of a purge: two purges of overlapping batches would each hold the floor's row lock and wait for the
+  -- other's rows.
   floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
-  IF coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0) > 0 THEN
+  purging := current_setting('palisade.purging', true) IS NOT DISTINCT FROM statement_timestamp()::text
+             AND pg_trigger_depth() = 1;
+  IF purging OR coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0) > 0 THEN
+    IF purging THEN
+      listed := coalesce(current_setting('palisade.purge_floors', true), '');
+      IF position(' ' || floor_key || ' ' IN ' ' || listed || ' ') = 0 THEN
+        PERFORM set_config('palisade.purge_floors', concat_ws(' ', nullif(listed, ''), floor_key), true);
+      END IF;
+    END IF;
     -- Written only when it rises (a purge's rows rarely do).
     pending := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
     IF pending IS NULL OR OLD.last_fence > pending THEN
       PERFORM set_config('palisade.floor_pending_' || floor_key, OLD.last_fence::text, true);
-    END IF;
-  ELSIF current_setting('palisade.purging', true) IS NOT DISTINCT FROM statement_timestamp()::text
-        AND pg_trigger_depth() = 1 THEN
-    pending := nullif(current_setting('palisade.purge_pending_' || floor_key, true), '')::bigint;
-    listed := coalesce(current_setting('palisade.purge_floors', true), '');
-    IF position(' ' || floor_key || ' ' IN ' ' || listed || ' ') = 0 THEN
-      PERFORM set_config('palisade.purge_floors', concat_ws(' ', nullif(listed, ''), floor_key), true);
-    END IF;
-    IF pending IS NULL OR OLD.last_fence > pending THEN
-      PERFORM set_config('palisade.purge_pending_' || floor_key, OLD.last_fence::text, true);
     END IF;
   ELSE
     PERFORM palisade.raise_floor(palisade.floor_table(TG_RELID::regclass), OLD.last_fence);
