@@ -885,16 +885,22 @@ async function searchInterleavings(h: Harness, numRuns: number): Promise<void> {
   let waitedRuns = 0;
   let refusedRuns = 0;
   let rereadRuns = 0;
-  await fc.assert(
-    fc.asyncProperty(fc.scheduler(), scenarioArb(h.layout, h.trigger), async (s, scenario) => {
-      const o = await playAndCheck(h, s, scenario);
-      runs++;
-      if (o.waited) waitedRuns++;
-      if (o.refused) refusedRuns++;
-      if (o.reread) rereadRuns++;
-    }),
-    propertyParams({ numRuns: propertyRuns(numRuns) }),
-  );
+  // About one run in six queues on a row lock; on a loaded machine a short search (npm test runs a quarter of
+  // the count) once saw none in 38. Then the search goes on with fresh seeds, every run still checked against
+  // the model, at most three rounds in all; a replayed seed plays its one round.
+  const rounds = process.env.PALISADE_PROPERTY_SEED ? 1 : 3;
+  for (let round = 0; round < rounds && (round === 0 || waitedRuns === 0 || refusedRuns === 0); round++) {
+    await fc.assert(
+      fc.asyncProperty(fc.scheduler(), scenarioArb(h.layout, h.trigger), async (s, scenario) => {
+        const o = await playAndCheck(h, s, scenario);
+        runs++;
+        if (o.waited) waitedRuns++;
+        if (o.refused) refusedRuns++;
+        if (o.reread) rereadRuns++;
+      }),
+      propertyParams({ numRuns: propertyRuns(numRuns) }),
+    );
+  }
   // The point of the blockers: statements really queued on a row lock in a good share of the runs.
   expect(waitedRuns, `runs that waited on a lock: ${waitedRuns} of ${runs}`).toBeGreaterThan(0);
   // And writes that did not apply at once gave the others a turn between their two statements.
