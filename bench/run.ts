@@ -31,6 +31,7 @@ import { type RunMeta, renderMarkdown, runMeta } from './lib/results.js';
 import { benchDatabase, benchRedis, settleDatabase } from './lib/services.js';
 import { endToEnd } from './sections/end-to-end.js';
 import { fenceIssuance } from './sections/fence-issuance.js';
+import { fenceTrigger } from './sections/fence-trigger.js';
 import { growth, liveLocks, tombstonePurge } from './sections/growth.js';
 import { handoff } from './sections/handoff.js';
 import { lockRoundTrips } from './sections/lock-round-trips.js';
@@ -52,6 +53,7 @@ const SECTIONS: { id: string; title: string; run: (ctx: BenchContext) => Promise
   { id: '7d', title: 'Growth: tombstone purge', run: tombstonePurge, part: true },
   { id: '8', title: 'Telemetry overhead', run: telemetry },
   { id: '9', title: 'Lock scope', run: lockScope },
+  { id: '10', title: 'Fence trigger', run: fenceTrigger },
 ];
 
 /** `--render`: rewrites latest.md from latest.json (e.g. after editing the findings), measuring nothing. */
