@@ -130,6 +130,7 @@ async function main(): Promise<void> {
       const t0 = Date.now();
       console.log(`\n=== ${section.id}. ${section.title}`);
       await section.run(ctx);
+      await pg.endClients();
       console.log(`  (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
     }
     report.note(

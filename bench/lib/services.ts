@@ -35,6 +35,8 @@ export interface BenchDatabase {
    * see {@link queriesSent}).
    */
   client(max: number, connection?: Record<string, string>, options?: { countQueries?: boolean }): postgres.Sql;
+  /** Ends every client {@link client} opened (not `sql`): a section's, once it is done, so that later sections find free connections. */
+  endClients(): Promise<void>;
   close(): Promise<void>;
 }
 
@@ -67,6 +69,9 @@ export async function benchDatabase(max = 20): Promise<BenchDatabase> {
     sql,
     db: drizzle(sql) as unknown as Database,
     client,
+    async endClients() {
+      await Promise.allSettled(clients.splice(1).map((c) => c.end({ timeout: 5 })));
+    },
     async close() {
       await Promise.allSettled(clients.map((c) => c.end({ timeout: 5 })));
       await drop();

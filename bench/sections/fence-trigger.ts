@@ -74,5 +74,4 @@ export async function fenceTrigger(ctx: BenchContext): Promise<void> {
     printTable(t);
   }
   report.raw.fenceTrigger = results;
-  await sql.end({ timeout: 5 });
 }
