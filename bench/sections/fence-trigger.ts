@@ -68,9 +68,7 @@ export async function fenceTrigger(ctx: BenchContext): Promise<void> {
       'client CPU µs/op',
     ]);
     for (const r of m) t.rows.push([...comparedCells(r, m[0] as Measured), r.cpuUsPerCall.toFixed(0)]);
-    t.notes.push(
-      "Ratios are medians of per-round ratios. Every case returns the status only (returning: 'status').",
-    );
+    t.notes.push("Ratios are medians of per-round ratios. Every case returns the status only (returning: 'status').");
     printTable(t);
   }
   report.raw.fenceTrigger = results;
