@@ -70,7 +70,9 @@ export async function benchDatabase(max = 20): Promise<BenchDatabase> {
     db: drizzle(sql) as unknown as Database,
     client,
     async endClients() {
-      await Promise.allSettled(clients.splice(1).map((c) => c.end({ timeout: 5 })));
+      const ending = clients.filter((c) => c !== sql);
+      clients.splice(0, clients.length, sql);
+      await Promise.allSettled(ending.map((c) => c.end({ timeout: 5 })));
     },
     async close() {
       await Promise.allSettled(clients.map((c) => c.end({ timeout: 5 })));

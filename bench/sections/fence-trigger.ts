@@ -2,7 +2,7 @@
  * Section 10 — what the fence trigger (README, "Adding fencing to an
  * existing table") costs a write: `repository.update` on three tables of
  * the same rows, one without the trigger, one with it, and one with it but
- * for its check after the update (`palisade_fence_guard_after`, dropped
+ * for its check after the update (its `AFTER UPDATE` trigger, dropped
  * there: not a configuration palisade offers, only that check's share).
  *
  * Each write has a fresh, higher fence on a random row of 10,000; at 16
@@ -13,7 +13,7 @@ import { drizzle } from 'drizzle-orm/postgres-js';
 import type { Database } from '../../src/driver.js';
 import type { Fence } from '../../src/fencing/fence.js';
 import { fencedRepository } from '../../src/repo/repository.js';
-import { installFenceTrigger } from '../../src/schema/fence-trigger.js';
+import { AFTER_TRIGGER_NAME, installFenceTrigger } from '../../src/schema/fence-trigger.js';
 import type { BenchContext } from '../lib/context.js';
 import { type Case, compare, type Measured } from '../lib/measure.js';
 import { comparedCells, printTable } from '../lib/report.js';
@@ -32,7 +32,7 @@ export async function fenceTrigger(ctx: BenchContext): Promise<void> {
   const admin = { execute: (statement: string) => ctx.pg.sql.unsafe(statement) };
   for (const { name } of TABLES) await createAccounts(ctx.pg.sql, name, ROWS);
   for (const { name } of TABLES.slice(1)) await installFenceTrigger(admin, makeAccounts(name));
-  await ctx.pg.sql.unsafe(`drop trigger palisade_fence_guard_after on ${TABLES[2].name}`);
+  await ctx.pg.sql.unsafe(`drop trigger ${AFTER_TRIGGER_NAME} on ${TABLES[2].name}`);
   const sql = ctx.pg.client(24, { synchronous_commit: 'off' });
   const db = drizzle(sql) as unknown as Database;
   const fences = new FenceCounter(1_000_000_000n);

@@ -34,8 +34,8 @@ export const FENCE_TRIGGER_NAME = 'palisade_fence_guard';
 const FLOOR_TRIGGER_NAME = 'palisade_fence_floor';
 /** Name of the trigger that refuses a change of a row's primary key made by the statement. */
 const KEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_key`;
-/** Name of the trigger that checks the row once every BEFORE trigger of the table had its say. */
-const AFTER_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_after`;
+/** @internal Name of the trigger that checks the row once every BEFORE trigger of the table had its say. */
+export const AFTER_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_after`;
 
 /** Options of {@link fenceTriggerSql} and {@link installFenceTrigger}. */
 export interface FenceTriggerOptions {

@@ -60,6 +60,11 @@ export function propertyParams(overrides: PropertyParams = {}): PropertyParams {
   return params;
 }
 
+/** Whether a failure is being replayed (`PALISADE_PROPERTY_SEED` set): a property then plays that seed alone. */
+export function replaying(): boolean {
+  return Boolean(process.env.PALISADE_PROPERTY_SEED);
+}
+
 /** `replayPath` for `fc.commands`, from `PALISADE_PROPERTY_REPLAY`. */
 export function commandsReplayPath(): string | undefined {
   return process.env.PALISADE_PROPERTY_REPLAY || undefined;

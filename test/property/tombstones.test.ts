@@ -68,7 +68,7 @@ import { FENCE_TRIGGER_SQLSTATE, fenceTriggerStatements } from '../../src/schema
 import { postgresDatabase, type TestDatabase } from '../support/databases.js';
 import { needs } from '../support/services.js';
 import { sleep } from '../support/sleep.js';
-import { propertyParams, propertyRuns } from './support.js';
+import { propertyParams, propertyRuns, replaying } from './support.js';
 
 const columns = () => ({
   id: text('id').primaryKey(),
@@ -888,7 +888,7 @@ async function searchInterleavings(h: Harness, numRuns: number): Promise<void> {
   // About one run in six queues on a row lock; on a loaded machine a short search (npm test runs a quarter of
   // the count) once saw none in 38. Then the search goes on with fresh seeds, every run still checked against
   // the model, at most three rounds in all; a replayed seed plays its one round.
-  const rounds = process.env.PALISADE_PROPERTY_SEED ? 1 : 3;
+  const rounds = replaying() ? 1 : 3;
   for (let round = 0; round < rounds && (round === 0 || waitedRuns === 0 || refusedRuns === 0); round++) {
     await fc.assert(
       fc.asyncProperty(fc.scheduler(), scenarioArb(h.layout, h.trigger), async (s, scenario) => {
