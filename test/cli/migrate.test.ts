@@ -6,67 +6,26 @@
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
-import { type SQL, sql } from 'drizzle-orm';
-import { readMigrationFiles } from 'drizzle-orm/migrator';
+import { sql } from 'drizzle-orm';
 import postgres from 'postgres';
 import { afterEach, describe, expect, it } from 'vitest';
 import { count, type Database, execute } from '../../src/driver.js';
 import { InvalidArgumentError, LockUnavailableError, MigrationsFolderError } from '../../src/errors.js';
-import { MIGRATE_LOCK_KEY, migrate, PALISADE_MIGRATIONS } from '../../src/migrate.js';
+import { MIGRATE_LOCK_KEY, migrate } from '../../src/migrate.js';
 import { killAllCli, runCli, startCli } from '../support/cli.js';
 import { drivers, pgliteDatabase, postgresDatabase, type TestDatabase } from '../support/databases.js';
+import {
+  APP_MIGRATIONS,
+  APPLIED_ONCE,
+  appCount,
+  migrateFromReplicas,
+  objectCounts,
+  palisadeCount,
+  waitingMigrators,
+} from '../support/migrate-replicas.js';
 import { needs } from '../support/services.js';
 
-const APP_MIGRATIONS = 'test/fixtures/app/drizzle';
-/** The backends of this database queued for an advisory lock (the migration lock, in these tests). */
-async function waitingMigrators(gate: postgres.Sql): Promise<number[]> {
-  const rows = await gate`
-    select pid from pg_locks where locktype = 'advisory' and not granted
-      and database = (select oid from pg_database where datname = current_database())`;
-  return rows.map((r) => Number(r.pid));
-}
-
-const palisadeCount = readMigrationFiles({ migrationsFolder: PALISADE_MIGRATIONS }).length;
-const appCount = readMigrationFiles({ migrationsFolder: APP_MIGRATIONS }).length;
-const REPLICAS = 8;
-
 afterEach(killAllCli);
-
-interface Summary {
-  applied: { folder: string; tag: string }[];
-  skipped: unknown[];
-  waited: boolean;
-}
-
-/** What {@link objectCounts} finds once every migration of both folders is applied exactly once. */
-const APPLIED_ONCE = {
-  palisadeRecorded: palisadeCount,
-  palisadeDistinct: palisadeCount,
-  appRecorded: appCount,
-  appDistinct: appCount,
-  fenceColumns: 2,
-  triggers: 2,
-  leaseTables: 1,
-};
-
-async function objectCounts(db: TestDatabase['db']) {
-  const one = async (query: SQL) => count((await execute(db, query))[0]?.n);
-  return {
-    palisadeRecorded: await one(sql`select count(*) as n from drizzle.__palisade_migrations`),
-    palisadeDistinct: await one(sql`select count(distinct hash) as n from drizzle.__palisade_migrations`),
-    appRecorded: await one(sql`select count(*) as n from drizzle.__drizzle_migrations`),
-    appDistinct: await one(sql`select count(distinct hash) as n from drizzle.__drizzle_migrations`),
-    fenceColumns: await one(
-      sql`select count(*) as n from information_schema.columns where table_name = 'widgets' and column_name in ('last_fence', 'deleted_at')`,
-    ),
-    triggers: await one(
-      sql`select count(*) as n from pg_trigger where tgrelid = 'widgets'::regclass and tgname like 'palisade_fence_guard%'`,
-    ),
-    leaseTables: await one(
-      sql`select count(*) as n from information_schema.tables where table_schema = 'palisade' and table_name = 'leases'`,
-    ),
-  };
-}
 
 describe.each(drivers)('migrate() with an application folder on $name', ({ open }) => {
   it('applies palisade then the app folder once, and a rerun applies nothing', async () => {
@@ -105,54 +64,13 @@ describe.runIf(needs('DATABASE_URL'))('palisade migrate from 8 processes at once
   });
 
   // A database may default to a stricter isolation: a replica's snapshot must not predate the lock it waited for.
-  it.each(['read committed', 'repeatable read', 'serializable'])(
-    'at the default isolation %s: all 8 exit 0 and each migration is applied exactly once',
-    { timeout: 180_000 },
-    async (isolation) => {
-      const test = await postgresDatabase();
-      const dbName = new URL(test.url as string).pathname.slice(1);
-      await test.db.execute(sql.raw(`alter database "${dbName}" set default_transaction_isolation = '${isolation}'`));
-      // The gate holds the migration lock while the replicas start, so all 8
-      // are provably inside migrate() and queued on the lock when it opens.
-      const gate = postgres(test.url as string, { max: 1, onnotice: () => {} });
-      try {
-        await gate`select pg_advisory_lock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
-        const replicas = Array.from({ length: REPLICAS }, () =>
-          startCli(['migrate', '--migrations-folder', APP_MIGRATIONS, '--json'], { DATABASE_URL: test.url }),
-        );
-        let exitedEarly = false;
-        for (const r of replicas) r.done.then(() => (exitedEarly = true)).catch(() => (exitedEarly = true));
-        let waiting = 0;
-        // Bounded: at most 600 polls of 100 ms (a minute on a slow machine).
-        for (let i = 0; i < 600 && waiting < REPLICAS && !exitedEarly; i++) {
-          waiting = (await waitingMigrators(gate)).length;
-          if (waiting < REPLICAS) await new Promise((r) => setTimeout(r, 100));
-        }
-        expect(exitedEarly).toBe(false);
-        expect(waiting).toBe(REPLICAS);
-        await gate`select pg_advisory_unlock(${MIGRATE_LOCK_KEY.toString()}::bigint)`;
-
-        const runs = await Promise.all(replicas.map((r) => r.done));
-        for (const run of runs) expect({ code: run.code, stderr: run.stderr }).toMatchObject({ code: 0 });
-        const summaries = runs.map((run) => JSON.parse(run.stdout) as Summary);
-        // Every replica waited on the gate; exactly one applied everything, the others nothing.
-        expect(summaries.every((s) => s.waited)).toBe(true);
-        const appliers = summaries.filter((s) => s.applied.length > 0);
-        expect(appliers).toHaveLength(1);
-        expect(appliers[0]?.applied).toHaveLength(palisadeCount + appCount);
-        for (const s of summaries.filter((x) => x.applied.length === 0)) {
-          expect(s.skipped).toHaveLength(palisadeCount + appCount);
-        }
-        expect(await objectCounts(test.db)).toEqual(APPLIED_ONCE);
-
-        const rerun = await runCli(['migrate', '--migrations-folder', APP_MIGRATIONS], { DATABASE_URL: test.url });
-        expect(rerun.code).toBe(0);
-        expect(rerun.stdout).toContain(`up to date: ${palisadeCount + appCount} migrations already applied`);
-      } finally {
-        await gate.end({ timeout: 5 });
-        await test.close();
-      }
+  // The strictest here; read committed and repeatable read in test-slow/migrate-isolation.test.ts.
+  it(
+    'at the default isolation serializable: all 8 exit 0 and each migration is applied exactly once',
+    {
+      timeout: 180_000,
     },
+    () => migrateFromReplicas('serializable'),
   );
 
   it('a migrator whose connection is terminated while it waits says its migration failed, not that it cannot connect', async () => {

@@ -2,7 +2,7 @@
  * Settings shared by the property suites.
  *
  * Runs: each property has its own count (default 1000). `npm test` runs
- * every property at a quarter of its count (`PALISADE_PROPERTY_SCALE=0.25`, set in
+ * every property at a fifth of its count (`PALISADE_PROPERTY_SCALE=0.2`, set in
  * vitest.config.ts); `npm run test:slow` runs test/property again at the full
  * counts. `PALISADE_PROPERTY_RUNS` sets `numRuns` of every property outright
  * (a long run: `PALISADE_PROPERTY_RUNS=20000 npx vitest run test/property`).

@@ -885,7 +885,7 @@ async function searchInterleavings(h: Harness, numRuns: number): Promise<void> {
   let waitedRuns = 0;
   let refusedRuns = 0;
   let rereadRuns = 0;
-  // About one run in six queues on a row lock; on a loaded machine a short search (npm test runs a quarter of
+  // About one run in six queues on a row lock; on a loaded machine a short search (npm test runs a fraction of
   // the count) once saw none in 38. Then the search goes on with fresh seeds, every run still checked against
   // the model, at most three rounds in all; a replayed seed plays its one round.
   const rounds = replaying() ? 1 : 3;

@@ -600,7 +600,7 @@ for (const { name, open, seen } of drivers) {
       .filter((steps) => leaves(steps) <= ROWS)
       .chain((steps) => fc.record({ steps: fc.constant(steps), killAt: fc.integer({ min: 0, max: leaves(steps) }) }));
 
-    // 50 at the full count; npm test runs a quarter of them (test/property/support.ts).
+    // 50 at the full count; npm test runs a fifth of them (test/property/support.ts).
     const runs = propertyRuns(50);
     it('property: wherever the close comes among nested writes and savepoints, the call rejects, every later statement is refused, nothing is visible; without a close every write lands', {
       timeout: Math.max(120_000, runs * 4_000),
