@@ -1,22 +1,8 @@
 /**
- * A database-side guard for fenced tables that other writers also touch.
- *
- * palisade's repository only ever writes with a fence, but psql, a report
- * job or another service can still run a plain `UPDATE`. The trigger
- * installed here makes Postgres refuse, for one table:
- *
- * - any `UPDATE` that does not raise `last_fence` (with `sameFence:
- *   'allow'`: that lowers it), so a writer that bypasses palisade is fenced
- *   out too;
- * - unless `guardDeletes: false`, any `DELETE` of a live row: palisade
- *   deletes by leaving a tombstone (`deleted_at`), and only tombstones may be
- *   removed for good (`purgeTombstones`); and a `DELETE` of tombstones from
- *   any client raises the table's tombstone floor to their highest fence, as
- *   a purge does, so that no lower fence can recreate a row it removed.
- *
- * Everything palisade's repository does passes: every fenced update, delete,
- * tombstone fence raise and upsert sets `last_fence` to a fence above the
- * row's, and purging removes tombstones only.
+ * The fence trigger: a database-side guard for fenced tables that other
+ * writers (psql, a report job, another service) also touch. What it refuses
+ * and what every palisade write still does: README, "Adding fencing to an
+ * existing table".
  */
 import { is } from 'drizzle-orm';
 import { getTableConfig, PgTable } from 'drizzle-orm/pg-core';
@@ -83,7 +69,8 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
  * replica`) — which is also the escape hatch for a deliberate manual fix;
  * hold against a session that sets palisade's transaction-local settings
- * (`palisade.floor_open_…`, `palisade.purging`, `palisade.purge_floors`) itself.
+ * (`palisade.floor_open_…`, `palisade.purging`, `palisade.purge_floors`,
+ * `palisade.moving`) itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -106,7 +93,6 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
   const qualified = schema === undefined ? ident(name) : `${ident(schema)}.${ident(name)}`;
   const fn = schema === undefined ? ident(FENCE_TRIGGER_NAME) : `${ident(schema)}.${ident(FENCE_TRIGGER_NAME)}`;
   const floorFn = schema === undefined ? ident(FLOOR_TRIGGER_NAME) : `${ident(schema)}.${ident(FLOOR_TRIGGER_NAME)}`;
-  const updateTrigger = ident(`${FENCE_TRIGGER_NAME}_update`);
   const deleteTrigger = ident(`${FENCE_TRIGGER_NAME}_delete`);
   const statements = [
     `CREATE OR REPLACE FUNCTION ${fn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
@@ -139,6 +125,11 @@ BEGIN
                          TG_TABLE_SCHEMA, TG_TABLE_NAME, OLD.last_fence, coalesce(NEW.last_fence::text, 'null')),
         HINT = 'write through a palisade fenced repository with a fence from a lock manager';
     END IF;
+    -- A later BEFORE trigger may change the key: in a partition tree the row then moves, deleted below with no
+    -- AFTER UPDATE check. A live row's move is refused as a delete; a tombstone's is told by this note.
+    IF TG_ARGV[1] = 'moves' AND OLD.deleted_at IS NOT NULL THEN
+      PERFORM set_config('palisade.moving', concat_ws(' ', TG_RELID, statement_timestamp(), OLD.last_fence, OLD.deleted_at), true);
+    END IF;
     RETURN NEW;
   END IF;
   IF OLD.deleted_at IS NULL THEN
@@ -147,6 +138,14 @@ BEGIN
       MESSAGE = format('delete of a live row of %I.%I refused: delete it fenced (a tombstone); only tombstones may be purged',
                        TG_TABLE_SCHEMA, TG_TABLE_NAME),
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
+  END IF;
+  listed := current_setting('palisade.moving', true);
+  IF listed <> '' AND listed = concat_ws(' ', TG_RELID, statement_timestamp(), OLD.last_fence, OLD.deleted_at) THEN
+    RAISE EXCEPTION USING
+      ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
+      MESSAGE = format('update of %I.%I refused: it moved a row to another partition, a change of its primary key that would leave the old key without its fence',
+                       TG_TABLE_SCHEMA, TG_TABLE_NAME),
+      HINT = 'a BEFORE UPDATE trigger of the table must leave the key as palisade wrote it';
   END IF;
   -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
   -- triggers count it), or a palisade purge's statement runs (marked until its end; rows at the first
@@ -220,23 +219,29 @@ BEGIN
 END
 $palisade$`,
     ...dropFenceTriggerStatements({ name, ...(schema === undefined ? {} : { schema }) }),
-    `CREATE TRIGGER ${updateTrigger} BEFORE UPDATE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}('${sameFence}')`,
-    // On the primary key's columns, fired only when one changes (Postgres evaluates WHEN itself). A table
-    // without a primary key gets none: a fenced repository needs one. Then the row as every BEFORE trigger
-    // left it — the table's own may run after the guards (triggers of one kind fire in name order) and
-    // change the key or last_fence — checked after the update: the key (a generated one too, which a BEFORE
-    // trigger's WHEN may not read) and last_fence. Not instead of the checks before it: a row the update
-    // moves to another partition is deleted and inserted there, and fires no AFTER UPDATE trigger.
+    // The update guard; in a partition tree, with deletes guarded, it notes the tombstones it passes (a move
+    // is told from a delete by it). On the primary key's columns, fired only when one changes (Postgres
+    // evaluates WHEN itself; a table without a primary key gets none: a fenced repository needs one). Then the
+    // row as every BEFORE trigger left it — the table's own may run after the guards (triggers of one kind fire
+    // in name order) and change the key or last_fence — checked after the update: the key (a generated one
+    // too, which a BEFORE trigger's WHEN may not read) and last_fence. Not instead of the checks before it: a
+    // row the update moves to another partition is deleted and inserted there, and fires no AFTER UPDATE trigger.
     doBlock(
       'columns text; changed text; every_changed text;',
-      `SELECT string_agg(format('%I', a.attname), ', ' ORDER BY k.n) FILTER (WHERE a.attgenerated = ''),
+      `EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE ON %s FOR EACH ROW EXECUTE FUNCTION %s(%L%s)',
+                 ${literal(`${FENCE_TRIGGER_NAME}_update`)}, ${literal(qualified)}, ${literal(fn)}, ${literal(sameFence)},
+                 (SELECT CASE WHEN ${guardDeletes ? 'true' : 'false'} AND (c.relkind = 'p' OR c.relispartition)
+                              THEN ', ''moves''' ELSE '' END
+                    FROM pg_catalog.pg_class c WHERE c.oid = ${literal(qualified)}::regclass));
+  SELECT string_agg(format('%I', a.attname), ', ' ORDER BY k.n) FILTER (WHERE a.attgenerated = ''),
          string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
            FILTER (WHERE a.attgenerated = ''),
          string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
     INTO columns, changed, every_changed
     FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
     JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-    WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary;
+    -- The key's own columns: an index's INCLUDE columns follow them in indkey.
+    WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary AND k.n <= i.indnkeyatts;
   IF columns IS NOT NULL THEN
     EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
                    ${literal(KEY_TRIGGER_NAME)}, columns, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
