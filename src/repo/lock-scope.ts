@@ -19,8 +19,8 @@ import {
   ranOut,
   seenClaimedAt,
   tagSql,
-  tagValues,
 } from './register-claim.js';
+import { registerTag } from './register-key.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Returning } from './statements.js';
@@ -75,9 +75,11 @@ export const needsIdleBound = (tx: Database, scope: LockScope): boolean =>
 export async function boundIdle(tx: Database, scope: LockScope, fence: Fence): Promise<void> {
   // Not noted: sent through `tx`, the statement may run inside a savepoint opened on its connection
   // (yours, or a concurrent write's), whose rollback would undo the bound behind the note's back.
+  const [tag1, tag2] = registerTag(scope.lock, fence);
   await prepared(tx, 'palisade.idle_bound', boundSql).rows({
     idle: String(scope.idleMs()),
-    ...tagValues(scope.lock, fence),
+    tag1: String(tag1),
+    tag2: String(tag2),
   });
 }
 
