@@ -18,8 +18,14 @@ export const FENCE_TRIGGER_SQLSTATE = 'PF001';
 export const FENCE_TRIGGER_NAME = 'palisade_fence_guard';
 /** Name of the function that raises the tombstone floor after a delete, and of its trigger. */
 const FLOOR_TRIGGER_NAME = 'palisade_fence_floor';
-/** Name of the trigger that refuses a change of a row's primary key made by the statement. */
-const KEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_key`;
+/**
+ * Name of the trigger that refuses a change of a row's primary key: `~` sorts it after the table's own
+ * `BEFORE UPDATE` triggers with ASCII names (triggers of one kind fire in name order), so it sees the key as
+ * they left it — before Postgres moves a row whose key left its partition, which no AFTER UPDATE trigger sees.
+ */
+const KEY_TRIGGER_NAME = `~${FENCE_TRIGGER_NAME}_key`;
+/** The key trigger's name before it ran last: dropped by a new install. */
+const OLD_KEY_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_key`;
 /** @internal Name of the trigger that checks the row once every BEFORE trigger of the table had its say. */
 export const AFTER_TRIGGER_NAME = `${FENCE_TRIGGER_NAME}_after`;
 
@@ -69,8 +75,7 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
  * replica`) — which is also the escape hatch for a deliberate manual fix;
  * hold against a session that sets palisade's transaction-local settings
- * (`palisade.floor_open_…`, `palisade.purging`, `palisade.purge_floors`,
- * `palisade.moving`) itself.
+ * (`palisade.floor_open_…`, `palisade.purging`, `palisade.purge_floors`) itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -125,11 +130,6 @@ BEGIN
                          TG_TABLE_SCHEMA, TG_TABLE_NAME, OLD.last_fence, coalesce(NEW.last_fence::text, 'null')),
         HINT = 'write through a palisade fenced repository with a fence from a lock manager';
     END IF;
-    -- A later BEFORE trigger may change the key: in a partition tree the row then moves, deleted below with no
-    -- AFTER UPDATE check. A live row's move is refused as a delete; a tombstone's is told by this note.
-    IF TG_ARGV[1] = 'moves' AND OLD.deleted_at IS NOT NULL THEN
-      PERFORM set_config('palisade.moving', concat_ws(' ', TG_RELID, statement_timestamp(), OLD.last_fence, OLD.deleted_at), true);
-    END IF;
     RETURN NEW;
   END IF;
   IF OLD.deleted_at IS NULL THEN
@@ -138,14 +138,6 @@ BEGIN
       MESSAGE = format('delete of a live row of %I.%I refused: delete it fenced (a tombstone); only tombstones may be purged',
                        TG_TABLE_SCHEMA, TG_TABLE_NAME),
       HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
-  END IF;
-  listed := current_setting('palisade.moving', true);
-  IF listed <> '' AND listed = concat_ws(' ', TG_RELID, statement_timestamp(), OLD.last_fence, OLD.deleted_at) THEN
-    RAISE EXCEPTION USING
-      ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
-      MESSAGE = format('update of %I.%I refused: it moved a row to another partition, a change of its primary key that would leave the old key without its fence',
-                       TG_TABLE_SCHEMA, TG_TABLE_NAME),
-      HINT = 'a BEFORE UPDATE trigger of the table must leave the key as palisade wrote it';
   END IF;
   -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
   -- triggers count it), or a palisade purge's statement runs (marked until its end; rows at the first
@@ -219,32 +211,27 @@ BEGIN
 END
 $palisade$`,
     ...dropFenceTriggerStatements({ name, ...(schema === undefined ? {} : { schema }) }),
-    // The update guard; in a partition tree, with deletes guarded, it notes the tombstones it passes (a move
-    // is told from a delete by it). On the primary key's columns, fired only when one changes (Postgres
-    // evaluates WHEN itself; a table without a primary key gets none: a fenced repository needs one). Then the
-    // row as every BEFORE trigger left it — the table's own may run after the guards (triggers of one kind fire
-    // in name order) and change the key or last_fence — checked after the update: the key (a generated one
-    // too, which a BEFORE trigger's WHEN may not read) and last_fence. Not instead of the checks before it: a
-    // row the update moves to another partition is deleted and inserted there, and fires no AFTER UPDATE trigger.
+    `CREATE TRIGGER ${ident(`${FENCE_TRIGGER_NAME}_update`)} BEFORE UPDATE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}('${sameFence}')`,
+    // The key's columns, fired only when one changed (Postgres evaluates WHEN itself; whatever set it: the
+    // statement, or a trigger of the table before this one). A table without a primary key gets none: a fenced
+    // repository needs one. Then the row as every BEFORE trigger left it — the table's own may run after the
+    // guards and change last_fence, or the key after the key trigger (a name that sorts after it) — checked
+    // after the update: the key (a generated one too, which a BEFORE trigger's WHEN may not read) and
+    // last_fence. Not instead of the checks before it: a row the update moves to another partition is deleted
+    // and inserted there, and fires no AFTER UPDATE trigger.
     doBlock(
-      'columns text; changed text; every_changed text;',
-      `EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE ON %s FOR EACH ROW EXECUTE FUNCTION %s(%L%s)',
-                 ${literal(`${FENCE_TRIGGER_NAME}_update`)}, ${literal(qualified)}, ${literal(fn)}, ${literal(sameFence)},
-                 (SELECT CASE WHEN ${guardDeletes ? 'true' : 'false'} AND (c.relkind = 'p' OR c.relispartition)
-                              THEN ', ''moves''' ELSE '' END
-                    FROM pg_catalog.pg_class c WHERE c.oid = ${literal(qualified)}::regclass));
-  SELECT string_agg(format('%I', a.attname), ', ' ORDER BY k.n) FILTER (WHERE a.attgenerated = ''),
-         string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
+      'changed text; every_changed text;',
+      `SELECT string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
            FILTER (WHERE a.attgenerated = ''),
          string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
-    INTO columns, changed, every_changed
+    INTO changed, every_changed
     FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
     JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
     -- The key's own columns: an index's INCLUDE columns follow them in indkey.
     WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary AND k.n <= i.indnkeyatts;
-  IF columns IS NOT NULL THEN
-    EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
-                   ${literal(KEY_TRIGGER_NAME)}, columns, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
+  IF changed IS NOT NULL THEN
+    EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
+                   ${literal(KEY_TRIGGER_NAME)}, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
   END IF;
   EXECUTE format('CREATE TRIGGER %I AFTER UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
                  ${literal(AFTER_TRIGGER_NAME)}, ${literal(qualified)},
@@ -276,6 +263,7 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_update`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(`${FENCE_TRIGGER_NAME}_delete`)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(KEY_TRIGGER_NAME)} ON ${qualified}`,
+    `DROP TRIGGER IF EXISTS ${ident(OLD_KEY_TRIGGER_NAME)} ON ${qualified}`,
     `DROP TRIGGER IF EXISTS ${ident(AFTER_TRIGGER_NAME)} ON ${qualified}`,
     onEveryMember(
       qualified,

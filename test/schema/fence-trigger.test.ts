@@ -280,53 +280,94 @@ for (const suite of suites) {
       expect(await repo.upsert({ id: 5, stock: 2 }, f(7))).toEqual({ status: 'stale', currentFence: 10n });
     });
 
-    it("refuses a move the table's own BEFORE trigger makes, of a tombstone too: its old key keeps its fence", async () => {
-      // Found by an attack: a trigger that sorts after palisade's changed a tombstone's key, the row moved
-      // to another partition (a delete and an insert: no AFTER UPDATE check), and the delete raised the floor
-      // only to the fence the row had before the update — a stale upsert then recreated the old key.
+    it("refuses a key change the table's own BEFORE trigger makes, also where the row moves to another partition", async () => {
+      // Found by attacks: a trigger sorting after palisade's key guard changed a tombstone's key, the row moved
+      // to another partition (a delete and an insert: no AFTER UPDATE check) and the delete raised the floor
+      // only to the row's fence before the update — a stale upsert recreated the old key. A note of the row
+      // the update guard passed, told from a delete by the delete trigger, was then defeated by a write nested
+      // between the two, a time zone set in between, and a partition fenced before it was attached; and it
+      // refused a plain tombstone DELETE beside an UPDATE in one statement. The key guard now runs last.
       const name = `archived_${++tableCount}`;
       await execute(test.db, sql.raw(`create table ${name} (${COLUMNS}) partition by range (id)`));
       await execute(test.db, sql.raw(`create table ${name}_live partition of ${name} for values from (0) to (1000)`));
       await execute(test.db, sql.raw(`create table ${name}_old partition of ${name} for values from (1000) to (2000)`));
+      // Fenced on its own before it joins the tree, as the attack's third way did.
+      await execute(test.db, sql.raw(`create table ${name}_late (${COLUMNS})`));
+      await installFenceTrigger(test.db, { name: `${name}_late` });
+      await execute(
+        test.db,
+        sql.raw(`alter table ${name} attach partition ${name}_late for values from (2000) to (3000)`),
+      );
       const table = gadgets(name);
-      await installFenceTrigger(test.db, table);
+      await installFenceTrigger(test.db, { name: `${name}_live` });
       await execute(
         test.db,
         sql.raw(`create function ${name}_archive() returns trigger language plpgsql as $$ begin
-          if OLD.deleted_at is not null and NEW.id < 1000 then NEW.id := NEW.id + 1000; end if; return NEW; end $$`),
+          -- Another tombstone written first (it overwrote the old note), in another time zone.
+          if OLD.id <> 1999 then update ${name} set last_fence = last_fence + 1 where id = 1999; end if;
+          set local timezone = 'Asia/Kathmandu';
+          if OLD.deleted_at is not null and NEW.id < 1000 then NEW.id := NEW.id + 1000; end if;
+          if OLD.deleted_at is not null and NEW.id >= 2000 then NEW.id := NEW.id - 1900; end if;
+          return NEW; end $$`),
       );
       await execute(
         test.db,
         sql.raw(`create trigger zz_archive before update on ${name} for each row execute function ${name}_archive()`),
       );
       const repo = fencedRepository(test.db, table);
-      for (const id of [2, 3, 4]) {
+      for (const id of [1999, 2, 3, 4, 2005]) {
         await repo.upsert({ id, stock: 1 }, f(10));
         expect((await repo.delete({ id }, f(20))).status).toBe('applied');
       }
-      // A fence raised by hand, a resurrection by hand, and a MERGE: all refused. (Through the partition's own
-      // name Postgres refuses the row itself: it cannot leave the partition.)
+      // A fence raised by hand, a resurrection by hand, a MERGE, and from the partition fenced before it was
+      // attached: all refused. (Through a partition's own name Postgres refuses the row itself.)
       const error = await refusal(test.db, `update ${name} set last_fence = 50 where id = 2`);
-      expect(error.message).toContain('moved a row to another partition');
+      expect(error.message).toContain('update of the primary key');
       await refusal(test.db, `update ${name} set last_fence = 50, deleted_at = null where id = 3`);
       await refusal(
         test.db,
         `merge into ${name} t using (select 4 as k) s on t.id = s.k when matched then update set last_fence = 50`,
       );
-      for (const id of [2, 3, 4]) expect(await row(test.db, name, id)).toEqual({ stock: 1, fence: 20n, deleted: true });
-      expect(await row(test.db, name, 1002)).toBeUndefined();
+      await refusal(test.db, `update ${name} set last_fence = 50 where id = 2005`);
+      for (const id of [2, 3, 4, 2005]) {
+        expect(await row(test.db, name, id)).toEqual({ stock: 1, fence: 20n, deleted: true });
+      }
+      expect([await row(test.db, name, 1002), await row(test.db, name, 105)]).toEqual([undefined, undefined]);
       expect(await repo.upsert({ id: 2, stock: 666 }, f(15))).toEqual({ status: 'stale', currentFence: 20n });
-      // Without that trigger the same tree lets palisade's own writes through: a resurrection, then a tombstone
-      // deleted in the same transaction as an update of another one.
+      // Without that trigger the same tree lets palisade's writes through, and a tombstone DELETE beside an
+      // UPDATE of another tombstone in one statement, or in one transaction.
       await execute(test.db, sql.raw(`drop trigger zz_archive on ${name}`));
       expect(await repo.upsert({ id: 3, stock: 2 }, f(40))).toMatchObject({ status: 'applied' });
+      await execute(
+        test.db,
+        sql.raw(
+          `do $$ begin update ${name} set last_fence = 25 where id = 2; delete from ${name} where id = 4; end $$`,
+        ),
+      );
       await test.db.transaction(async (tx) => {
         const t = tx as unknown as Database;
-        await execute(t, sql.raw(`update ${name} set last_fence = 60 where id = 4`));
-        await execute(t, sql.raw(`delete from ${name} where id = 4`));
+        await execute(t, sql.raw(`update ${name} set last_fence = 60 where id = 2005`));
+        await execute(t, sql.raw(`delete from ${name} where id = 2005`));
       });
-      expect(await row(test.db, name, 4)).toBeUndefined();
+      expect([await row(test.db, name, 4), await row(test.db, name, 2005)]).toEqual([undefined, undefined]);
       expect(await repo.upsert({ id: 4, stock: 3 }, f(55))).toEqual({ status: 'stale', currentFence: 60n });
+    });
+
+    it("an install over an earlier one drops that one's key guard by its old name", async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      // The key guard as an earlier install named it (it then ran before the table's triggers named after "p…").
+      await execute(
+        test.db,
+        sql.raw(`create trigger palisade_fence_guard_key before update of id on ${name} for each row
+          when (OLD.id is distinct from NEW.id) execute function palisade_fence_guard('key')`),
+      );
+      await installFenceTrigger(test.db, table);
+      const names = await execute(
+        test.db,
+        sql.raw(`select tgname from pg_trigger where tgrelid = '${name}'::regclass and tgname like '%key' order by 1`),
+      );
+      expect(names.map((r) => r.tgname)).toEqual(['~palisade_fence_guard_key']);
     });
 
     it('lets palisade update a table whose primary key INCLUDEs other columns (only key columns are guarded)', async () => {
@@ -853,19 +894,22 @@ describe('fenceTriggerSql', () => {
     const text = fenceTriggerSql(table);
     const parts = text.split('--> statement-breakpoint');
     expect(parts.map((p) => p.trim())).toEqual(fenceTriggerStatements(table));
-    expect(parts).toHaveLength(10);
+    expect(parts).toHaveLength(12);
     expect(parts[0]).toMatch(/^CREATE OR REPLACE FUNCTION "palisade_fence_guard"\(\)/);
     expect(parts[1]).toMatch(/^\s*CREATE OR REPLACE FUNCTION "palisade_fence_floor"\(\)/);
-    // The update guard's arguments depend on the table (a partition tree's notes each tombstone it passes).
-    expect(parts[7]).toMatch(/BEFORE UPDATE ON %s FOR EACH ROW EXECUTE FUNCTION %s\(%L%s\)/);
-    expect(parts[7]).toMatch(/BEFORE UPDATE OF %s ON %s FOR EACH ROW WHEN/);
-    expect(parts[7]).toMatch(/AFTER UPDATE ON %s FOR EACH ROW WHEN/);
-    expect(parts[8]).toMatch(/BEFORE DELETE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\(\)/);
+    // The key trigger of an earlier install, under its old name, goes too.
+    expect(parts[5]).toMatch(/DROP TRIGGER IF EXISTS "palisade_fence_guard_key" ON "accounts"/);
+    expect(parts[8]).toMatch(
+      /BEFORE UPDATE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\('reject'\)/,
+    );
+    expect(parts[9]).toMatch(/BEFORE UPDATE ON %s FOR EACH ROW WHEN/);
+    expect(parts[9]).toContain("'~palisade_fence_guard_key'");
+    expect(parts[9]).toMatch(/AFTER UPDATE ON %s FOR EACH ROW WHEN/);
     // On the table and every partition of its tree.
-    expect(parts[9]).toMatch(/^\s*DO \$palisade\$/);
-    expect(parts[9]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
-    expect(parts[9]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
-    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(8);
+    expect(parts[11]).toMatch(/^\s*DO \$palisade\$/);
+    expect(parts[11]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
+    expect(parts[11]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
+    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(10);
   });
 
   it('refuses a table without fence columns, and bad options', () => {
