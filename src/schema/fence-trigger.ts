@@ -20,8 +20,9 @@ export const FENCE_TRIGGER_NAME = 'palisade_fence_guard';
 const FLOOR_TRIGGER_NAME = 'palisade_fence_floor';
 /**
  * Name of the trigger that refuses a change of a row's primary key: `~` sorts it after the table's own
- * `BEFORE UPDATE` triggers with ASCII names (triggers of one kind fire in name order), so it sees the key as
- * they left it — before Postgres moves a row whose key left its partition, which no AFTER UPDATE trigger sees.
+ * `BEFORE UPDATE` triggers named from letters, digits and `_` (triggers of one kind fire in byte order of their
+ * names), so it sees the key as they left it — before Postgres moves a row whose key left its partition, which
+ * no AFTER UPDATE trigger sees.
  */
 const KEY_TRIGGER_NAME = `~${FENCE_TRIGGER_NAME}_key`;
 /** The key trigger's name before it ran last: dropped by a new install. */
@@ -222,7 +223,11 @@ $palisade$`,
     doBlock(
       'changed text; every_changed text;',
       `SELECT string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
-           FILTER (WHERE a.attgenerated = ''),
+           FILTER (WHERE a.attgenerated = '' AND NOT EXISTS (
+             -- Generated in a partition (Postgres 15 attaches one): NEW holds no value there yet.
+             SELECT FROM pg_partition_tree(${literal(qualified)}::regclass) tree
+               JOIN pg_catalog.pg_attribute m ON m.attrelid = tree.relid AND m.attname = a.attname
+              WHERE m.attgenerated <> '')),
          string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
     INTO changed, every_changed
     FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
