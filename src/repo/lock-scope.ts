@@ -11,6 +11,7 @@ import { prepared } from '../prepared.js';
 import type { Claim } from './claim-guard.js';
 import { lostError, stopOnAbort } from './lost-lease.js';
 import {
+  addTagValues,
   afterRanOut,
   claimLockBounded,
   endedByIdleBound,
@@ -20,7 +21,6 @@ import {
   seenClaimedAt,
   tagSql,
 } from './register-claim.js';
-import { registerTag } from './register-key.js';
 import type { FenceHolder, LeasedRepository } from './repository-api.js';
 import { type BatchResult, rejecting, type WriteResult } from './result.js';
 import type { Returning } from './statements.js';
@@ -75,12 +75,9 @@ export const needsIdleBound = (tx: Database, scope: LockScope): boolean =>
 export async function boundIdle(tx: Database, scope: LockScope, fence: Fence): Promise<void> {
   // Not noted: sent through `tx`, the statement may run inside a savepoint opened on its connection
   // (yours, or a concurrent write's), whose rollback would undo the bound behind the note's back.
-  const [tag1, tag2] = registerTag(scope.lock, fence);
-  await prepared(tx, 'palisade.idle_bound', boundSql).rows({
-    idle: String(scope.idleMs()),
-    tag1: String(tag1),
-    tag2: String(tag2),
-  });
+  const values: Record<string, string> = { idle: String(scope.idleMs()) };
+  addTagValues(values, scope.lock, fence);
+  await prepared(tx, 'palisade.idle_bound', boundSql).rows(values);
 }
 
 /** @internal How a write of `fence` claims `scope`'s lock: shared by key once this process saw that claim hold. */

@@ -37,6 +37,12 @@ export const idleBoundSql = () =>
 // 0009, 0010). Never waits: a tag someone holds exclusively (a colliding advisory lock of their own) is
 // not taken.
 export const tagSql = () => sql`pg_try_advisory_xact_lock_shared(${p('tag1')}::int4, ${p('tag2')}::int4)`;
+/** @internal Sets {@link tagSql}'s placeholders in `values` for `lock` at `fence`. */
+export function addTagValues(values: Record<string, string>, lock: LockIdentity, fence: Fence): void {
+  const [tag1, tag2] = registerTag(lock, fence);
+  values.tag1 = String(tag1);
+  values.tag2 = String(tag2);
+}
 // The same claim, and the transaction it opens (or joins) may sit idle at most `idle` ms.
 // It names its session too, for a transaction to stop if its lease is lost (lost-lease.ts).
 // It tags the transaction as the register's sharer too (migration 0009), which a raise reads.
@@ -147,22 +153,16 @@ export async function claimLockBounded(
   fence: Fence,
   idleMs: number,
 ): Promise<{ readonly registered: Fence; readonly session: SessionOf | undefined }> {
-  // Built field by field: spreading objects takes a slow clone path in V8, on every fenced transaction.
-  const [tag1, tag2] = registerTag(lock, fence);
-  const [row] = await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows({
-    kind: lock.kind,
-    source: lock.source,
-    namespace: lock.namespace,
-    name: lock.name,
-    fence: fence.toString(),
-    idle: String(idleMs),
-    tag1: String(tag1),
-    tag2: String(tag2),
-  });
+  const values = claimValues(lock, fence);
+  values.idle = String(idleMs);
+  addTagValues(values, lock, fence);
+  const [row] = await prepared(on, 'palisade.claim_lock_bounded', boundedClaimSql).rows(values);
   return { registered: registeredOf(row, lock, fence), session: sessionOf(row) };
 }
 
-const claimValues = ({ kind, source, namespace, name }: LockIdentity, fence: Fence) => ({
+// A claim's parameters; callers add theirs by assignment: spreading objects takes a slow clone path in V8,
+// on every fenced transaction.
+const claimValues = ({ kind, source, namespace, name }: LockIdentity, fence: Fence): Record<string, string> => ({
   kind,
   source,
   namespace,
@@ -197,10 +197,9 @@ export async function claimLockWithin(
 ): Promise<Fence | null> {
   const wait = String(Math.max(1, Math.ceil(waitMs)));
   try {
-    const rows = await prepared(db, 'palisade.claim_lock_within', claimWithinSql).rows({
-      ...claimValues(lock, fence),
-      wait,
-    });
+    const values = claimValues(lock, fence);
+    values.wait = wait;
+    const rows = await prepared(db, 'palisade.claim_lock_within', claimWithinSql).rows(values);
     return registeredOf(rows[0], lock, fence);
   } catch (err) {
     if (sqlStateOf(err) === '55P03') return null;
