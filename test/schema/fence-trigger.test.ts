@@ -103,6 +103,26 @@ for (const suite of suites) {
       expect(await row(test.db, name)).toEqual({ stock: 6, fence: 4n, deleted: false });
     });
 
+    it("takes a fence the table's own trigger sets at its word while it rises (documented: leave last_fence to palisade)", async () => {
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(3));
+      await execute(
+        test.db,
+        sql.raw(`create function ${name}_version() returns trigger language plpgsql as $$ begin
+          NEW.last_fence := OLD.last_fence + 1; return NEW; end $$`),
+      );
+      await execute(
+        test.db,
+        sql.raw(`create trigger a_version before update on ${name} for each row execute function ${name}_version()`),
+      );
+      // Holder 10 wrote, but the row says 4: holder 7, older than 10, writes after it.
+      expect((await repo.update({ id: 1 }, f(10), { stock: 6 })).status).toBe('applied');
+      expect(await row(test.db, name)).toEqual({ stock: 6, fence: 4n, deleted: false });
+      expect((await repo.update({ id: 1 }, f(7), { stock: 7 })).status).toBe('applied');
+    });
+
     it("lets every fenced repository write through, and still reports stale writes as 'stale'", async () => {
       const { name, table } = await freshTable(test.db);
       await installFenceTrigger(test.db, table);
