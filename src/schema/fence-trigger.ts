@@ -6,7 +6,9 @@
  */
 import { is } from 'drizzle-orm';
 import { getTableConfig, PgTable } from 'drizzle-orm/pg-core';
+import { translateError } from '../driver.js';
 import { InvalidArgumentError } from '../errors.js';
+import { floorFunctionSql, guardFunctionSql } from './fence-trigger-functions.js';
 
 /**
  * The SQLSTATE of a write refused by the fence trigger: class `PF`
@@ -55,28 +57,24 @@ const STATEMENT_BREAKPOINT = '\n--> statement-breakpoint\n';
  * `drizzle-kit generate --custom` creates, after the migration that added
  * `fenceColumns()` to the table.
  *
- * Idempotent: it replaces the function and drops the triggers before
- * creating them. The function is created in the table's schema (or, for a
- * table without a schema, the first schema of the `search_path`).
+ * Idempotent: it replaces the functions and drops the triggers before creating
+ * them, in the table's schema (else the first schema of the `search_path`).
  *
- * Guarantees: once installed, no `UPDATE` — from any client, role or
- * service — leaves `last_fence` where it was or lowers it, or changes a
- * row's primary key, and (by default) no `DELETE` removes a live row; such
- * statements fail with SQLSTATE {@link FENCE_TRIGGER_SQLSTATE} and change
- * nothing. A `DELETE` of tombstones raises the table's tombstone floor in
- * its own statement, through any name of the table (README, "The fence
- * trigger"), so the deleting role needs to write `palisade.tombstone_floors`
- * (or the delete fails, and removes nothing). Run it in one transaction: it
- * drops the triggers before it creates them.
+ * Guarantees: once installed, no `UPDATE` from any client, role or service
+ * leaves `last_fence` where it was or lowers it, or changes a row's primary
+ * key, and (by default) no `DELETE` removes a live row: such statements fail
+ * with SQLSTATE {@link FENCE_TRIGGER_SQLSTATE} and change nothing. A `DELETE`
+ * of tombstones raises the table's tombstone floor, through any name of the
+ * table; the deleting role must be allowed to write `palisade.tombstone_floors`
+ * (or its delete fails). Run it in one transaction: it drops the triggers
+ * before it creates them.
  *
- * Does not: check that a raised fence was ever issued by a lock manager (a
- * writer that invents `last_fence = last_fence + 1` passes, and may then
- * fence out honest holders); guard `INSERT` (a new row starts at fence 0,
- * which any holder may overwrite) or `TRUNCATE`; fire when triggers are
- * disabled (`ALTER TABLE … DISABLE TRIGGER`, `session_replication_role =
- * replica`) — which is also the escape hatch for a deliberate manual fix;
- * hold against a session that sets palisade's transaction-local settings
- * (`palisade.floor_open_…`, `palisade.purging`, `palisade.purge_floors`) itself.
+ * Does not (README, "The fence trigger"): check that a raised fence was ever
+ * issued (`last_fence = last_fence + 1` passes); guard `INSERT` or `TRUNCATE`;
+ * fire when triggers are disabled (the escape hatch for a manual fix); hold
+ * against the table's own triggers that set `last_fence`, or that move a
+ * tombstone under a name sorting after `~palisade_fence_guard_key`; or
+ * against a session that sets palisade's transaction-local settings itself.
  *
  * @throws {InvalidArgumentError} if `table` is a drizzle table without `fenceColumns()`, or a name is empty
  *   or contains a control character (newline, NUL…), a line separator or a lone surrogate.
@@ -101,116 +99,24 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
   const floorFn = schema === undefined ? ident(FLOOR_TRIGGER_NAME) : `${ident(schema)}.${ident(FLOOR_TRIGGER_NAME)}`;
   const deleteTrigger = ident(`${FENCE_TRIGGER_NAME}_delete`);
   const statements = [
-    `CREATE OR REPLACE FUNCTION ${fn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
-DECLARE
-  floor_key text;
-  pending bigint;
-  listed text;
-  purging boolean;
-BEGIN
-  IF TG_OP = 'UPDATE' THEN
-    IF TG_ARGV[0] = 'after' THEN
-      RAISE EXCEPTION USING
-        ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
-        MESSAGE = format('update of %I.%I refused once the table''s own triggers ran: the row''s primary key changed, or its last_fence did not rise',
-                         TG_TABLE_SCHEMA, TG_TABLE_NAME),
-        HINT = 'a BEFORE UPDATE trigger of the table must leave the key and last_fence as palisade wrote them';
-    END IF;
-    IF TG_ARGV[0] = 'key' THEN
-      RAISE EXCEPTION USING
-        ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
-        MESSAGE = format('update of the primary key of a row of %I.%I refused: its old key would be left without its fence',
-                         TG_TABLE_SCHEMA, TG_TABLE_NAME),
-        HINT = 'a fenced row keeps its key: delete it fenced, and write the new key with a fence';
-    END IF;
-    IF NEW.last_fence IS NULL OR NEW.last_fence < OLD.last_fence
-       OR (NEW.last_fence = OLD.last_fence AND TG_ARGV[0] IS DISTINCT FROM 'allow') THEN
-      RAISE EXCEPTION USING
-        ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
-        MESSAGE = format('unfenced update of %I.%I refused: last_fence must rise above %s (the statement set %s)',
-                         TG_TABLE_SCHEMA, TG_TABLE_NAME, OLD.last_fence, coalesce(NEW.last_fence::text, 'null')),
-        HINT = 'write through a palisade fenced repository with a fence from a lock manager';
-    END IF;
-    RETURN NEW;
-  END IF;
-  IF OLD.deleted_at IS NULL THEN
-    RAISE EXCEPTION USING
-      ERRCODE = '${FENCE_TRIGGER_SQLSTATE}',
-      MESSAGE = format('delete of a live row of %I.%I refused: delete it fenced (a tombstone); only tombstones may be purged',
-                       TG_TABLE_SCHEMA, TG_TABLE_NAME),
-      HINT = 'use a palisade fenced repository: delete(key, fence), then purgeTombstones()';
-  END IF;
-  -- A tombstone goes. While a DELETE of a table that shares this row's floor is open (its statement
-  -- triggers count it), or a palisade purge's statement runs (marked until its end; rows at the first
-  -- trigger depth: the purge's own, or removed by code it runs, a row security policy's function), the
-  -- fence is left pending to the first of their ends that raises the floor (a purge's end raises the floors
-  -- it lists). Otherwise — a partition made after the install, a DELETE through an inheritance parent —
-  -- this row raises it now (a command of its own: a raise at a later end sees it). Not taken at the first
-  -- row of a purge: two purges of overlapping batches would each hold the floor's row lock and wait for the
-  -- other's rows.
-  floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
-  purging := current_setting('palisade.purging', true) IS NOT DISTINCT FROM statement_timestamp()::text
-             AND pg_trigger_depth() = 1;
-  IF purging OR coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0) > 0 THEN
-    IF purging THEN
-      listed := coalesce(current_setting('palisade.purge_floors', true), '');
-      IF position(' ' || floor_key || ' ' IN ' ' || listed || ' ') = 0 THEN
-        PERFORM set_config('palisade.purge_floors', concat_ws(' ', nullif(listed, ''), floor_key), true);
-      END IF;
-    END IF;
-    -- Written only when it rises (a purge's rows rarely do).
-    pending := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
-    IF pending IS NULL OR OLD.last_fence > pending THEN
-      PERFORM set_config('palisade.floor_pending_' || floor_key, OLD.last_fence::text, true);
-    END IF;
-  ELSE
-    PERFORM palisade.raise_floor(palisade.floor_table(TG_RELID::regclass), OLD.last_fence);
-  END IF;
-  RETURN OLD;
-END
-$palisade$`,
-    // The statement triggers of a DELETE. Before it, the open DELETEs of its table's floor count one more
-    // (transaction-local): the row trigger above then leaves the floor to their ends, noting the fences of rows
-    // deleted meanwhile by statements nested in one (a function its WHERE calls) as pending. After it, the
-    // floor rises to the highest fence removed, once (a purge raises the same floor in its own statement:
-    // raised twice, the greater wins), at the end, where the purge raises it: a row trigger raising it would
-    // take the floor's row lock at the first row, and two purges of overlapping batches would each wait for
-    // the other. Open DELETEs are counted per floor, not stacked: the statement triggers of one query's
-    // DELETEs of several tables (data-modifying CTEs) end in no fixed order. The floor each one opened is
-    // stacked per table, which fires its statement triggers once per query: a DELETE of one table nested in
-    // another's (a function its WHERE calls) begins and ends inside it, and may find another floor (a
-    // partition attached meanwhile) — kept in one setting per table, the nested one's overwrote the outer's,
-    // whose end closed the wrong floor and left its own count open to the end of the transaction.
-    `CREATE OR REPLACE FUNCTION ${floorFn}() RETURNS trigger LANGUAGE plpgsql AS $palisade$
-DECLARE
-  floor_key text;
-  opened text := 'palisade.floor_of_' || TG_RELID;
-  stack text := nullif(current_setting(opened, true), '');
-  open int;
-  pending bigint;
-  top bigint;
-BEGIN
-  IF TG_WHEN = 'BEFORE' THEN
-    floor_key := palisade.floor_table(TG_RELID::regclass)::oid::text;
-    PERFORM set_config(opened, concat_ws(' ', stack, floor_key), true);
-    open := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
-    PERFORM set_config('palisade.floor_open_' || floor_key, (open + 1)::text, true);
-    RETURN NULL;
-  END IF;
-  -- The floor the statement began with: a partition detached or attached while it ran has another now.
-  floor_key := coalesce(substring(stack from '[0-9]+$'), palisade.floor_table(TG_RELID::regclass)::oid::text);
-  PERFORM set_config(opened, coalesce(substring(stack from '^(.*) [0-9]+$'), ''), true);
-  open := coalesce(nullif(current_setting('palisade.floor_open_' || floor_key, true), '')::int, 0);
-  pending := nullif(current_setting('palisade.floor_pending_' || floor_key, true), '')::bigint;
-  top := greatest((SELECT max(gone.last_fence) FROM palisade_gone gone), pending);
-  IF top IS NOT NULL THEN
-    PERFORM palisade.raise_floor(floor_key::oid::regclass, top);
-  END IF;
-  PERFORM set_config('palisade.floor_pending_' || floor_key, '', true);
-  PERFORM set_config('palisade.floor_open_' || floor_key, greatest(open - 1, 0)::text, true);
-  RETURN NULL;
-END
-$palisade$`,
+    // CREATE OR REPLACE keeps a function's owner, who may then change its body: a function of that name that
+    // a role owns which the installer may not act as is refused, not taken over.
+    doBlock(
+      'owner regrole;',
+      `SELECT p.proowner::regrole INTO owner FROM pg_catalog.pg_proc p
+   WHERE p.oid IN (to_regprocedure(${literal(`${fn}()`)}), to_regprocedure(${literal(`${floorFn}()`)}))
+     AND p.proowner <> (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
+     AND ((SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
+          OR NOT pg_catalog.pg_has_role(p.proowner, 'MEMBER'))
+   LIMIT 1;
+  IF owner IS NOT NULL THEN
+    RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege',
+      MESSAGE = format('the fence trigger''s functions exist, owned by %s, who could change them', owner),
+      HINT = 'install as that role, or drop the functions first';
+  END IF;`,
+    ),
+    guardFunctionSql(fn),
+    floorFunctionSql(floorFn),
     ...dropFenceTriggerStatements({ name, ...(schema === undefined ? {} : { schema }) }),
     `CREATE TRIGGER ${ident(`${FENCE_TRIGGER_NAME}_update`)} BEFORE UPDATE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}('${sameFence}')`,
     // The key's columns, fired only when one changed (Postgres evaluates WHEN itself; whatever set it: the
@@ -219,28 +125,46 @@ $palisade$`,
     // guards and change last_fence, or the key after the key trigger (a name that sorts after it) — checked
     // after the update: the key (a generated one too, which a BEFORE trigger's WHEN may not read) and
     // last_fence. Not instead of the checks before it: a row the update moves to another partition is deleted
-    // and inserted there, and fires no AFTER UPDATE trigger.
+    // and inserted there, and fires no AFTER UPDATE trigger. So the install refuses a key column generated in a
+    // partition and not in the table (Postgres 15 attaches one): NEW holds no value of it there yet.
     doBlock(
-      'changed text; every_changed text;',
-      `SELECT string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
-           FILTER (WHERE a.attgenerated = '' AND NOT EXISTS (
-             -- Generated in a partition (Postgres 15 attaches one): NEW holds no value there yet.
-             SELECT FROM pg_partition_tree(${literal(qualified)}::regclass) tree
-               JOIN pg_catalog.pg_attribute m ON m.attrelid = tree.relid AND m.attname = a.attname
-              WHERE m.attgenerated <> '')),
-         string_agg(format('OLD.%1$I IS DISTINCT FROM NEW.%1$I', a.attname), ' OR ' ORDER BY k.n)
-    INTO changed, every_changed
-    FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
-    JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-    -- The key's own columns: an index's INCLUDE columns follow them in indkey.
-    WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary AND k.n <= i.indnkeyatts;
+      'changed text; every_changed text; generated text;',
+      `SELECT string_agg(changes, ' OR ' ORDER BY n) FILTER (WHERE attgenerated = ''),
+         string_agg(changes, ' OR ' ORDER BY n),
+         min(attname) FILTER (WHERE attgenerated = '' AND EXISTS (
+           SELECT FROM pg_partition_tree(${literal(qualified)}::regclass) tree
+             JOIN pg_catalog.pg_attribute m ON m.attrelid = tree.relid AND m.attname = key.attname
+            WHERE m.attgenerated <> ''))
+    INTO changed, every_changed, generated
+    FROM (
+      -- Each column compared by its index's own equality, named with its schema: resolved by the search path
+      -- (at the install), a writer's \`=\` for a type the catalog compares by a cast (varchar) would bind here.
+      SELECT k.n, a.attname, a.attgenerated,
+             format('(NEW.%1$I IS NULL OR NOT (OLD.%1$I OPERATOR(%2$I.%3$s) NEW.%1$I))', a.attname, ns.nspname, o.oprname)
+      FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
+      JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+      JOIN pg_catalog.pg_opclass c ON c.oid = i.indclass[k.n - 1]
+      JOIN pg_catalog.pg_amop am ON am.amopfamily = c.opcfamily AND am.amopstrategy = 3
+        AND am.amoplefttype = c.opcintype AND am.amoprighttype = c.opcintype
+      JOIN pg_catalog.pg_operator o ON o.oid = am.amopopr
+      JOIN pg_catalog.pg_namespace ns ON ns.oid = o.oprnamespace
+      -- The key's own columns: an index's INCLUDE columns follow them in indkey.
+      WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary AND k.n <= i.indnkeyatts
+    ) key (n, attname, attgenerated, changes);
+  IF generated IS NOT NULL THEN
+    RAISE EXCEPTION USING
+      ERRCODE = 'feature_not_supported',
+      MESSAGE = format('the fence trigger cannot guard %s: its key column %I is generated in a partition and not in the table',
+                       ${literal(qualified)}, generated),
+      HINT = 'make the column the same in every partition of the tree';
+  END IF;
   IF changed IS NOT NULL THEN
     EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
                    ${literal(KEY_TRIGGER_NAME)}, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
   END IF;
   EXECUTE format('CREATE TRIGGER %I AFTER UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
                  ${literal(AFTER_TRIGGER_NAME)}, ${literal(qualified)},
-                 concat_ws(' OR ', every_changed, ${literal(`NEW.last_fence IS NULL OR NEW.last_fence ${sameFence === 'allow' ? '<' : '<='} OLD.last_fence`)}),
+                 concat_ws(' OR ', every_changed, ${literal(`NEW.last_fence IS NULL OR NEW.last_fence OPERATOR(pg_catalog.${sameFence === 'allow' ? '<' : '<='}) OLD.last_fence`)}),
                  ${literal(fn)}, 'after');`,
     ),
   ];
@@ -330,16 +254,23 @@ interface Executor {
  * `db` — pass a transaction to make it all-or-nothing. Prefer a migration in
  * production, so every environment gets it the same way.
  *
- * @throws {InvalidArgumentError} as {@link fenceTriggerSql}; the driver's error if the table does not exist
- *   or lacks `last_fence` / `deleted_at`.
+ * @throws {InvalidArgumentError} as {@link fenceTriggerSql}, before anything is sent.
+ * @throws {DatabaseError} if the table does not exist, lacks `last_fence` / `deleted_at`, or cannot be
+ *   guarded (SQLSTATE 0A000: a key column generated in a partition and not in the table).
  */
 export async function installFenceTrigger(
   db: Executor,
   table: FenceTriggerTarget,
   options: FenceTriggerOptions = {},
 ): Promise<void> {
-  for (const statement of fenceTriggerStatements(table, options)) await db.execute(statement);
+  for (const statement of fenceTriggerStatements(table, options)) {
+    await Promise.resolve(db.execute(statement)).catch(rethrow);
+  }
 }
+
+const rethrow = (err: unknown): never => {
+  throw translateError(err);
+};
 
 function target(table: FenceTriggerTarget): { schema: string | undefined; name: string } {
   if (is(table, PgTable)) {

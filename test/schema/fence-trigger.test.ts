@@ -59,6 +59,44 @@ async function row(db: Database, name: string, id = 1) {
   return r ? { stock: Number(r.stock), fence: int8(r.last_fence), deleted: r.deleted === true } : undefined;
 }
 
+const run = (db: Database, text: string) => execute(db, sql.raw(text));
+
+/** Runs statements in one transaction as the writer role, with its own schema first on its search path. */
+type AsWriter = (statements: string[]) => Promise<void>;
+
+/**
+ * A role of this test's own for `body`, which gets its name and a way to run statements as it; afterwards
+ * its schemas (`<role>`, `<role>_app`), what it owns and its grants are dropped, and the role.
+ */
+async function withWriter(db: Database, body: (writer: string, asWriter: AsWriter) => Promise<void>): Promise<void> {
+  const writer = `fence_writer_${process.pid}_${++tableCount}`;
+  const asWriter: AsWriter = (statements) =>
+    db.transaction(async (tx) => {
+      const t = tx as unknown as Database;
+      await run(t, `set local role ${writer}`);
+      await run(t, `set local search_path = ${writer}, pg_catalog, public`);
+      for (const statement of statements) await run(t, statement);
+    });
+  await run(db, `create role ${writer}`);
+  try {
+    await body(writer, asWriter);
+  } finally {
+    await run(db, `drop schema if exists ${writer}, ${writer}_app cascade`);
+    await run(db, `drop owned by ${writer}`);
+    await run(db, `drop role ${writer}`);
+  }
+}
+
+/** `statement`, run as the writer after `before`, is refused by the fence trigger. */
+async function refusedAs(asWriter: AsWriter, statement: string, before: string[] = []): Promise<void> {
+  const error = await asWriter([...before, statement]).then(
+    () => undefined,
+    (e: unknown) => e,
+  );
+  expect(error, statement).toBeInstanceOf(DatabaseError);
+  expect((error as DatabaseError).sqlState, statement).toBe(FENCE_TRIGGER_SQLSTATE);
+}
+
 const suites = [
   { name: 'pglite', open: pgliteDatabase, enabled: true },
   { name: 'postgres', open: postgresDatabase, enabled: needs('DATABASE_URL') },
@@ -101,6 +139,99 @@ for (const suite of suites) {
       // Documented non-guarantee: a writer that raises the fence itself passes.
       await execute(test.db, sql.raw(`update ${name} set stock = 6, last_fence = last_fence + 1`));
       expect(await row(test.db, name)).toEqual({ stock: 6, fence: 4n, deleted: false });
+    });
+
+    it('holds against a writer whose search path puts operators of its own before the catalog', async () => {
+      // Found by an attack: the trigger functions ran under the firing session's search path, and a writer with
+      // a schema of its own (CREATE on public, the default before Postgres 15) chose their operators.
+      const { name, table } = await freshTable(test.db);
+      await installFenceTrigger(test.db, table);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(50));
+      await repo.upsert({ id: 2, stock: 5 }, f(55));
+      await repo.delete({ id: 2 }, f(60));
+      await withWriter(test.db, async (writer, asWriter) => {
+        await run(test.db, `grant select, update, delete on ${name} to ${writer}`);
+        await run(test.db, `grant usage on schema palisade to ${writer}`);
+        await run(test.db, `grant select, insert, update on palisade.tombstone_floors to ${writer}`);
+        await run(test.db, `create schema ${writer} authorization ${writer}`);
+        await asWriter([
+          `create function ${writer}.never(bigint, bigint) returns boolean language sql immutable as 'select false'`,
+          ...['<', '<=', '='].map(
+            (op) => `create operator ${writer}.${op} (leftarg = bigint, rightarg = bigint, function = ${writer}.never)`,
+          ),
+          `create function ${writer}.same(a text, b text) returns boolean language sql immutable as
+             $$ select a operator(pg_catalog.=) b and b operator(pg_catalog.<>) 'after' and b operator(pg_catalog.<>) 'key' $$`,
+          `create operator ${writer}.= (leftarg = text, rightarg = text, function = ${writer}.same)`,
+          `create function ${writer}.pg_partition_root(regclass) returns regclass language sql as $$ select 'pg_catalog.pg_class'::regclass $$`,
+        ]);
+        for (const statement of [
+          `update public.${name} set last_fence = 1, stock = 99 where id = 1`,
+          `update public.${name} set id = 7, last_fence = 51 where id = 1`,
+        ]) {
+          await refusedAs(asWriter, statement);
+        }
+        await asWriter([`delete from public.${name} where deleted_at is not null`]);
+      });
+      expect(await row(test.db, name, 1)).toEqual({ stock: 5, fence: 50n, deleted: false });
+      expect(await repo.update({ id: 1 }, f(20), { stock: 1 })).toEqual({ status: 'stale', currentFence: 50n });
+      expect(await repo.upsert({ id: 2, stock: 1 }, f(57))).toEqual({ status: 'stale', currentFence: 60n });
+    });
+
+    it("compares the key by its index's own equality, not by an `=` a writer put in public before the install", async () => {
+      // Found by an attack: varchar has no `=` of its own in the catalog (it is compared as text), so a
+      // writer's public.=(varchar, varchar) matched exactly and was bound into the key guard at the install.
+      const name = `lettered_${++tableCount}`;
+      await run(
+        test.db,
+        `create table ${name} (id varchar(40) primary key, stock integer not null default 0,
+           last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await withWriter(test.db, async (writer, asWriter) => {
+        await run(test.db, `grant usage, create on schema public to ${writer}`);
+        await run(test.db, `grant select, update on ${name} to ${writer}`);
+        await asWriter([
+          `create function public.${writer}_eq(a varchar, b varchar) returns boolean language sql immutable
+             as $$ select a::text operator(pg_catalog.=) b::text or current_setting('palisade_test.lie', true) = 'on' $$`,
+          `create operator public.= (leftarg = varchar, rightarg = varchar, function = public.${writer}_eq)`,
+        ]);
+        await installFenceTrigger(test.db, { name });
+        await run(test.db, `insert into ${name} (id, last_fence) values ('k', 10)`);
+        await refusedAs(asWriter, `update ${name} set id = 'k2', last_fence = 11 where id::text = 'k'`, [
+          "set local palisade_test.lie = 'on'",
+        ]);
+      });
+      const rows = await run(test.db, `select id, last_fence from ${name}`);
+      expect(rows.map((r) => [r.id, int8(r.last_fence)])).toEqual([['k', 10n]]);
+    });
+
+    it('refuses to install over functions of its names that a writer made first (their owner could change them)', async () => {
+      // Found by an attack: CREATE OR REPLACE by a superuser kept the writer as the functions' owner.
+      await withWriter(test.db, async (writer, asWriter) => {
+        const schema = `${writer}_app`;
+        await run(test.db, `create schema ${schema}`);
+        await run(test.db, `grant usage, create on schema ${schema} to ${writer}`);
+        await run(test.db, `create table ${schema}.accounts (${COLUMNS})`);
+        await asWriter([
+          `create function ${schema}.palisade_fence_guard() returns trigger language plpgsql as $$ begin return null; end $$`,
+        ]);
+        const error = await test.db
+          .transaction((tx) => installFenceTrigger(tx, { schema, name: 'accounts' }))
+          .then(
+            () => undefined,
+            (e: unknown) => e,
+          );
+        expect(error).toBeInstanceOf(DatabaseError);
+        expect((error as DatabaseError).sqlState).toBe('42501');
+        expect((error as DatabaseError).message).toContain("the fence trigger's functions exist, owned by");
+        const [fn] = await run(
+          test.db,
+          `select p.proowner::regrole::text as owner, p.prosrc from pg_catalog.pg_proc p
+            where p.oid = to_regprocedure('${schema}.palisade_fence_guard()')`,
+        );
+        expect(fn?.owner).toBe(writer);
+        expect(String(fn?.prosrc)).toContain('return null');
+      });
     });
 
     it("takes a fence the table's own trigger sets at its word while it rises (documented: leave last_fence to palisade)", async () => {
@@ -391,16 +522,20 @@ for (const suite of suites) {
     });
 
     it.runIf(suite.name === 'postgres')(
-      'lets updates through where a key column is generated in a partition only (Postgres 15 attaches one)',
+      'refuses to install on a tree whose key column is generated in a partition only (Postgres 15 attaches one)',
       async () => {
-        // Found by an attack: the key guard, run on every update, read NEW of that column before Postgres
-        // computed it (null) and refused every update of the partition.
+        // Found by attacks. Left out of the key guard, the column let a tombstone of another partition move when
+        // a statement set it (no AFTER UPDATE check fires on a move), and where it is generated a change of its
+        // inputs moves the row unseen; kept in it, the guard read NEW of it before Postgres computed it (null)
+        // and refused every update there.
         const name = `generated_${++tableCount}`;
         await execute(
           test.db,
           sql.raw(`create table ${name} (id integer not null, g integer not null, v integer not null,
             last_fence bigint not null default 0, deleted_at timestamptz, primary key (id, g)) partition by list (g)`),
         );
+        await execute(test.db, sql.raw(`create table ${name}_1 partition of ${name} for values in (1)`));
+        await execute(test.db, sql.raw(`create table ${name}_2 partition of ${name} for values in (2)`));
         const attached = await execute(
           test.db,
           sql.raw(`create table ${name}_0 (id integer not null, g integer not null generated always as (v % 2) stored,
@@ -412,12 +547,55 @@ for (const suite of suites) {
           ),
         );
         if (!attached) return;
+        await execute(
+          test.db,
+          sql.raw(`insert into ${name}_1 (id, g, v, last_fence, deleted_at) values (1, 1, 0, 12, now())`),
+        );
+        const error = await test.db
+          .transaction((tx) => installFenceTrigger(tx, { name }))
+          .then(
+            () => undefined,
+            (e: unknown) => e,
+          );
+        expect(error).toBeInstanceOf(DatabaseError);
+        expect((error as DatabaseError).sqlState).toBe('0A000');
+        expect((error as DatabaseError).message).toContain('is generated in a partition and not in the table');
+        const triggers = await execute(
+          test.db,
+          sql.raw(`select count(*)::int as n from pg_trigger where tgrelid = '${name}'::regclass and not tgisinternal`),
+        );
+        expect(triggers[0]?.n).toBe(0);
+      },
+    );
+
+    it.runIf(suite.name === 'postgres')(
+      'refuses every update of a partition attached after the install whose key column is generated there',
+      async () => {
+        // Found by an attack on a guard that skipped its function when the fence rose: the key guard then read
+        // the column's old value and a tombstone moved out unseen. The guard's function nulls it first.
+        const name = `late_generated_${++tableCount}`;
+        await run(
+          test.db,
+          `create table ${name} (id integer not null, g integer not null, v integer not null,
+            last_fence bigint not null default 0, deleted_at timestamptz, primary key (id, g)) partition by list (g)`,
+        );
+        await run(test.db, `create table ${name}_1 partition of ${name} for values in (1)`);
         await installFenceTrigger(test.db, { name });
-        await execute(test.db, sql.raw(`insert into ${name}_0 (id, v, last_fence) values (1, 2, 10)`));
-        await execute(test.db, sql.raw(`update ${name} set v = 4, last_fence = 11 where id = 1`));
-        const [r] = await execute(test.db, sql.raw(`select v, last_fence from ${name} where id = 1`));
-        expect({ v: Number(r?.v), fence: int8(r?.last_fence) }).toEqual({ v: 4, fence: 11n });
-        await refusal(test.db, `update ${name} set id = 2, last_fence = 12 where id = 1`);
+        await run(
+          test.db,
+          `create table ${name}_0 (id integer not null, g integer not null generated always as (v % 2) stored,
+            v integer not null, last_fence bigint not null default 0, deleted_at timestamptz)`,
+        );
+        const attached = await run(test.db, `alter table ${name} attach partition ${name}_0 for values in (0)`).then(
+          () => true,
+          () => false, // a later Postgres refuses such a partition: nothing to check there
+        );
+        if (!attached) return;
+        await run(test.db, `insert into ${name}_0 (id, v, last_fence, deleted_at) values (1, 2, 12, now())`);
+        await refusal(test.db, `update ${name} set v = 3, last_fence = 20 where id = 1 and g = 0`);
+        await refusal(test.db, `update ${name} set last_fence = 20 where id = 1 and g = 0`);
+        const rows = await run(test.db, `select id, g, last_fence from ${name}`);
+        expect(rows.map((r) => [r.id, r.g, int8(r.last_fence)])).toEqual([[1, 0, 12n]]);
       },
     );
 
@@ -945,22 +1123,29 @@ describe('fenceTriggerSql', () => {
     const text = fenceTriggerSql(table);
     const parts = text.split('--> statement-breakpoint');
     expect(parts.map((p) => p.trim())).toEqual(fenceTriggerStatements(table));
-    expect(parts).toHaveLength(12);
-    expect(parts[0]).toMatch(/^CREATE OR REPLACE FUNCTION "palisade_fence_guard"\(\)/);
-    expect(parts[1]).toMatch(/^\s*CREATE OR REPLACE FUNCTION "palisade_fence_floor"\(\)/);
+    expect(parts).toHaveLength(13);
+    // First, a check that no other role owns functions of those names.
+    expect(parts[0]).toMatch(/^\s*DO \$palisade\$/);
+    expect(parts[0]).toContain(`to_regprocedure('"palisade_fence_guard"()')`);
+    expect(parts[1]).toMatch(/^\s*CREATE OR REPLACE FUNCTION "palisade_fence_guard"\(\)/);
+    expect(parts[2]).toMatch(/^\s*CREATE OR REPLACE FUNCTION "palisade_fence_floor"\(\)/);
+    expect(parts[1]).toContain('SET search_path = pg_catalog, pg_temp AS');
+    expect(parts[2]).toContain('SET search_path = pg_catalog, pg_temp AS');
     // The key trigger of an earlier install, under its old name, goes too.
-    expect(parts[5]).toMatch(/DROP TRIGGER IF EXISTS "palisade_fence_guard_key" ON "accounts"/);
-    expect(parts[8]).toMatch(
+    expect(parts[6]).toMatch(/DROP TRIGGER IF EXISTS "palisade_fence_guard_key" ON "accounts"/);
+    expect(parts[9]).toMatch(
       /BEFORE UPDATE ON "accounts" FOR EACH ROW EXECUTE FUNCTION "palisade_fence_guard"\('reject'\)/,
     );
-    expect(parts[9]).toMatch(/BEFORE UPDATE ON %s FOR EACH ROW WHEN/);
-    expect(parts[9]).toContain("'~palisade_fence_guard_key'");
-    expect(parts[9]).toMatch(/AFTER UPDATE ON %s FOR EACH ROW WHEN/);
+    expect(parts[10]).toMatch(/BEFORE UPDATE ON %s FOR EACH ROW WHEN/);
+    expect(parts[10]).toContain("'~palisade_fence_guard_key'");
+    expect(parts[10]).toMatch(/AFTER UPDATE ON %s FOR EACH ROW WHEN/);
+    expect(parts[10]).toContain('OPERATOR(%2$I.%3$s)');
+    expect(parts[10]).toContain('NEW.last_fence OPERATOR(pg_catalog.<=) OLD.last_fence');
     // On the table and every partition of its tree.
-    expect(parts[11]).toMatch(/^\s*DO \$palisade\$/);
-    expect(parts[11]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
-    expect(parts[11]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
-    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(10);
+    expect(parts[12]).toMatch(/^\s*DO \$palisade\$/);
+    expect(parts[12]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
+    expect(parts[12]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
+    expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(11);
   });
 
   it('refuses a table without fence columns, and bad options', () => {
