@@ -127,45 +127,49 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
     // last_fence. Not instead of the checks before it: a row the update moves to another partition is deleted
     // and inserted there, and fires no AFTER UPDATE trigger. So the install refuses a key column generated in a
     // partition and not in the table (Postgres 15 attaches one): NEW holds no value of it there yet.
-    doBlock(
+    catalogBlock(
+      qualified,
+      [fn],
       'changed text; every_changed text; generated text;',
       `SELECT string_agg(changes, ' OR ' ORDER BY n) FILTER (WHERE attgenerated = ''),
          string_agg(changes, ' OR ' ORDER BY n),
          min(attname) FILTER (WHERE attgenerated = '' AND EXISTS (
-           SELECT FROM pg_partition_tree(${literal(qualified)}::regclass) tree
-             JOIN pg_catalog.pg_attribute m ON m.attrelid = tree.relid AND m.attname = key.attname
+           SELECT FROM pg_partition_tree(tbl) tree
+             JOIN pg_attribute m ON m.attrelid = tree.relid AND m.attname = key.attname
             WHERE m.attgenerated <> ''))
     INTO changed, every_changed, generated
     FROM (
-      -- Each column compared by its index's own equality, named with its schema: resolved by the search path
-      -- (at the install), a writer's \`=\` for a type the catalog compares by a cast (varchar) would bind here.
+      -- Each column compared by its index's own equality, named with its schema and on its own input type
+      -- (a writer's \`=\` for the column's own type, say a domain, would match better there).
       SELECT k.n, a.attname, a.attgenerated,
-             format('(NEW.%1$I IS NULL OR NOT (OLD.%1$I OPERATOR(%2$I.%3$s) NEW.%1$I))', a.attname, ns.nspname, o.oprname)
-      FROM pg_catalog.pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
-      JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-      JOIN pg_catalog.pg_opclass c ON c.oid = i.indclass[k.n - 1]
-      JOIN pg_catalog.pg_amop am ON am.amopfamily = c.opcfamily AND am.amopstrategy = 3
+             format('(NEW.%1$I IS NULL OR NOT ((OLD.%1$I)%4$s OPERATOR(%2$I.%3$s) (NEW.%1$I)%4$s))', a.attname,
+                    ns.nspname, o.oprname, CASE WHEN ty.typtype = 'p' THEN '' ELSE '::' || format_type(ty.oid, NULL) END)
+      FROM pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
+      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+      JOIN pg_opclass c ON c.oid = i.indclass[k.n - 1]
+      JOIN pg_type ty ON ty.oid = c.opcintype
+      JOIN pg_amop am ON am.amopfamily = c.opcfamily AND am.amopstrategy = 3
         AND am.amoplefttype = c.opcintype AND am.amoprighttype = c.opcintype
-      JOIN pg_catalog.pg_operator o ON o.oid = am.amopopr
-      JOIN pg_catalog.pg_namespace ns ON ns.oid = o.oprnamespace
+      JOIN pg_operator o ON o.oid = am.amopopr
+      JOIN pg_namespace ns ON ns.oid = o.oprnamespace
       -- The key's own columns: an index's INCLUDE columns follow them in indkey.
-      WHERE i.indrelid = ${literal(qualified)}::regclass AND i.indisprimary AND k.n <= i.indnkeyatts
+      WHERE i.indrelid = tbl AND i.indisprimary AND k.n <= i.indnkeyatts
     ) key (n, attname, attgenerated, changes);
   IF generated IS NOT NULL THEN
     RAISE EXCEPTION USING
       ERRCODE = 'feature_not_supported',
       MESSAGE = format('the fence trigger cannot guard %s: its key column %I is generated in a partition and not in the table',
-                       ${literal(qualified)}, generated),
+                       tbl, generated),
       HINT = 'make the column the same in every partition of the tree';
   END IF;
   IF changed IS NOT NULL THEN
     EXECUTE format('CREATE TRIGGER %I BEFORE UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
-                   ${literal(KEY_TRIGGER_NAME)}, ${literal(qualified)}, changed, ${literal(fn)}, 'key');
+                   ${literal(KEY_TRIGGER_NAME)}, tbl, changed, fns[1], 'key');
   END IF;
   EXECUTE format('CREATE TRIGGER %I AFTER UPDATE ON %s FOR EACH ROW WHEN (%s) EXECUTE FUNCTION %s(%L)',
-                 ${literal(AFTER_TRIGGER_NAME)}, ${literal(qualified)},
-                 concat_ws(' OR ', every_changed, ${literal(`NEW.last_fence IS NULL OR NEW.last_fence OPERATOR(pg_catalog.${sameFence === 'allow' ? '<' : '<='}) OLD.last_fence`)}),
-                 ${literal(fn)}, 'after');`,
+                 ${literal(AFTER_TRIGGER_NAME)}, tbl,
+                 concat_ws(' OR ', every_changed, ${literal(`NEW.last_fence IS NULL OR NEW.last_fence ${sameFence === 'allow' ? '<' : '<='} OLD.last_fence`)}),
+                 fns[1], 'after');`,
     ),
   ];
   if (guardDeletes) {
@@ -173,8 +177,9 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
       `CREATE TRIGGER ${deleteTrigger} BEFORE DELETE ON ${qualified} FOR EACH ROW EXECUTE FUNCTION ${fn}()`,
       onEveryMember(
         qualified,
-        `EXECUTE format('CREATE TRIGGER %I BEFORE DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(`${FLOOR_TRIGGER_NAME}_before`)}, member, ${literal(floorFn)});
-    EXECUTE format('CREATE TRIGGER %I AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(FLOOR_TRIGGER_NAME)}, member, ${literal(floorFn)});`,
+        `EXECUTE format('CREATE TRIGGER %I BEFORE DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(`${FLOOR_TRIGGER_NAME}_before`)}, member, fns[1]);
+    EXECUTE format('CREATE TRIGGER %I AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT EXECUTE FUNCTION %s()', ${literal(FLOOR_TRIGGER_NAME)}, member, fns[1]);`,
+        [floorFn],
       ),
     );
   }
@@ -211,16 +216,37 @@ export function dropFenceTriggerStatements(table: FenceTriggerTarget): string[] 
  * through a partition's own name removed would raise the floor row by row.
  * Foreign tables are skipped (they take no transition tables).
  */
-function onEveryMember(qualified: string, action: string): string {
-  const table = `${literal(qualified)}::regclass`;
-  return doBlock(
+function onEveryMember(qualified: string, action: string, functions: string[] = []): string {
+  return catalogBlock(
+    qualified,
+    functions,
     'member regclass;',
     `FOR member IN
-    SELECT tree.t FROM (SELECT ${table} AS t UNION SELECT relid FROM pg_partition_tree(${table})) tree
-    JOIN pg_catalog.pg_class c ON c.oid = tree.t WHERE c.relkind IN ('r', 'p')
+    SELECT tree.t FROM (SELECT tbl AS t UNION SELECT relid FROM pg_partition_tree(tbl)) tree
+    JOIN pg_class c ON c.oid = tree.t WHERE c.relkind IN ('r', 'p')
   LOOP
     ${action}
   END LOOP;`,
+  );
+}
+
+/**
+ * A `DO` block whose `body` runs with only `pg_catalog` on the search path: an installer's path (`public`
+ * first, or on it at all) would let a writer's function or operator there that matches its arguments better
+ * than the catalog's (a `format(text, name, name, name)`, an `=(oid, regclass)`) run as the installer or
+ * change what is installed. The table is bound to `tbl` and the `functions` (names, without arguments) to
+ * `fns` before, by the installer's path, as the statements outside the block resolve them.
+ */
+function catalogBlock(qualified: string, functions: string[], declare: string, body: string): string {
+  const fns = functions.map((f) => `pg_catalog.to_regprocedure(${literal(`${f}()`)})::pg_catalog.regproc`);
+  return doBlock(
+    `tbl pg_catalog.regclass := ${literal(qualified)}::pg_catalog.regclass;
+  fns pg_catalog.regproc[] := ARRAY[${fns.join(', ')}]::pg_catalog.regproc[];
+  saved pg_catalog.text := pg_catalog.current_setting('search_path');
+  ${declare}`,
+    `PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+  ${body}
+  PERFORM pg_catalog.set_config('search_path', saved, true);`,
   );
 }
 

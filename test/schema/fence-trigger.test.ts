@@ -205,6 +205,73 @@ for (const suite of suites) {
       expect(rows.map((r) => [r.id, int8(r.last_fence)])).toEqual([['k', 10n]]);
     });
 
+    it('installs the same guard whatever a writer put in public before: an `=(oid, regclass)`, a `format` of its own', async () => {
+      // Found by an attack: the install's own statements resolved through the installer's search path, where a
+      // writer's better-matching `=` emptied the key guard (none installed) and its `format` ran as the installer.
+      const name = `planted_${++tableCount}`;
+      await run(
+        test.db,
+        `create table ${name} (id text primary key, stock integer not null default 0,
+           last_fence bigint not null default 0, deleted_at timestamptz)`,
+      );
+      await withWriter(test.db, async (writer, asWriter) => {
+        await run(test.db, `grant usage, create on schema public to ${writer}`);
+        await run(test.db, `grant select, update on ${name} to ${writer}`);
+        const planted = "language plpgsql as $$ begin raise exception 'a planted function ran'; end $$";
+        await asWriter([
+          `create function public.${writer}_never(oid, regclass) returns boolean language sql immutable as 'select false'`,
+          `create operator public.= (leftarg = oid, rightarg = regclass, function = public.${writer}_never)`,
+          `create function public.format(text, name, name, name, text) returns text ${planted}`,
+          `create function public.format(text, name, name, name) returns text ${planted}`,
+          `create function public.format(text, text, text, text, text, text) returns text ${planted}`,
+          `create function public.concat_ws(text, text, text) returns text ${planted}`,
+        ]);
+        await test.db.transaction((tx) => installFenceTrigger(tx, { name }));
+        const guards = await run(
+          test.db,
+          `select tgname from pg_trigger where tgrelid::oid operator(pg_catalog.=) '${name}'::regclass::oid and not tgisinternal order by 1`,
+        );
+        expect(guards.map((r) => r.tgname)).toContain('~palisade_fence_guard_key');
+        await run(test.db, `insert into ${name} (id, last_fence) values ('k', 10)`);
+        await refusedAs(asWriter, `update public.${name} set id = 'k2', last_fence = last_fence + 1 where id = 'k'`);
+      });
+    });
+
+    it.runIf(suite.name === 'postgres')(
+      "compares a domain key by its base type's equality, not by a writer's `=` for the domain",
+      async () => {
+        // Found by an attack: OPERATOR(public.=) on a domain over citext bound the writer's =(domain, domain).
+        const extension = await run(test.db, 'create extension if not exists citext').then(
+          () => true,
+          () => false, // no contrib here: nothing to check
+        );
+        if (!extension) return;
+        const name = `mailed_${++tableCount}`;
+        await run(test.db, `create domain ${name}_email as public.citext`);
+        await run(
+          test.db,
+          `create table ${name} (id ${name}_email primary key, stock integer not null default 0,
+             last_fence bigint not null default 0, deleted_at timestamptz)`,
+        );
+        await withWriter(test.db, async (writer, asWriter) => {
+          await run(test.db, `grant usage, create on schema public to ${writer}`);
+          await run(test.db, `grant select, update on ${name} to ${writer}`);
+          await asWriter([
+            `create function public.${writer}_same(${name}_email, ${name}_email) returns boolean language sql
+               immutable as 'select true'`,
+            `create operator public.= (leftarg = ${name}_email, rightarg = ${name}_email, function = public.${writer}_same)`,
+          ]);
+          await test.db.transaction((tx) => installFenceTrigger(tx, { name }));
+          await run(test.db, `insert into ${name} (id, last_fence) values ('k@x', 10)`);
+          await refusedAs(asWriter, `update ${name} set id = 'moved@y', last_fence = 11 where id::text = 'k@x'`);
+          // A case change is no key change under citext's equality.
+          await asWriter([`update ${name} set id = 'K@X', last_fence = 12 where id::text = 'k@x'`]);
+        });
+        await run(test.db, `drop table ${name}`);
+        await run(test.db, `drop domain ${name}_email`);
+      },
+    );
+
     it('refuses to install over functions of its names that a writer made first (their owner could change them)', async () => {
       // Found by an attack: CREATE OR REPLACE by a superuser kept the writer as the functions' owner.
       await withWriter(test.db, async (writer, asWriter) => {
@@ -1140,10 +1207,12 @@ describe('fenceTriggerSql', () => {
     expect(parts[10]).toContain("'~palisade_fence_guard_key'");
     expect(parts[10]).toMatch(/AFTER UPDATE ON %s FOR EACH ROW WHEN/);
     expect(parts[10]).toContain('OPERATOR(%2$I.%3$s)');
-    expect(parts[10]).toContain('NEW.last_fence OPERATOR(pg_catalog.<=) OLD.last_fence');
+    // Built and created with only pg_catalog on the search path, once the names are resolved by the installer's.
+    expect(parts[10]).toContain(`tbl pg_catalog.regclass := '"accounts"'::pg_catalog.regclass;`);
+    expect(parts[10]).toContain("pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true)");
     // On the table and every partition of its tree.
     expect(parts[12]).toMatch(/^\s*DO \$palisade\$/);
-    expect(parts[12]).toContain(`pg_partition_tree('"accounts"'::regclass)`);
+    expect(parts[12]).toContain('pg_partition_tree(tbl)');
     expect(parts[12]).toMatch(/AFTER DELETE ON %s REFERENCING OLD TABLE AS palisade_gone FOR EACH STATEMENT/);
     expect(fenceTriggerStatements(table, { guardDeletes: false })).toHaveLength(11);
   });
