@@ -69,7 +69,7 @@ export function refusals<Row>(
     // the table's tombstone floor.
     const floor =
       method === 'upsert'
-        ? sql`(select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table(${info.regclass}))`
+        ? sql`(select f.floor from palisade.tombstone_floors f where f.fenced_table operator(pg_catalog.=) palisade.floor_table(${info.regclass}))`
         : sql`null::bigint`;
     const [read] = await execute(
       on,

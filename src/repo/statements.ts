@@ -329,7 +329,7 @@ export function upsertStatement(
     updates.push(sql`${bare(t.lastFence)} = excluded.${bare(t.lastFence)}`, sql`${bare(t.deletedAt)} = null`);
     const allowEqual = sql.raw(same === 'allow' ? 'true' : 'false');
     return sql`with prev as (select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${where}),
-floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table(${info.regclass})), 0) as fence),
+floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table operator(pg_catalog.=) palisade.floor_table(${info.regclass})), 0) as fence),
 w as (insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bare(t.deletedAt)], sql`, `)})
   select ${sql.join([...inserted, fenceParam(info), sql`null`], sql`, `)}
   where set_config('palisade.upsert', 'insert', true) is not null

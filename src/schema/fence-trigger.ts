@@ -101,13 +101,14 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
   const statements = [
     // CREATE OR REPLACE keeps a function's owner, who may then change its body: a function of that name that
     // a role owns which the installer may not act as is refused, not taken over.
-    doBlock(
-      'owner regrole;',
-      `SELECT p.proowner::regrole INTO owner FROM pg_catalog.pg_proc p
-   WHERE p.oid IN (to_regprocedure(${literal(`${fn}()`)}), to_regprocedure(${literal(`${floorFn}()`)}))
-     AND p.proowner <> (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
-     AND ((SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
-          OR NOT pg_catalog.pg_has_role(p.proowner, 'MEMBER'))
+    catalogBlock(
+      qualified,
+      [fn, floorFn],
+      'owner pg_catalog.regrole;',
+      `SELECT p.proowner::regrole INTO owner FROM pg_proc p
+   WHERE p.oid = ANY (fns::oid[])
+     AND p.proowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
+     AND ((SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user) OR NOT pg_has_role(p.proowner, 'MEMBER'))
    LIMIT 1;
   IF owner IS NOT NULL THEN
     RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege',
@@ -143,7 +144,9 @@ export function fenceTriggerStatements(table: FenceTriggerTarget, options: Fence
       -- (a writer's \`=\` for the column's own type, say a domain, would match better there).
       SELECT k.n, a.attname, a.attgenerated,
              format('(NEW.%1$I IS NULL OR NOT ((OLD.%1$I)%4$s OPERATOR(%2$I.%3$s) (NEW.%1$I)%4$s))', a.attname,
-                    ns.nspname, o.oprname, CASE WHEN ty.typtype = 'p' THEN '' ELSE '::' || format_type(ty.oid, NULL) END)
+                    ns.nspname, o.oprname,
+                    -- Without a length (-1): char and bit, named without one, would cut the value to one.
+                    CASE WHEN ty.typtype = 'p' OR ty.oid = a.atttypid THEN '' ELSE '::' || format_type(ty.oid, -1) END)
       FROM pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
       JOIN pg_opclass c ON c.oid = i.indclass[k.n - 1]

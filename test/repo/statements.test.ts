@@ -136,7 +136,7 @@ describe('upsert statement', () => {
 
   it("creates a row only above the table's tombstone floor, re-checked with a fresh snapshot after inserting", () => {
     expect(text).toContain(
-      `floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table = palisade.floor_table('"accounts"'::regclass)), 0) as fence)`,
+      `floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table operator(pg_catalog.=) palisade.floor_table('"accounts"'::regclass)), 0) as fence)`,
     );
     expect(text).toContain(
       "case when current_setting('palisade.upsert', true) = 'insert' " +

@@ -272,6 +272,64 @@ for (const suite of suites) {
       },
     );
 
+    it('guards a char(n) or bit(n) key whole, not by its first character or bit', async () => {
+      // Found by an attack on a cast to the equality's input type written without a length: char meant char(1).
+      for (const [type, from, to] of [
+        ['char(3)', "'abc'", "'axy'"],
+        ['bit(8)', "B'10101010'", "B'11111111'"],
+      ] as const) {
+        const name = `coded_${++tableCount}`;
+        await run(
+          test.db,
+          `create table ${name} (id ${type} primary key, last_fence bigint not null default 0, deleted_at timestamptz)`,
+        );
+        await installFenceTrigger(test.db, { name });
+        await run(test.db, `insert into ${name} (id, last_fence) values (${from}, 10)`);
+        await refusal(test.db, `update ${name} set id = ${to}, last_fence = 11 where id = ${from}`);
+      }
+    });
+
+    it("the ownership check's refusal runs no function a writer put in public", async () => {
+      // Found by an attack: its message's format(text, regrole) matched a writer's public.format better.
+      await withWriter(test.db, async (writer, asWriter) => {
+        const schema = `${writer}_app`;
+        await run(test.db, `create schema ${schema}`);
+        await run(test.db, `grant usage, create on schema ${schema}, public to ${writer}`);
+        await run(test.db, `create table ${schema}.accounts (${COLUMNS})`);
+        await asWriter([
+          `create function ${schema}.palisade_fence_guard() returns trigger language plpgsql as $$ begin return null; end $$`,
+          `create function public.format(text, regrole) returns text language plpgsql
+             as $$ begin raise exception 'a planted function ran'; end $$`,
+        ]);
+        const error = await test.db
+          .transaction((tx) => installFenceTrigger(tx, { schema, name: 'accounts' }))
+          .then(
+            () => undefined,
+            (e: unknown) => e,
+          );
+        expect((error as DatabaseError).sqlState).toBe('42501');
+      });
+    });
+
+    it("an upsert reads the table's floor whatever `=` a writer put in public", async () => {
+      // Found by an attack: regclass has no `=` of its own in the catalog, and a writer's public.=(regclass,
+      // regclass) hid the floor from palisade's upsert, which recreated a purged key at a stale fence.
+      const { name, table } = await freshTable(test.db);
+      const repo = fencedRepository(test.db, table);
+      await repo.upsert({ id: 1, stock: 5 }, f(10));
+      await repo.delete({ id: 1 }, f(11));
+      expect(await repo.purgeTombstones(new Date(Date.now() + 3_600_000))).toBe(1);
+      await withWriter(test.db, async (writer, asWriter) => {
+        await run(test.db, `grant usage, create on schema public to ${writer}`);
+        await asWriter([
+          `create function public.${writer}_never(regclass, regclass) returns boolean language sql immutable as 'select false'`,
+          `create operator public.= (leftarg = regclass, rightarg = regclass, function = public.${writer}_never)`,
+        ]);
+        expect(await repo.upsert({ id: 1, stock: 666 }, f(5))).toEqual({ status: 'stale', currentFence: 11n });
+      });
+      expect(await row(test.db, name, 1)).toBeUndefined();
+    });
+
     it('refuses to install over functions of its names that a writer made first (their owner could change them)', async () => {
       // Found by an attack: CREATE OR REPLACE by a superuser kept the writer as the functions' owner.
       await withWriter(test.db, async (writer, asWriter) => {
