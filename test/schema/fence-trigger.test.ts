@@ -78,13 +78,24 @@ async function withWriter(db: Database, body: (writer: string, asWriter: AsWrite
       for (const statement of statements) await run(t, statement);
     });
   await run(db, `create role ${writer}`);
-  try {
-    await body(writer, asWriter);
-  } finally {
-    await run(db, `drop schema if exists ${writer}, ${writer}_app cascade`);
-    await run(db, `drop owned by ${writer}`);
-    await run(db, `drop role ${writer}`);
+  const outcome = await body(writer, asWriter).then(
+    () => undefined,
+    (e: unknown) => ({ failed: e }),
+  );
+  // Every step, even after one failed (a failed test may leave the writer's objects half made): the role
+  // outlives the test's database otherwise. The test's own failure is the one reported.
+  let cleanup: unknown;
+  for (const statement of [
+    `drop schema if exists ${writer}, ${writer}_app cascade`,
+    `drop owned by ${writer}`,
+    `drop role ${writer}`,
+  ]) {
+    await run(db, statement).catch((e: unknown) => {
+      cleanup ??= e;
+    });
   }
+  if (outcome) throw outcome.failed;
+  if (cleanup !== undefined) throw cleanup;
 }
 
 /** `statement`, run as the writer after `before`, is refused by the fence trigger. */
