@@ -14,7 +14,7 @@ import { recordRefusal } from './joined.js';
 import type { StaleWriteEvent } from './repository-api.js';
 import { rememberContext, type WriteResult } from './result.js';
 import { FLOOR, PREV_DELETED, PREV_FENCE, type SameFence } from './statements.js';
-import { type KeyEntries, keyWhere, type TableInfo } from './table.js';
+import { floorSql, type KeyEntries, keyWhere, type TableInfo } from './table.js';
 
 /** @internal The refusal logic of one repository: its table, its fence comparison, its observer. */
 export function refusals<Row>(
@@ -67,10 +67,7 @@ export function refusals<Row>(
   async function reclassify(on: Database, method: string, key: KeyEntries, fence: Fence) {
     // One statement, one snapshot: the row and — for an upsert, which an absent row refuses by it —
     // the table's tombstone floor.
-    const floor =
-      method === 'upsert'
-        ? sql`(select f.floor from palisade.tombstone_floors f where f.fenced_table operator(pg_catalog.=) palisade.floor_table(${info.regclass}))`
-        : sql`null::bigint`;
+    const floor = method === 'upsert' ? floorSql(info) : sql`null::bigint`;
     const [read] = await execute(
       on,
       sql`select r.fence, r.deleted, ${floor} as floor from (select 1) as palisade_one left join

@@ -29,7 +29,7 @@ import type { PgColumn } from 'drizzle-orm/pg-core';
 import { type Claim, claimGuard, claimValues } from './claim-guard.js';
 import { type ExpressionTemplate, templateOf } from './expressions.js';
 import { type ClaimMode, cacheKeys, shape } from './statement-keys.js';
-import { isSql, type TableInfo } from './table.js';
+import { floorSql, isSql, type TableInfo } from './table.js';
 
 /** `reject`: a fence writes a row at most once (`<`). `allow`: `<=`, for several writes per grant. */
 export type SameFence = 'reject' | 'allow';
@@ -329,7 +329,7 @@ export function upsertStatement(
     updates.push(sql`${bare(t.lastFence)} = excluded.${bare(t.lastFence)}`, sql`${bare(t.deletedAt)} = null`);
     const allowEqual = sql.raw(same === 'allow' ? 'true' : 'false');
     return sql`with prev as (select ${t.lastFence} as fence, ${t.deletedAt} is not null as deleted from ${t} where ${where}),
-floor as (select coalesce((select f.floor from palisade.tombstone_floors f where f.fenced_table operator(pg_catalog.=) palisade.floor_table(${info.regclass})), 0) as fence),
+floor as (select coalesce(${floorSql(info)}, 0) as fence),
 w as (insert into ${t} (${sql.join([...columns.map(bare), bare(t.lastFence), bare(t.deletedAt)], sql`, `)})
   select ${sql.join([...inserted, fenceParam(info), sql`null`], sql`, `)}
   where set_config('palisade.upsert', 'insert', true) is not null

@@ -191,3 +191,10 @@ export function mapRow(info: TableInfo, raw: RawRow): Record<string, unknown> {
 export function keyWhere(info: TableInfo, key: KeyEntries): SQL {
   return and(...key.map(([name, value]) => eq(info.columns[name] as PgColumn, value))) as SQL;
 }
+/**
+ * @internal The table's tombstone floor, as a scalar subquery (null while it has none). Its `=` is named:
+ * `regclass` has none of its own in the catalog, and under the connection's search path another role's
+ * `=(regclass, regclass)` would match better and hide the floor.
+ */
+export const floorSql = (info: TableInfo): SQL =>
+  sql`(select f.floor from palisade.tombstone_floors f where f.fenced_table operator(pg_catalog.=) palisade.floor_table(${info.regclass}))`;
